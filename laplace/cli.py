@@ -1,0 +1,142 @@
+"""`laplace <command>`: the stages, generation and model facts from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from laplace.config import ConfigError, load_config, preset_model_config
+from laplace.model.lm import LaplaceLM, State, kv_cache_bytes, torch_dtype
+
+USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, RuntimeError)
+
+
+def model_facts(preset: str | None, cfg) -> dict:
+    """Parameter count and state/KV memory measured from the real modules and State tensors."""
+    model_cfg = preset_model_config(preset, vocab_size=None if preset == "laplace-3b" else cfg.tokenizer.vocab_size) \
+        if preset else cfg.model_config()
+    with torch.device("meta"):  # count real modules without allocating 3B parameters
+        model = LaplaceLM(model_cfg)
+    state = State.allocate(model_cfg, batch=1, device="meta", dtype=torch_dtype(model_cfg.dtype))
+    params = model.num_parameters()
+    embedding = model.embed.weight.numel() + (0 if model_cfg.tie_embeddings else model.lm_head.weight.numel())
+    kv = kv_cache_bytes(model_cfg, 8192, bytes_per_value=2)
+    return {
+        "preset": preset or cfg.model.preset,
+        "params": params,
+        "params_non_embedding": params - embedding,
+        "state_bytes_per_sequence": state.bytes_per_sequence,
+        "state_recurrent_bytes": state.recurrent.numel() * state.recurrent.element_size(),
+        "state_conv_bytes": 0 if state.conv is None else state.conv.numel() * state.conv.element_size(),
+        "kv_cache_bytes_8192": kv,
+        "state_vs_kv_8192": kv / state.bytes_per_sequence,
+        "config": model_cfg.to_dict(),
+    }
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a param, e.g. --set train.lr=0.01 (repeatable)")
+    p.add_argument("--root", default=".", help="project root holding data/, runs/, artifacts/, metrics/")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="laplace", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="parameter count, state bytes and KV-cache comparison of a preset")
+    _add_config_args(p)
+    p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    for name, help_ in [("tokenize", "tokenize the corpus into packed shards"),
+                        ("train", "train (resumes from the last checkpoint)"),
+                        ("export", "export the final checkpoint"),
+                        ("run", "the main job: tokenize, train, export, print a sample")]:
+        p = sub.add_parser(name, help=help_)
+        _add_config_args(p)
+        if name in ("train", "run"):
+            p.add_argument("--no-resume", action="store_true", help="start from step 0 even if checkpoints exist")
+
+    p = sub.add_parser("generate", help="generate text from an exported model")
+    _add_config_args(p)
+    p.add_argument("--model", default=None, help="export directory (default: artifacts/export)")
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    return parser
+
+
+def _print_info(facts: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(facts, indent=2))
+        return
+    c = facts["config"]
+    print(f"preset {facts['preset']}: {c['n_layers']} layers, hidden {c['d_model']}, {c['n_heads']} heads, "
+          f"vocab {c['vocab_size']}")
+    print(f"  parameters              {facts['params']:,} ({facts['params'] / 1e9:.3f} B)")
+    print(f"  state per sequence      {facts['state_bytes_per_sequence']:,} bytes "
+          f"({facts['state_bytes_per_sequence'] / 1e6:.2f} MB)")
+    print(f"  KV cache at 8,192 (bf16) {facts['kv_cache_bytes_8192']:,} bytes "
+          f"({facts['kv_cache_bytes_8192'] / 1e9:.2f} GB)")
+    print(f"  KV / state              {facts['state_vs_kv_8192']:.1f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return _run(args)
+    except USER_ERRORS as exc:
+        print(f"laplace {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    cfg = load_config(args.params, args.overrides)
+    if args.command == "info":
+        _print_info(model_facts(args.preset, cfg), args.json)
+        return 0
+    from laplace import stages  # imports datasets/tokenizers: only for commands that need them
+
+    paths = stages.Paths.at(args.root)
+    if args.command == "tokenize":
+        print(json.dumps(stages.tokenize(cfg, paths), indent=2))
+    elif args.command == "train":
+        print(json.dumps(stages.train_stage(cfg, paths, resume=not args.no_resume), indent=2))
+    elif args.command == "export":
+        print(json.dumps(stages.export(cfg, paths), indent=2))
+    elif args.command == "generate":
+        g = cfg.generate
+        result = stages.generate_text(
+            Path(args.model) if args.model else paths.export_dir,
+            args.prompt if args.prompt is not None else g.prompt,
+            args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens,
+            args.temperature if args.temperature is not None else g.temperature,
+            args.top_p if args.top_p is not None else g.top_p,
+            args.seed if args.seed is not None else g.seed,
+        )
+        print(result["prompt"] + result["completion"])
+    elif args.command == "run":
+        tok = stages.tokenize(cfg, paths)
+        tr = stages.train_stage(cfg, paths, resume=not args.no_resume)
+        ex = stages.export(cfg, paths)
+        sample = stages.sample_text(cfg, paths)
+        print("\n=== Laplace main job ===")
+        print(f"corpus      {tok['documents']} documents, {tok['tokens_train']:,} train tokens")
+        print(f"training    {tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f}")
+        print(f"model       {paths.export_dir} ({ex['parameters']:,} parameters)")
+        print(f"sample      {sample['prompt']}{sample['completion']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,449 @@
+"""Typed, validated configuration: params.yaml is the one place for every knob.
+
+`load_config()` reads params.yaml, applies `section.key=value` overrides and
+builds frozen dataclasses. Any unknown key, wrong type or impossible value
+raises `ConfigError` with a one-line message naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the offending key."""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _positive(v):
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v):
+    return None if v >= 0 else "must be >= 0"
+
+
+def _fraction(v):
+    return None if 0.0 <= v < 1.0 else "must be in [0, 1)"
+
+
+def _unit_interval(v):
+    return None if 0.0 < v <= 1.0 else "must be in (0, 1]"
+
+
+def _power_of_two(v):
+    return None if v > 0 and (v & (v - 1)) == 0 else "must be a power of two"
+
+
+def knob(default, check=None, doc: str = ""):
+    """A config field with a default, an optional value check and a docstring."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "doc": doc})
+    return field(default=default, metadata={"check": check, "doc": doc})
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a GLA language model (fla conventions)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    expand_k: float = 0.5
+    expand_v: float = 1.0
+    mlp_hidden: int = 0  # 0: fla's rule, 4 * d * 2/3 rounded up to a multiple of 256
+    gate_low_rank_dim: int = 16
+    gate_logit_normalizer: float = 16.0
+    gate_bias_init: float = 0.0  # > 0 starts the forget gates near 1 (long memory)
+    use_short_conv: bool = True
+    conv_size: int = 4
+    norm_eps: float = 1e-6
+    chunk_size: int = 64
+    sub_chunk_size: int = 16
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "float32"  # dtype the model is served in (parameters, activations, conv cache)
+
+    @property
+    def key_dim(self) -> int:
+        return int(self.d_model * self.expand_k)
+
+    @property
+    def value_dim(self) -> int:
+        return int(self.d_model * self.expand_v)
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.key_dim // self.n_heads
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.value_dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        raw = int(self.d_model * 4 * 2 / 3)
+        return 256 * math.ceil(raw / 256)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~5.5M parameters with a 4k vocabulary: trains in minutes on 2 CPU cores.
+    "tiny": dict(vocab_size=0, d_model=256, n_layers=4, n_heads=4, chunk_size=64),
+    # ~110M parameters with a 16k vocabulary (GPT-2 small shape): benchmarks.
+    "small": dict(vocab_size=0, d_model=768, n_layers=12, n_heads=6, chunk_size=64),
+    # Laplace 3B: 24 layers, hidden 3072; see README "Reproducing the 3B figures".
+    "laplace-3b": dict(
+        vocab_size=50304, d_model=3072, n_layers=24, n_heads=16, chunk_size=128, dtype="bfloat16"
+    ),
+}
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
+    def bad(key: str, why: str):
+        raise ConfigError(f"{prefix}.{key}: {why}")
+
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "gate_low_rank_dim", "chunk_size",
+                "sub_chunk_size", "conv_size"):
+        if getattr(m, key) <= 0:
+            bad(key, f"must be > 0, got {getattr(m, key)}")
+    for key in ("expand_k", "expand_v", "gate_logit_normalizer", "norm_eps", "init_std"):
+        if not getattr(m, key) > 0:
+            bad(key, f"must be > 0, got {getattr(m, key)}")
+    if m.mlp_hidden < 0:
+        bad("mlp_hidden", f"must be >= 0 (0 = automatic), got {m.mlp_hidden}")
+    if m.key_dim % m.n_heads or m.key_dim == 0:
+        bad("n_heads", f"key dim d_model*expand_k={m.key_dim} is not divisible by n_heads={m.n_heads}")
+    if m.value_dim % m.n_heads or m.value_dim == 0:
+        bad("n_heads", f"value dim d_model*expand_v={m.value_dim} is not divisible by n_heads={m.n_heads}")
+    if m.chunk_size % m.sub_chunk_size:
+        bad("sub_chunk_size", f"{m.sub_chunk_size} does not divide chunk_size={m.chunk_size}")
+    if m.conv_size < 2 and m.use_short_conv:
+        bad("conv_size", "must be >= 2 when use_short_conv is true")
+    if m.dtype not in MODEL_DTYPES:
+        bad("dtype", f"must be one of {', '.join(MODEL_DTYPES)}, got {m.dtype!r}")
+    return m
+
+
+def preset_model_config(name: str, **overrides) -> ModelConfig:
+    """The named preset, with optional field overrides, validated."""
+    if name not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    values = dict(PRESETS[name])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return validate_model_config(ModelConfig(**values))
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """`model:` in params.yaml: a preset plus optional per-field overrides (null = the preset's value)."""
+
+    preset: str = knob("tiny", doc="tiny | small | laplace-3b")
+    vocab_size: int | None = knob(None, doc="null: the preset's, or the tokenizer's vocab size")
+    d_model: int | None = knob(None)
+    n_layers: int | None = knob(None)
+    n_heads: int | None = knob(None)
+    expand_k: float | None = knob(None)
+    expand_v: float | None = knob(None)
+    mlp_hidden: int | None = knob(None)
+    gate_low_rank_dim: int | None = knob(None)
+    gate_logit_normalizer: float | None = knob(None)
+    gate_bias_init: float | None = knob(None)
+    use_short_conv: bool | None = knob(None)
+    conv_size: int | None = knob(None)
+    chunk_size: int | None = knob(None)
+    sub_chunk_size: int | None = knob(None)
+    tie_embeddings: bool | None = knob(None)
+    init_std: float | None = knob(None)
+    dtype: str | None = knob(None)
+
+
+@dataclass(frozen=True)
+class DataSection:
+    source: Literal["python-docs", "hub", "files"] = knob(
+        "python-docs", doc="python-docs: offline default; hub: a Hugging Face dataset; files: local files"
+    )
+    hub_path: str = knob("HuggingFaceFW/fineweb-edu")
+    hub_name: str = knob("sample-10BT")
+    hub_split: str = knob("train")
+    hub_streaming: bool = knob(True)
+    text_field: str = knob("text")
+    files: list[str] = knob([], doc="local .txt / .jsonl / .json / .parquet files or globs")
+    max_documents: int = knob(0, _non_negative, "0 = no cap")
+    max_tokens: int = knob(0, _non_negative, "0 = no cap")
+    min_chars: int = knob(64, _positive, "shorter documents are skipped (and counted)")
+    val_fraction: float = knob(0.05, _fraction)
+    num_proc: int = knob(2, _positive)
+
+
+@dataclass(frozen=True)
+class TokenizerSection:
+    vocab_size: int = knob(4096, lambda v: None if v >= 260 else "must be >= 260 (256 bytes + specials)")
+    min_frequency: int = knob(2, _positive)
+    path: str = knob("", doc="an existing tokenizer.json to use instead of training one")
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = knob(300, _positive)
+    batch_size: int = knob(8, _positive, "sequences per step (global, across ranks)")
+    seq_len: int = knob(256, _positive)
+    lr: float = knob(3e-3, _positive, "AdamW learning rate (embeddings, head, norms, biases)")
+    schedule: Literal["cosine", "wsd", "constant"] = knob("cosine")
+    warmup_steps: int = knob(20, _non_negative)
+    min_lr_ratio: float = knob(0.1, lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
+    decay_fraction: float = knob(0.2, _unit_interval, "wsd: share of steps spent decaying")
+    grad_clip: float = knob(1.0, _non_negative, "0 disables clipping")
+    precision: Literal["fp32", "bf16"] = knob("fp32", doc="bf16 = bf16 autocast, fp32 master weights")
+    compile: bool = knob(False)
+    device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto")
+    eval_every: int = knob(50, _positive)
+    eval_batches: int = knob(8, _positive)
+    checkpoint_every: int = knob(100, _positive)
+    keep_checkpoints: int = knob(2, _positive)
+    log_every: int = knob(10, _positive)
+    nproc_per_node: int = knob(1, _positive)
+
+
+@dataclass(frozen=True)
+class AdamWSection:
+    betas: list[float] = knob([0.9, 0.95])
+    eps: float = knob(1e-8, _positive)
+    weight_decay: float = knob(0.1, _non_negative, "applied to embeddings and head; never to norms/biases")
+
+
+@dataclass(frozen=True)
+class MuonSection:
+    lr: float = knob(0.02, _positive)
+    momentum: float = knob(0.95, _fraction)
+    nesterov: bool = knob(True)
+    ns_steps: int = knob(5, lambda v: None if 0 < v < 100 else "must be in [1, 99]")
+    ns_coefficients: list[float] = knob([3.4445, -4.775, 2.0315])
+    eps: float = knob(1e-7, _positive)
+    weight_decay: float = knob(0.0, _non_negative)
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = knob("original")
+
+
+@dataclass(frozen=True)
+class GenerateSection:
+    prompt: str = knob("The function")
+    max_new_tokens: int = knob(48, _positive)
+    temperature: float = knob(0.8, _non_negative, "0 = greedy")
+    top_p: float = knob(0.95, _unit_interval)
+    seed: int = knob(0)
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int = knob(1234)
+    data: DataSection = field(default_factory=DataSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    adamw: AdamWSection = field(default_factory=AdamWSection)
+    muon: MuonSection = field(default_factory=MuonSection)
+    generate: GenerateSection = field(default_factory=GenerateSection)
+
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The resolved architecture: preset, then params overrides, then the tokenizer's vocab size."""
+        overrides = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(ModelSection)}
+        preset = overrides.pop("preset")
+        if overrides["vocab_size"] is None and not PRESETS.get(preset, {}).get("vocab_size"):
+            overrides["vocab_size"] = vocab_size or self.tokenizer.vocab_size
+        return preset_model_config(preset, **overrides)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Every effective knob as `section.key: value` (for tracking)."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix, value):
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.to_dict())
+        return out
+
+    def digest(self) -> str:
+        """A stable hash of every effective knob."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value, tp, key: str):
+    """Check `value` against the annotation `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        names = " or ".join(_type_name(a) for a in args if a is not type(None))
+        raise ConfigError(f"{key}: expected {names}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be finite, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+def _build(cls, raw: Any, prefix: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'params'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{where}'{hint}")
+    values = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            values[name] = _build(tp, raw.get(name), key)
+            continue
+        if name not in raw:
+            continue
+        value = _coerce(raw[name], tp, key)
+        check = f.metadata.get("check")
+        if check is not None and value is not None:
+            why = check(value)
+            if why:
+                raise ConfigError(f"{key}: {why}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=0.01` -> (['train', 'lr'], 0.01); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.lr=0.01")
+    key, _, value = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
+    """Set `section.key` values in a raw params mapping (unknown keys are caught by the builder)."""
+    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
+    for path, value in items:
+        if isinstance(path, str):
+            path = path.split(".")
+        node = raw
+        for part in path[:-1]:
+            if not isinstance(node.get(part, {}), dict):
+                raise ConfigError(f"override {'.'.join(path)}: '{part}' is not a section")
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return raw
+
+
+def config_from_dict(raw: dict) -> Config:
+    cfg = _build(Config, raw, "")
+    cfg.model_config()  # validates preset and architecture overrides now, not at first use
+    return cfg
+
+
+def read_params(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such params file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    return raw or {}
+
+
+def load_config(path: str | Path = "params.yaml", overrides: list[str] | dict | None = None) -> Config:
+    """params.yaml + overrides -> validated Config. Raises ConfigError naming the bad key."""
+    raw = read_params(path)
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+    return config_from_dict(raw)
+
+
+def default_params() -> dict:
+    """The defaults in code, as a params.yaml mapping (tests compare it with the file)."""
+    return Config().to_dict()

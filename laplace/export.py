@@ -1,0 +1,91 @@
+"""The exported model: model.safetensors + config.json + tokenizer.json, byte-reproducible.
+
+The same checkpoint always exports to the same bytes (no timestamps, sorted keys),
+so a pipeline re-run that changes nothing upstream does not invalidate downstream
+stages. Loading never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from laplace.checkpoint import Checkpoint
+from laplace.config import ModelConfig, validate_model_config
+from laplace.data import load_tokenizer, tokenizer_sha256
+from laplace.fileio import atomic_write_json, replace_dir, sha256_file, staging_dir
+from laplace.model.lm import LaplaceLM, torch_dtype
+
+FORMAT = 1
+
+
+class ExportError(ValueError):
+    pass
+
+
+def export_model(checkpoint: Checkpoint, tokenizer_path: Path, out_dir: Path) -> dict:
+    """Write the export directory from a training checkpoint. Returns a summary dict."""
+    model_cfg = validate_model_config(ModelConfig(**checkpoint.trainer["model_config"]))
+    tokenizer = load_tokenizer(tokenizer_path)
+    vocab = tokenizer.get_vocab_size()
+    if vocab > model_cfg.vocab_size:
+        raise ExportError(f"tokenizer {tokenizer_path} has {vocab} tokens but the model only {model_cfg.vocab_size}")
+    tensors = {k: v.contiguous() for k, v in sorted(checkpoint.model.items())}
+    if model_cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    tmp = staging_dir(out_dir)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "laplace", "step": str(checkpoint.step)})
+        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        config = {
+            "format": FORMAT,
+            "model": model_cfg.to_dict(),
+            "step": checkpoint.step,
+            "tokenizer_sha256": tokenizer_sha256(tokenizer),
+            "eos_id": tokenizer.token_to_id("<|endoftext|>"),
+            "parameters": sum(t.numel() for t in tensors.values()),
+            "model_sha256": sha256_file(tmp / "model.safetensors"),
+        }
+        atomic_write_json(tmp / "config.json", config)
+        replace_dir(tmp, Path(out_dir))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"export_dir": str(out_dir), "step": checkpoint.step, "parameters": config["parameters"],
+            "model_bytes": (Path(out_dir) / "model.safetensors").stat().st_size}
+
+
+def read_export_config(export_dir: Path) -> dict:
+    path = Path(export_dir) / "config.json"
+    if not path.exists():
+        raise ExportError(f"{path}: not an exported model (config.json missing)")
+    return json.loads(path.read_text())
+
+
+def load_export(export_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
+    """(model in eval mode, tokenizer, config dict) from an export directory; checks they belong together."""
+    export_dir = Path(export_dir)
+    config = read_export_config(export_dir)
+    model_cfg = validate_model_config(ModelConfig(**config["model"]))
+    tokenizer = load_tokenizer(export_dir / "tokenizer.json")
+    if tokenizer_sha256(tokenizer) != config["tokenizer_sha256"]:
+        raise ExportError(f"{export_dir / 'tokenizer.json'} is not the tokenizer this model was trained with")
+    if tokenizer.get_vocab_size() > model_cfg.vocab_size:
+        raise ExportError(
+            f"tokenizer vocab {tokenizer.get_vocab_size()} does not fit the model vocab {model_cfg.vocab_size}"
+        )
+    weights = export_dir / "model.safetensors"
+    if sha256_file(weights) != config["model_sha256"]:
+        raise ExportError(f"{weights} fails its sha256 checksum")
+    with torch.device("meta"):
+        model = LaplaceLM(model_cfg)
+    tensors = load_file(str(weights))
+    model.load_state_dict(tensors, strict=not model_cfg.tie_embeddings, assign=True)
+    if model_cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model = model.to(device=device, dtype=dtype or torch_dtype(model_cfg.dtype)).eval()
+    return model, tokenizer, config

@@ -1,0 +1,65 @@
+"""params.yaml is the one place for every knob; bad values fail with one line naming the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from laplace.cli import main
+from laplace.config import ConfigError, default_params, load_config, parse_override
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_params_yaml_mirrors_the_defaults_in_code():
+    assert yaml.safe_load((ROOT / "params.yaml").read_text()) == default_params()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lrr=0.1", "unknown key 'train.lrr' (did you mean 'lr'?)"),
+    ("trian.lr=0.1", "unknown key 'trian' (did you mean 'train'?)"),
+    ("train.lr=fast", "train.lr: expected a number, got str 'fast'"),
+    ("train.steps=0", "train.steps: must be > 0, got 0"),
+    ("train.batch_size=-4", "train.batch_size: must be > 0, got -4"),
+    ("train.steps=2.5", "train.steps: expected an integer, got float 2.5"),
+    ("train.compile=maybe", "train.compile: expected true or false, got 'maybe'"),
+    ("train.schedule=linear", "train.schedule: must be one of cosine, wsd, constant, got 'linear'"),
+    ("model.preset=huge", "model.preset: unknown preset 'huge'"),
+    ("model.n_heads=3", "model.n_heads: key dim d_model*expand_k=128 is not divisible by n_heads=3"),
+    ("model.sub_chunk_size=48", "model.sub_chunk_size: 48 does not divide chunk_size=64"),
+    ("data.val_fraction=1.5", "data.val_fraction: must be in [0, 1), got 1.5"),
+    ("tokenizer.vocab_size=100", "tokenizer.vocab_size: must be >= 260"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "params.yaml", [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_overrides_apply_and_resolve_the_model():
+    cfg = load_config(ROOT / "params.yaml", ["train.lr=0.01", "model.preset=small", "model.n_layers=2"])
+    assert cfg.train.lr == 0.01
+    m = cfg.model_config()
+    assert (m.d_model, m.n_layers, m.vocab_size) == (768, 2, cfg.tokenizer.vocab_size)
+    assert parse_override("generate.prompt=hello world") == (["generate", "prompt"], "hello world")
+
+
+def test_digest_changes_with_any_knob():
+    a = load_config(ROOT / "params.yaml")
+    b = load_config(ROOT / "params.yaml", ["muon.momentum=0.9"])
+    assert a.digest() != b.digest() and a.digest() == load_config(ROOT / "params.yaml").digest()
+
+
+def test_cli_reports_one_line_and_exit_code_2(capsys):
+    assert main(["info", "--params", str(ROOT / "params.yaml"), "--set", "train.lrr=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "laplace info: error: unknown key 'train.lrr' (did you mean 'lr'?)"
+
+
+def test_broken_yaml_is_one_line(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("train:\n  lr: [1,\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert "is not valid YAML" in str(err.value) and "\n" not in str(err.value)

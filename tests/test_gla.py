@@ -1,0 +1,135 @@
+"""The three GLA forms agree: chunked vs naive (fp64 reference) vs recurrent."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rel_rms
+from laplace.model.gla import chunk_gla, gla_step, naive_gla
+
+B, H, K, V = 2, 3, 16, 24
+
+
+def inputs(T, decay="normal", dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    if decay == "normal":  # the model's gate: logsigmoid / 16
+        g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen)) / 16
+    else:  # strong: -0.75 .. -3 per token, cumulative far below -88 inside a chunk of 128
+        g = -0.75 - 2.25 * torch.rand(B, T, H, K, generator=gen)
+    return [x.to(dtype) for x in (q, k, v, g)]
+
+
+def reference(q, k, v, g, initial_state=None):
+    init = None if initial_state is None else initial_state.double()
+    return naive_gla(q.double(), k.double(), v.double(), g.double(), initial_state=init)
+
+
+def run_recurrent(q, k, v, g, state=None):
+    S = torch.zeros(B, H, K, V) if state is None else state.clone()
+    outs = []
+    for t in range(q.shape[1]):
+        o, S = gla_step(q[:, t], k[:, t], v[:, t], g[:, t], S)
+        outs.append(o)
+    return torch.stack(outs, 1), S
+
+
+@pytest.mark.parametrize("T", [1, 37, 64, 100, 256])
+@pytest.mark.parametrize("chunk,sub", [(16, 16), (64, 16), (128, 32)])
+def test_chunked_and_recurrent_match_naive_fp32(T, chunk, sub):
+    q, k, v, g = inputs(T)
+    o_ref, S_ref = reference(q, k, v, g)
+    o, S = chunk_gla(q, k, v, g, chunk_size=chunk, sub_chunk_size=sub)
+    assert o.dtype == torch.float32 and S.dtype == torch.float32
+    assert rel_rms(o, o_ref) <= 1e-5
+    assert rel_rms(S, S_ref) <= 1e-5
+    o_r, S_r = run_recurrent(q, k, v, g)
+    assert rel_rms(o_r, o_ref) <= 1e-5
+    assert rel_rms(S_r, S_ref) <= 1e-5
+
+
+def test_strong_decay_at_chunk_128_is_exact_and_finite():
+    T = 256
+    q, k, v, g = inputs(T, decay="strong")
+    in_chunk = g[:, :128].sum(1)  # cumulative log-decay over one chunk of 128, per channel
+    assert in_chunk.max() < -88 * 1.05, "the case must be past fp32 exp overflow"
+    # the textbook factorisation overflows here: exp(-cumsum) is inf in fp32
+    assert torch.isinf(torch.exp(-g[:, :128].cumsum(1))).any()
+    o_ref, S_ref = reference(q, k, v, g)
+    o, S = chunk_gla(q, k, v, g, chunk_size=128, sub_chunk_size=16)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_rms(o, o_ref) <= 1e-5
+    assert rel_rms(S, S_ref) <= 1e-5
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    q, k, v, g = inputs(100, dtype=torch.bfloat16)
+    o_ref, S_ref = reference(q, k, v, g)
+    o, S = chunk_gla(q, k, v, g, chunk_size=64)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    assert rel_rms(o, o_ref) <= 1e-2
+    assert rel_rms(S, S_ref) <= 1e-2
+    o_r, S_r = run_recurrent(q, k, v, g)
+    assert rel_rms(o_r, o_ref) <= 1e-2 and rel_rms(S_r, S_ref) <= 1e-2
+
+
+def test_under_bf16_autocast_the_recurrence_stays_fp32():
+    q, k, v, g = inputs(100)
+    o_ref, S_ref = reference(q, k, v, g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, S = chunk_gla(q, k, v, g, chunk_size=64)
+    assert S.dtype == torch.float32
+    # were the matmuls down-cast to bf16 the error would be ~1e-3; fp32 keeps it at ~1e-7
+    assert rel_rms(o, o_ref) <= 1e-5
+
+
+def test_gradients_chunked_vs_naive_fp32():
+    T = 77
+    base = inputs(T)
+    leaves_c = [x.clone().requires_grad_() for x in base]
+    leaves_n = [x.double().clone().requires_grad_() for x in base]
+    w = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(5))
+    o_c, S_c = chunk_gla(*leaves_c, chunk_size=32, sub_chunk_size=8)
+    ((o_c * w).sum() + S_c.pow(2).sum() * 0.1).backward()
+    o_n, S_n = naive_gla(*leaves_n)
+    ((o_n * w.double()).sum() + S_n.pow(2).sum() * 0.1).backward()
+    for name, a, b in zip("qkvg", leaves_c, leaves_n):
+        assert rel_rms(a.grad, b.grad) <= 1e-4, name
+
+
+def test_initial_state_continues_the_sequence():
+    q, k, v, g = inputs(150)
+    o_ref, S_ref = reference(q, k, v, g)
+    o1, S1 = chunk_gla(q[:, :70], k[:, :70], v[:, :70], g[:, :70], chunk_size=32)
+    o2, S2 = chunk_gla(q[:, 70:], k[:, 70:], v[:, 70:], g[:, 70:], initial_state=S1, chunk_size=32)
+    assert rel_rms(torch.cat([o1, o2], 1), o_ref) <= 1e-5
+    assert rel_rms(S2, S_ref) <= 1e-5
+
+
+def test_padded_positions_are_exact_no_ops_even_with_nan():
+    T = 90
+    q, k, v, g = inputs(T)
+    lengths = torch.tensor([90, 41])
+    qn, kn, vn, gn = (x.clone() for x in (q, k, v, g))
+    for x in (qn, kn, vn, gn):
+        x[1, 41:] = float("nan")  # garbage after the real tokens of row 1
+    o, S = chunk_gla(qn, kn, vn, gn, lengths=lengths, chunk_size=32)
+    _, S_row1 = reference(q[1:, :41], k[1:, :41], v[1:, :41], g[1:, :41])
+    o_row1, _ = chunk_gla(q[1:, :41], k[1:, :41], v[1:, :41], g[1:, :41], chunk_size=32)
+    assert torch.isfinite(S).all()
+    assert rel_rms(S[1:], S_row1) <= 1e-5
+    assert torch.equal(o[1:, :41], o_row1)  # real positions are untouched, bit for bit
+    _, S_row0 = reference(q[:1], k[:1], v[:1], g[:1])
+    assert rel_rms(S[:1], S_row0) <= 1e-5
+
+
+def test_chunked_form_compiles_to_one_static_graph():
+    q, k, v, g = inputs(64)
+    compiled = torch.compile(
+        lambda q, k, v, g: chunk_gla(q, k, v, g, chunk_size=32, sub_chunk_size=16), fullgraph=True, dynamic=False
+    )
+    o_c, S_c = compiled(q, k, v, g)
+    o_ref, S_ref = reference(q, k, v, g)
+    assert rel_rms(o_c, o_ref) <= 1e-5 and rel_rms(S_c, S_ref) <= 1e-5
