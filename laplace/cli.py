@@ -131,7 +131,7 @@ def _run(args) -> int:
         ex = stages.export(cfg, paths)
         sample = stages.sample_text(cfg, paths)
         print("\n=== Laplace main job ===")
-        print(f"corpus      {tok['documents']} documents, {tok['tokens_train']:,} train tokens")
+        print(f"corpus      {tok['documents_train'] + tok['documents_val']} documents, {tok['tokens_train']:,} train tokens")
         print(f"training    {tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f}")
         print(f"model       {paths.export_dir} ({ex['parameters']:,} parameters)")
         print(f"sample      {sample['prompt']}{sample['completion']}")

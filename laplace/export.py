@@ -39,7 +39,8 @@ def export_model(checkpoint: Checkpoint, tokenizer_path: Path, out_dir: Path) ->
         tensors.pop("lm_head.weight", None)
     tmp = staging_dir(out_dir)
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "laplace", "step": str(checkpoint.step)})
+        # one metadata key only: safetensors writes a multi-key metadata map in random order
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "laplace"})
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
         config = {
             "format": FORMAT,

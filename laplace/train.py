@@ -90,12 +90,14 @@ def train(
     resume: bool = True,
     stop_at_step: int | None = None,
     on_log: Callable[[dict], None] | None = None,
+    before_step: Callable[[int, torch.nn.Module], None] | None = None,
     progress: bool = True,
 ) -> TrainResult:
     """Train cfg.model on the tokenized data in `data_dir`, checkpointing into `run_dir`.
 
     `stop_at_step` ends the run early after that step's checkpoint (used to test resume).
     `on_log` receives each logged row (step, loss, lr, tokens_per_s, val_loss when evaluated).
+    `before_step(step, model)` runs before each step (profiling, fault injection in tests).
     """
     t = cfg.train
     device = resolve_device(t.device)
@@ -147,6 +149,8 @@ def train(
     run_start, run_tokens = time.perf_counter(), 0
     model.train()
     for step in bar:
+        if before_step is not None:
+            before_step(step, model)
         scale = lr_scale(step, t)
         optimizer.set_lr_scale(scale)
         x, y = sample_batch(train_tokens, step, t.batch_size, t.seq_len, cfg.seed)

@@ -1,0 +1,148 @@
+"""Training: exact resume, learning, divergence, checkpoints, export and generation."""
+
+import dataclasses
+import logging
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from laplace import checkpoint as ckpt
+from laplace.config import Config, TrainSection, config_from_dict
+from laplace.data import DataSection, TokenizerSection, tokenize_corpus
+from laplace.export import ExportError, export_model, load_export
+from laplace.generation import generate_ids, sample_next
+from laplace.train import TrainingDiverged, lr_scale, train
+
+
+def small_config(**train_over) -> Config:
+    train = dict(steps=12, batch_size=4, seq_len=32, log_every=1, eval_every=4, eval_batches=2,
+                 checkpoint_every=5, warmup_steps=2, keep_checkpoints=5)
+    train.update(train_over)
+    return config_from_dict({
+        "data": {"max_documents": 300, "num_proc": 1},
+        "tokenizer": {"vocab_size": 400},
+        "model": {"preset": "tiny", "d_model": 64, "n_layers": 2, "n_heads": 2, "chunk_size": 16,
+                  "sub_chunk_size": 8},
+        "train": train,
+    })
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    cfg = small_config()
+    out = tmp_path_factory.mktemp("tokenized")
+    tokenize_corpus(cfg.data, cfg.tokenizer, out, cfg.seed)
+    return out
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path):
+    cfg = small_config()
+    full = train(cfg, data_dir, tmp_path / "full", progress=False)
+    first = train(cfg, data_dir, tmp_path / "split", stop_at_step=7, progress=False)
+    assert first.metrics["steps"] == 7
+    second = train(cfg, data_dir, tmp_path / "split", progress=False)
+    assert second.metrics["resumed_from_step"] == 7
+
+    losses_full = [(h["step"], h["loss"]) for h in full.history if "loss" in h]
+    losses_split = [(h["step"], h["loss"]) for h in second.history if "loss" in h]
+    assert len(losses_full) == 12
+    assert losses_split == losses_full  # float equality: bit for bit
+    a = load_file(str(full.checkpoint / "model.safetensors"))
+    b = load_file(str(second.checkpoint / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_reduces_validation_loss(data_dir, tmp_path):
+    cfg = small_config(steps=40, eval_every=40, checkpoint_every=40)
+    result = train(cfg, data_dir, tmp_path, progress=False)
+    assert result.metrics["val_loss_initial"] == pytest.approx(math.log(400), rel=0.05)
+    assert result.metrics["val_loss"] < 0.8 * result.metrics["val_loss_initial"]
+    assert result.metrics["tokens_per_s"] > 0
+
+
+def test_changed_config_does_not_resume_a_foreign_checkpoint(data_dir, tmp_path):
+    train(small_config(steps=5), data_dir, tmp_path, progress=False)
+    cfg = small_config(steps=5)
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=32))
+    with pytest.raises(ValueError, match="different model configuration"):
+        train(other, data_dir, tmp_path, progress=False)
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
+    cfg = small_config(steps=30, checkpoint_every=2)
+
+    def poison(step, model):
+        if step == 5:  # 0-based: the 6th step sees a NaN weight
+            with torch.no_grad():
+                model.blocks[0].mlp.up_proj.weight[0, 0] = float("nan")
+
+    with pytest.raises(TrainingDiverged, match="loss is nan at step 6") as err:
+        train(cfg, data_dir, tmp_path, before_step=poison, progress=False)
+    assert "\n" not in str(err.value)
+    good = ckpt.latest_checkpoint(tmp_path / "checkpoints")
+    assert good.step == 4
+    assert all(torch.isfinite(t).all() for t in good.model.values())
+
+
+def test_damaged_checkpoint_is_skipped_with_a_warning(data_dir, tmp_path, caplog):
+    train(small_config(steps=10, checkpoint_every=5), data_dir, tmp_path, progress=False)
+    root = tmp_path / "checkpoints"
+    newest = ckpt.list_checkpoints(root)[0][1]
+    weights = newest / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        found = ckpt.latest_checkpoint(root)
+    assert found.step == 5
+    assert str(weights) in caplog.text and "sha256" in caplog.text
+
+
+def test_lr_schedules():
+    t = TrainSection(steps=100, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
+    assert lr_scale(0, t) == pytest.approx(0.1) and lr_scale(9, t) == pytest.approx(1.0)
+    assert lr_scale(99, t) == pytest.approx(0.1, abs=0.01)
+    w = dataclasses.replace(t, schedule="wsd", decay_fraction=0.2)
+    assert lr_scale(50, w) == 1.0 and lr_scale(79, w) == 1.0
+    assert lr_scale(99, w) == pytest.approx(0.1)
+    assert lr_scale(50, dataclasses.replace(t, schedule="constant")) == 1.0
+
+
+def test_export_is_byte_reproducible_and_generates(data_dir, tmp_path):
+    cfg = small_config(steps=6)
+    result = train(cfg, data_dir, tmp_path / "run", progress=False)
+    found = ckpt.load_checkpoint(result.checkpoint)
+    export_model(found, data_dir / "tokenizer.json", tmp_path / "a")
+    export_model(found, data_dir / "tokenizer.json", tmp_path / "b")
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    model, tok, config = load_export(tmp_path / "a")
+    prompt = tok.encode("The function returns").ids
+    ids = generate_ids(model, prompt, 10, temperature=0.0)
+    # greedy generation equals argmax of the full forward over the growing sequence
+    seq = list(prompt)
+    for _ in range(10):
+        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert ids == seq[len(prompt):]
+    sampled = generate_ids(model, prompt, 10, temperature=1.0, top_p=0.9, seed=3)
+    assert sampled == generate_ids(model, prompt, 10, temperature=1.0, top_p=0.9, seed=3)
+
+
+def test_export_rejects_a_mismatched_tokenizer(data_dir, tmp_path):
+    result = train(small_config(steps=3), data_dir, tmp_path / "run", progress=False)
+    export_model(ckpt.load_checkpoint(result.checkpoint), data_dir / "tokenizer.json", tmp_path / "exp")
+    other = tmp_path / "other_tok"
+    tokenize_corpus(DataSection(max_documents=100, num_proc=1), TokenizerSection(vocab_size=300), other, 1)
+    (tmp_path / "exp" / "tokenizer.json").write_bytes((other / "tokenizer.json").read_bytes())
+    with pytest.raises(ExportError, match="not the tokenizer this model was trained with"):
+        load_export(tmp_path / "exp")
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    draws = {int(sample_next(logits, 1.0, 0.7, gen)) for _ in range(300)}
+    assert draws == {0, 1}  # 0.5 + 0.3 covers 0.7; tokens 2 and 3 are outside the nucleus
+    assert int(sample_next(logits, 0.0, 1.0)) == 0
