@@ -146,3 +146,20 @@ def test_top_p_keeps_only_the_nucleus():
     draws = {int(sample_next(logits, 1.0, 0.7, gen)) for _ in range(300)}
     assert draws == {0, 1}  # 0.5 + 0.3 covers 0.7; tokens 2 and 3 are outside the nucleus
     assert int(sample_next(logits, 0.0, 1.0)) == 0
+
+
+def test_bf16_autocast_training_tracks_fp32(data_dir, tmp_path):
+    fp32 = train(small_config(steps=8), data_dir, tmp_path / "fp32", progress=False)
+    bf16 = train(small_config(steps=8, precision="bf16"), data_dir, tmp_path / "bf16", progress=False)
+    a = [h["loss"] for h in fp32.history if "loss" in h]
+    b = [h["loss"] for h in bf16.history if "loss" in h]
+    assert all(math.isfinite(x) for x in b)
+    assert max(abs(x - y) / x for x, y in zip(a, b)) < 0.02  # bf16 rounding, not a different run
+
+
+def test_compiled_training_matches_eager(data_dir, tmp_path):
+    eager = train(small_config(steps=4), data_dir, tmp_path / "eager", progress=False)
+    compiled = train(small_config(steps=4, compile=True), data_dir, tmp_path / "compiled", progress=False)
+    a = [h["loss"] for h in eager.history if "loss" in h]
+    b = [h["loss"] for h in compiled.history if "loss" in h]
+    assert max(abs(x - y) / x for x, y in zip(a, b)) < 1e-4
