@@ -1,11 +1,16 @@
-# Two front doors for a fresh machine (Python 3.11+, no GPU needed):
-#   make run    set everything up, then run the main job (the default pipeline, tiny preset, CPU, offline)
+# Front doors for a fresh machine (Python 3.11+, no GPU needed):
+#   make run    set everything up, then run the main job: the DVC pipeline on the tiny preset (CPU, offline)
 #   make test   set everything up, then run the test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+export PATH := $(abspath $(BIN)):$(PATH)
+export DVC_NO_ANALYTICS := 1
+PREFECT_PORT ?= 4200
+MLFLOW_PORT ?= 5000
+export PREFECT_HOME ?= $(abspath .prefect)
 
-.PHONY: setup run test clean
+.PHONY: setup run test clean prefect-server prefect-worker prefect-deploy mlflow-ui
 
 setup: $(VENV)/.installed
 
@@ -23,5 +28,18 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# Prefect: a local server, a process work pool with its worker, and the deployments of prefect.yaml.
+prefect-server: setup
+	$(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
+
+prefect-worker: setup
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect work-pool create laplace --type process --overwrite
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect --no-prompt deploy --all
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect worker start --pool laplace
+
+# MLflow UI on the project's store (artifacts are served from mlartifacts/).
+mlflow-ui: setup
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath mlflow.db) --host 127.0.0.1 --port $(MLFLOW_PORT)
+
 clean:
-	rm -rf data runs artifacts metrics plots
+	rm -rf data runs artifacts metrics plots dvc_plots

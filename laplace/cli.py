@@ -1,4 +1,4 @@
-"""`laplace <command>`: the stages, generation and model facts from the command line."""
+"""`laplace <command>`: the pipeline stages, the whole pipeline, generation and model facts."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 
+from laplace import stages
 from laplace.config import ConfigError, load_config, preset_model_config
 from laplace.model.lm import LaplaceLM, State, kv_cache_bytes, torch_dtype
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, RuntimeError)
-
+USER_ERROR_EXIT = 2  # laplace.repro treats it as "deterministic: do not retry"
 
 def model_facts(preset: str | None, cfg) -> dict:
     """Parameter count and state/KV memory measured from the real modules and State tensors."""
@@ -55,14 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    for name, help_ in [("tokenize", "tokenize the corpus into packed shards"),
-                        ("train", "train (resumes from the last checkpoint)"),
-                        ("export", "export the final checkpoint"),
-                        ("run", "the main job: tokenize, train, export, print a sample")]:
-        p = sub.add_parser(name, help=help_)
+    for name, stage in stages.STAGES.items():
+        p = sub.add_parser(name, help=f"stage: {stage.help}")
         _add_config_args(p)
-        if name in ("train", "run"):
+        if name == "train":
             p.add_argument("--no-resume", action="store_true", help="start from step 0 even if checkpoints exist")
+
+    p = sub.add_parser("run", help="the whole pipeline through `dvc repro`; --set values are written to "
+                                   "params.yaml first (like dvc exp run --set-param)")
+    _add_config_args(p)
+
+    p = sub.add_parser("summary", help="headline figures of the last pipeline run")
+    _add_config_args(p)
 
     p = sub.add_parser("generate", help="generate text from an exported model")
     _add_config_args(p)
@@ -90,6 +95,26 @@ def _print_info(facts: dict, as_json: bool) -> None:
     print(f"  KV / state              {facts['state_vs_kv_8192']:.1f}x")
 
 
+def print_summary(info: dict, root: Path) -> None:
+    tok, tr, ex, trk = info["tokenize"], info["train"], info["export"], info["tracking"]
+    print("\n=== Laplace pipeline ===")
+    if tok:
+        print(f"corpus      {tok['documents_train'] + tok['documents_val']:,} documents, "
+              f"{tok['tokens_train']:,} train / {tok['tokens_val']:,} val tokens")
+    if tr:
+        print(f"training    {tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f} "
+              f"(ppl {tr['val_ppl']:.1f}), {tr['tokens_per_s'] or 0:,.0f} tokens/s")
+    if ex:
+        print(f"model       {root / ex['export_dir']} ({ex['parameters']:,} parameters)")
+    if trk:
+        version = f", registered {trk['model_name']} v{trk['model_version']}" if trk.get("model_version") else ""
+        print(f"mlflow      run {trk['run_id']} in {trk['tracking_uri']}{version}"
+              f"{' (champion)' if trk.get('champion') else ' (candidate)'}")
+    print("next        dvc metrics show | dvc plots show   (open dvc_plots/index.html)")
+    print(f"            mlflow ui --backend-store-uri sqlite:///{root / 'mlflow.db'} --host 127.0.0.1 --port 5000")
+    print("            make prefect-server; make prefect-worker; prefect deployment run 'laplace-pipeline/tiny'")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -97,23 +122,32 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except USER_ERRORS as exc:
         print(f"laplace {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT
 
 
 def _run(args) -> int:
+    if args.command == "run":
+        from laplace import repro
+
+        root = Path(args.root).resolve()
+        if args.overrides:
+            repro.write_params(root / args.params, args.overrides)
+        else:
+            load_config(root / args.params)  # fail on bad params before DVC starts anything
+        status, _ = repro.repro(root)
+        if status != 0:
+            print(f"laplace run: dvc repro failed with exit status {status}", file=sys.stderr)
+            return status
+        print_summary(stages.summary(stages.Paths.at(root)), root)
+        return 0
+
     cfg = load_config(args.params, args.overrides)
     if args.command == "info":
         _print_info(model_facts(args.preset, cfg), args.json)
         return 0
-    from laplace import stages  # imports datasets/tokenizers: only for commands that need them
-
     paths = stages.Paths.at(args.root)
-    if args.command == "tokenize":
-        print(json.dumps(stages.tokenize(cfg, paths), indent=2))
-    elif args.command == "train":
-        print(json.dumps(stages.train_stage(cfg, paths, resume=not args.no_resume), indent=2))
-    elif args.command == "export":
-        print(json.dumps(stages.export(cfg, paths), indent=2))
+    if args.command == "summary":
+        print_summary(stages.summary(paths), paths.root)
     elif args.command == "generate":
         g = cfg.generate
         result = stages.generate_text(
@@ -125,16 +159,10 @@ def _run(args) -> int:
             args.seed if args.seed is not None else g.seed,
         )
         print(result["prompt"] + result["completion"])
-    elif args.command == "run":
-        tok = stages.tokenize(cfg, paths)
-        tr = stages.train_stage(cfg, paths, resume=not args.no_resume)
-        ex = stages.export(cfg, paths)
-        sample = stages.sample_text(cfg, paths)
-        print("\n=== Laplace main job ===")
-        print(f"corpus      {tok['documents_train'] + tok['documents_val']} documents, {tok['tokens_train']:,} train tokens")
-        print(f"training    {tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f}")
-        print(f"model       {paths.export_dir} ({ex['parameters']:,} parameters)")
-        print(f"sample      {sample['prompt']}{sample['completion']}")
+    elif args.command == "train":
+        print(json.dumps(stages.train_stage(cfg, paths, resume=not args.no_resume), indent=2))
+    else:
+        print(json.dumps(stages.STAGES[args.command].run(cfg, paths), indent=2, default=str))
     return 0
 
 

@@ -260,6 +260,20 @@ class GenerateSection:
 
 
 @dataclass(frozen=True)
+class TrackingSection:
+    experiment: str = knob("laplace", doc="MLflow experiment")
+    model_name: str = knob("laplace-gla", doc="MLflow registered model name")
+    register: bool = knob(True, doc="register the exported model (alias candidate; champion when gates pass)")
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    retries: int = knob(1, _non_negative, "Prefect retries of a stage after a transient failure")
+    retry_delay_s: float = knob(10.0, _non_negative)
+    stage_timeout_s: float = knob(7200.0, _positive, "Prefect timeout of one stage")
+
+
+@dataclass(frozen=True)
 class Config:
     seed: int = knob(1234)
     data: DataSection = field(default_factory=DataSection)
@@ -269,6 +283,8 @@ class Config:
     adamw: AdamWSection = field(default_factory=AdamWSection)
     muon: MuonSection = field(default_factory=MuonSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The resolved architecture: preset, then params overrides, then the tokenizer's vocab size."""

@@ -1,14 +1,20 @@
 """One function per pipeline stage: (config, paths) -> metrics dict.
 
-This is the one place that knows the file layout. Every front door (the CLI,
-dvc.yaml, the Prefect flow) calls these functions.
+This is the one place that knows the file layout. Every front door calls these
+functions: the CLI (`laplace <stage>`), dvc.yaml (whose `cmd`s are the CLI) and the
+Prefect flow (one task per stage, each running `dvc repro --single-item <stage>`).
+Adding a stage = one function registered in STAGES, one dvc.yaml entry; the flow
+and the CLI pick it up from here.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -56,6 +62,10 @@ class Paths:
     def metrics_file(self, stage: str) -> Path:
         return self.metrics_dir / f"{stage}.json"
 
+    @property
+    def tracking_file(self) -> Path:
+        return self.root / "artifacts" / "tracking.json"
+
 
 def write_metrics(paths: Paths, stage: str, metrics: dict) -> dict:
     atomic_write_json(paths.metrics_file(stage), metrics)
@@ -68,9 +78,17 @@ def tokenize(cfg: Config, paths: Paths) -> dict:
 
 
 def train_stage(cfg: Config, paths: Paths, **kwargs) -> dict:
+    from laplace.plots import training_curve, write_rows  # matplotlib: only when plotting
+
     result = train(cfg, paths.data_dir, paths.run_dir, **kwargs)
     metrics = dict(result.metrics)
     metrics["checkpoint"] = str(result.checkpoint.relative_to(paths.root)) if result.checkpoint else None
+    write_rows(paths.plots_dir / "train_loss.json",
+               [{"step": h["step"], "loss": h["loss"], "tokens_per_s": h.get("tokens_per_s")}
+                for h in result.history if "loss" in h])
+    write_rows(paths.plots_dir / "val_loss.json",
+               [{"step": h["step"], "val_loss": h["val_loss"]} for h in result.history if "val_loss" in h])
+    training_curve(result.history, paths.plots_dir / "train_curve.png")
     write_metrics(paths, "train", metrics)
     return metrics
 
@@ -106,3 +124,89 @@ def generate_text(model_dir: Path, prompt: str, max_new_tokens: int, temperature
     seconds = time.perf_counter() - start
     return {"prompt": prompt, "completion": tokenizer.decode(ids), "new_tokens": len(ids),
             "tokens_per_s": len(ids) / max(seconds, 1e-9)}
+
+
+def track(cfg: Config, paths: Paths) -> dict:
+    """Log this pipeline run to MLflow (one run holding every stage) and register the model."""
+    from laplace import tracking
+
+    metrics_by_stage = {}
+    for stage in STAGES.values():
+        data = tracking.read_json(paths.metrics_file(stage.metrics)) if stage.metrics else None
+        if isinstance(data, dict):
+            metrics_by_stage[stage.metrics] = data
+    train_rows = tracking.read_json(paths.plots_dir / "train_loss.json") or []
+    val_rows = tracking.read_json(paths.plots_dir / "val_loss.json") or []
+    step_series = {
+        "train/loss": [(r["step"], r["loss"]) for r in train_rows],
+        "train/tokens_per_s_window": [(r["step"], r["tokens_per_s"]) for r in train_rows if r.get("tokens_per_s")],
+        "train/val_loss_curve": [(r["step"], r["val_loss"]) for r in val_rows],
+    }
+    git = tracking.git_info(paths.root)
+    data_hash = tracking.dvc_out_hash(paths.root, "data/tokenized")
+    manifest = tracking.read_json(paths.data_dir / "manifest.json") or {}
+    launcher = os.environ.get("LAPLACE_LAUNCHER") or ("dvc" if os.environ.get("DVC_STAGE") else "cli")
+    tags = {
+        "git_commit": git["commit"],
+        "git_dirty": str(git["dirty"]).lower(),
+        "dvc_data_hash": data_hash or "unavailable (not run through dvc)",
+        "launcher": launcher,
+        "preset": cfg.model.preset,
+        "tokenizer_sha256": manifest.get("tokenizer_sha256", ""),
+    }
+    for env, tag in (("DVC_EXP_NAME", "dvc_experiment"), ("LAPLACE_PREFECT_FLOW_RUN_ID", "prefect_flow_run_id")):
+        if os.environ.get(env):
+            tags[tag] = os.environ[env]
+    summary = tracking.log_pipeline_run(
+        root=paths.root,
+        params=cfg.flat(),
+        params_hash=cfg.digest(),
+        experiment=cfg.tracking.experiment,
+        model_name=cfg.tracking.model_name,
+        register=cfg.tracking.register,
+        metrics_by_stage=metrics_by_stage,
+        step_series=step_series,
+        plots_dir=paths.plots_dir,
+        tokenizer_path=paths.data_dir / "tokenizer.json",
+        export_dir=paths.export_dir,
+        dataset_path=paths.data_dir,
+        dataset_digest=data_hash or manifest.get("files", {}).get("train.bin", {}).get("sha256"),
+        run_name=f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}",
+        tags=tags,
+    )
+    atomic_write_json(paths.tracking_file, summary)
+    return summary
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # the CLI command and dvc.yaml stage
+    run: Callable[[Config, Paths], dict]
+    metrics: str | None  # metrics/<metrics>.json, None for the tracking stage
+    help: str
+
+
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        Stage("tokenize", tokenize, "tokenize", "tokenize the corpus into packed shards"),
+        Stage("train", train_stage, "train", "train (resumes from the last complete checkpoint)"),
+        Stage("export", export, "export", "export the final checkpoint"),
+        Stage("track", track, None, "log the pipeline run to MLflow and register the model"),
+    )
+}
+PIPELINE: tuple[str, ...] = tuple(STAGES)
+
+
+def summary(paths: Paths) -> dict:
+    """Headline figures of the last pipeline run, from the metrics on disk."""
+    def read(name):
+        p = paths.metrics_file(name)
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    tok, tr, ex = read("tokenize"), read("train"), read("export")
+    tracking_info = json.loads(paths.tracking_file.read_text()) if paths.tracking_file.exists() else {}
+    return {"tokenize": tok, "train": tr, "export": ex, "tracking": tracking_info}

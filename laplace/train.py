@@ -10,8 +10,12 @@ step) and the checkpoint holds every tensor the next step reads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +55,24 @@ def lr_scale(step: int, t: TrainSection) -> float:
     if step < decay_start:
         return 1.0
     return 1.0 - (1 - t.min_lr_ratio) * min(1.0, (step - decay_start + 1) / decay_steps)
+
+
+# Train knobs that change what is logged or saved, never the weights.
+_BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints", "nproc_per_node"}
+
+
+def run_fingerprint(cfg: Config, model_cfg, manifest: dict) -> str:
+    """Hash of everything that decides the trained weights: a checkpoint resumes only the run it
+    came from (same data, model, schedule and optimizers)."""
+    train_knobs = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _BOOKKEEPING}
+    blob = json.dumps({
+        "seed": cfg.seed, "model": model_cfg.to_dict(), "train": train_knobs,
+        "adamw": dataclasses.asdict(cfg.adamw), "muon": dataclasses.asdict(cfg.muon),
+        "data": {"tokenizer": manifest.get("tokenizer_sha256"),
+                 "train": manifest.get("files", {}).get("train.bin", {}).get("sha256"),
+                 "val": manifest.get("files", {}).get("val.bin", {}).get("sha256")},
+    }, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -116,10 +138,18 @@ def train(
     optimizer = MuonAdamW(model, t.lr, cfg.adamw, cfg.muon)
     ckpt_root = Path(run_dir) / "checkpoints"
 
+    fingerprint = run_fingerprint(cfg, model_cfg, manifest)
     start_step, history = 0, []
-    if resume and (found := ckpt.latest_checkpoint(ckpt_root)) is not None:
-        if found.trainer.get("model_config") != model_cfg.to_dict():
-            raise ValueError(f"checkpoint {found.path} was made for a different model configuration")
+    found = ckpt.latest_checkpoint(ckpt_root) if resume else None
+    if found is not None and found.trainer.get("fingerprint") != fingerprint:
+        # Another run's checkpoints (params or data changed): keep them one generation back, start over.
+        previous = Path(run_dir) / "previous"
+        shutil.rmtree(previous, ignore_errors=True)
+        ckpt_root.rename(previous)
+        log.warning("checkpoints in %s belong to another run (settings or data changed); moved to %s, "
+                    "training from step 0", ckpt_root, previous)
+        found = None
+    if found is not None:
         model.load_state_dict(found.model)
         optimizer.load_state_tensors(found.optimizer)
         start_step, history = found.step, list(found.trainer.get("history", []))
@@ -130,7 +160,7 @@ def train(
         step_fn = torch.compile(model, fullgraph=True, dynamic=False)
 
     def save(step: int) -> Path:
-        trainer = {"history": history, "model_config": model_cfg.to_dict(), "config_digest": cfg.digest()}
+        trainer = {"history": history, "model_config": model_cfg.to_dict(), "fingerprint": fingerprint}
         return ckpt.save_checkpoint(
             ckpt_root, step, model.state_dict(), optimizer.state_tensors(), trainer, keep=t.keep_checkpoints
         )

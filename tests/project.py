@@ -1,0 +1,87 @@
+"""Temporary copies of this project for end-to-end tests: a real git + DVC repo of the working tree."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# A pipeline small enough to run end to end in well under a minute on 2 cores.
+TINY_PARAMS = {
+    "data.max_documents": 200,
+    "data.num_proc": 1,
+    "tokenizer.vocab_size": 300,
+    "model.d_model": 32,
+    "model.n_layers": 1,
+    "model.n_heads": 2,
+    "model.chunk_size": 16,
+    "model.sub_chunk_size": 8,
+    "train.steps": 6,
+    "train.batch_size": 2,
+    "train.seq_len": 32,
+    "train.eval_every": 3,
+    "train.eval_batches": 1,
+    "train.checkpoint_every": 3,
+    "train.log_every": 1,
+    "pipeline.retries": 0,
+}
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
+    e["DVC_NO_ANALYTICS"] = "1"
+    e.pop("MLFLOW_TRACKING_URI", None)
+    e.update(extra)
+    return e
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 900, **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), **kw)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {out.returncode}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+    return out
+
+
+def copy_project(dest: Path, params: dict | None = None) -> Path:
+    """Copy the working tree (tracked + untracked, not ignored) into `dest`, set params, commit."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    for generated in ("dvc.lock", "metrics", "plots"):  # a fresh start, whatever the checkout holds
+        p = dest / generated
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    if params:
+        set_params(dest / "params.yaml", params)
+    run(["git", "init", "-q", "-b", "main"], dest)
+    run(["git", "add", "-A"], dest)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "copy"], dest)
+    return dest
+
+
+def set_params(path: Path, values: dict) -> None:
+    """Validated and written like `dvc exp run --set-param` (comments kept)."""
+    from laplace.repro import write_params
+
+    write_params(path, values)
+
+
+def commit_all(repo: Path, message: str) -> None:
+    run(["git", "add", "-A"], repo)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", message], repo)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

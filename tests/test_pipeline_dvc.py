@@ -1,0 +1,133 @@
+"""End to end through DVC in a temporary clone: repro, no-op repro, a params change, experiments,
+metrics, offline plots, push/pull, and the MLflow run with its registered pyfunc model."""
+
+import json
+import shutil
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from project import TINY_PARAMS, commit_all, copy_project, run
+
+pytestmark = pytest.mark.slow
+
+DVC = ["python", "-m", "dvc"]
+
+
+def ran_stages(output: str) -> set[str]:
+    return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    return copy_project(tmp_path_factory.mktemp("laplace"), TINY_PARAMS)
+
+
+@pytest.fixture(scope="module")
+def first_run(repo):
+    out = run(DVC + ["repro"], repo)
+    return out.stdout + out.stderr
+
+
+def client(repo):
+    return MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+
+
+def test_repro_runs_every_stage_in_order(repo, first_run):
+    lines = [line for line in first_run.splitlines() if line.startswith("Running stage '")]
+    assert [line.split("'")[1] for line in lines] == ["tokenize", "train", "export", "track"]
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"tokenize", "train", "export", "track"}
+    # each stage recorded only the params it reads
+    assert set(lock["stages"]["tokenize"]["params"]["params.yaml"]) == {"seed", "data", "tokenizer"}
+    assert set(lock["stages"]["train"]["params"]["params.yaml"]) == {"seed", "model", "train", "adamw", "muon"}
+    train = json.loads((repo / "metrics/train.json").read_text())
+    assert train["steps"] == TINY_PARAMS["train.steps"] and train["val_loss"] < train["val_loss_initial"]
+    status = run(DVC + ["status"], repo).stdout
+    assert "Data and pipelines are up to date" in status
+
+
+def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, first_run):
+    c = client(repo)
+    exp = c.get_experiment_by_name("laplace")
+    assert exp.artifact_location == (repo / "mlartifacts").as_uri()  # absolute, inside the project
+    assert not (repo / "mlruns").exists()
+    runs = c.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    r = runs[0]
+    assert r.data.params["train.steps"] == "6" and r.data.params["model.d_model"] == "32"
+    assert "muon.lr" in r.data.params and "data.source" in r.data.params
+    train = json.loads((repo / "metrics/train.json").read_text())
+    assert r.data.metrics["train/val_loss"] == pytest.approx(train["val_loss"])
+    assert "tokenize/tokens_train" in r.data.metrics and "train/tokens_per_s" in r.data.metrics
+    history = c.get_metric_history(r.info.run_id, "train/loss")
+    assert [m.step for m in history] == list(range(1, 7))
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    data_md5 = next(o["md5"] for o in lock["stages"]["tokenize"]["outs"] if o["path"] == "data/tokenized")
+    assert r.data.tags["dvc_data_hash"] == data_md5
+    assert r.data.tags["launcher"] == "dvc"
+    assert len(r.data.tags["git_commit"]) == 40 and len(r.data.tags["params_hash"]) == 16
+    inputs = r.inputs.dataset_inputs
+    assert len(inputs) == 1 and inputs[0].dataset.digest == data_md5 and inputs[0].dataset.name == "tokenized"
+    artifacts = {a.path for a in c.list_artifacts(r.info.run_id, "plots")}
+    assert "plots/train_curve.png" in artifacts
+    assert [a.path for a in c.list_artifacts(r.info.run_id, "tokenizer")] == ["tokenizer/tokenizer.json"]
+
+    version = c.get_model_version_by_alias("laplace-gla", "candidate")
+    assert version.run_id == r.info.run_id
+    with pytest.raises(Exception):  # no validation stage has passed yet: no champion
+        c.get_model_version_by_alias("laplace-gla", "champion")
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
+    model = mlflow.pyfunc.load_model("models:/laplace-gla@candidate")
+    short = model.predict({"prompt": ["The function"]}, params={"max_new_tokens": 3, "temperature": 0.0})
+    longer = model.predict({"prompt": ["The function"]}, params={"max_new_tokens": 12, "temperature": 0.0})
+    assert len(short) == 1 and isinstance(short[0], str)
+    assert longer[0].startswith(short[0]) and len(longer[0]) > len(short[0])  # greedy, runtime param honoured
+
+
+def test_second_repro_is_a_no_op(repo, first_run):
+    out = run(DVC + ["repro"], repo)
+    assert ran_stages(out.stdout) == set()
+    assert len(client(repo).search_runs([client(repo).get_experiment_by_name("laplace").experiment_id])) == 1
+
+
+def test_params_change_reruns_only_downstream_and_experiments_compare(repo, first_run):
+    commit_all(repo, "baseline pipeline run")
+    out = run(DVC + ["exp", "run", "--set-param", "train.lr=0.001", "--name", "lower-lr"], repo)
+    assert ran_stages(out.stdout) == {"train", "export", "track"}
+    shown = json.loads(run(DVC + ["exp", "show", "--json"], repo).stdout)
+    assert "lower-lr" in json.dumps(shown)
+    diff = json.loads(run(DVC + ["metrics", "diff", "--json"], repo).stdout)
+    assert "val_loss" in diff["metrics/train.json"]
+    shown_metrics = run(DVC + ["metrics", "show"], repo).stdout
+    assert "metrics/train.json" in shown_metrics
+    c = client(repo)
+    runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
+    assert [r.data.params["train.lr"] for r in runs] == ["0.003", "0.001"]
+    assert runs[1].data.tags.get("dvc_experiment") == "lower-lr"
+    assert int(c.get_model_version_by_alias("laplace-gla", "candidate").version) == 2
+    assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
+
+
+def test_plots_render_offline(repo, first_run):
+    run(DVC + ["plots", "show"], repo)
+    html = (repo / "dvc_plots" / "index.html").read_text()
+    import re
+
+    assert not re.search(r"""<(script|link)[^>]+(src|href)=["']?https?://""", html)  # nothing fetched
+    assert "cdn.jsdelivr" not in html
+    assert "vegaEmbed" in html and "training loss" in html and "train_curve.png" in html
+
+
+def test_push_and_pull_through_the_default_remote(repo, first_run):
+    run(DVC + ["push"], repo)
+    shutil.rmtree(repo / "data" / "tokenized")
+    shutil.rmtree(repo / ".dvc" / "cache")
+    run(DVC + ["pull"], repo)
+    assert (repo / "data" / "tokenized" / "train.bin").exists()
+    assert (repo / "dvc-remote").is_dir()
+    assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout

@@ -1,0 +1,73 @@
+"""The pipeline frame: dvc.yaml, the stage registry and the flow agree; bad params stop everything
+before any stage runs; params overrides keep the file's comments; retries skip bad input."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from laplace import repro
+from laplace.config import ConfigError, Config
+from laplace.stages import PIPELINE, STAGES
+from project import ROOT, TINY_PARAMS, copy_project, run
+
+ORDER = ["tokenize", "warmup", "train", "export", "serve-check", "numerics", "probes", "track"]
+
+
+def test_dvc_yaml_matches_the_stage_registry():
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    assert list(stages) == list(PIPELINE)
+    assert list(PIPELINE) == [s for s in ORDER if s in PIPELINE]  # the pipeline's order, absent stages skipped
+    sections = {f.name for f in Config.__dataclass_fields__.values()}
+    for name, stage in stages.items():
+        assert stage["cmd"] == f"laplace {name}"
+        for p in stage.get("params", []):
+            key = next(iter(p)) if isinstance(p, dict) else p
+            assert key == "params.yaml" or key.split(".")[0] in sections, (name, key)
+        if STAGES[name].metrics:
+            metrics = [next(iter(m)) for m in stage["metrics"]]
+            assert metrics == [f"metrics/{STAGES[name].metrics}.json"]
+
+
+def test_write_params_validates_first_and_keeps_comments(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text((ROOT / "params.yaml").read_text())
+    before = params.read_text()
+    with pytest.raises(ConfigError, match="unknown key 'train.lrr'"):
+        repro.write_params(params, ["train.lrr=0.1"])
+    assert params.read_text() == before  # nothing written
+    assert repro.write_params(params, {"train.lr": 0.01, "model.preset": "tiny"}) is True
+    text = params.read_text()
+    assert "# Laplace pipeline parameters" in text and "lr: 0.01" in text
+    assert yaml.safe_load(text)["train"]["lr"] == 0.01
+    assert repro.write_params(params, {"train.lr": 0.01}) is False
+
+
+def test_stage_exit_status_is_read_from_dvc_output():
+    tail = "ERROR: failed to reproduce 'train': failed to run: laplace train, exited with 2"
+    assert repro.stage_exit_status(255, tail) == 2
+    assert repro.stage_exit_status(1, "something else") == 1
+
+
+def test_retries_skip_rejected_input():
+    from prefect.states import Failed
+
+    from flows.pipeline import StageFailed, StageRejected, retry_transient
+
+    assert retry_transient(None, None, Failed(data=StageFailed("killed"))) is True
+    assert retry_transient(None, None, Failed(data=StageRejected("bad params"))) is False
+
+
+@pytest.mark.slow
+def test_bad_params_stop_dvc_repro_and_laplace_run_before_any_work(tmp_path):
+    repo = copy_project(tmp_path / "p", TINY_PARAMS)
+    out = run(["laplace", "run", "--set", "train.lrr=1"], repo, check=False)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == "laplace run: error: unknown key 'train.lrr' (did you mean 'lr'?)"
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("  steps: 6\n", "  steps: many\n", 1))
+    out = run(["python", "-m", "dvc", "repro"], repo, check=False)
+    assert out.returncode != 0
+    assert "train.steps: expected an integer, got str 'many'" in out.stdout + out.stderr
+    assert not (repo / "data" / "tokenized" / "manifest.json").exists()
+    assert not (repo / "runs").exists()

@@ -1,0 +1,100 @@
+"""End to end through a real Prefect server and process worker on 127.0.0.1, and the flow file run
+directly with no server."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from mlflow import MlflowClient
+
+from project import BIN, TINY_PARAMS, copy_project, env, free_port, run
+
+pytestmark = pytest.mark.slow
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early: {proc.stdout.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{url} not healthy after {timeout}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def mlflow_runs(repo):
+    c = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    return c.search_runs([c.get_experiment_by_name("laplace").experiment_id])
+
+
+def test_deployment_runs_through_server_and_worker(tmp_path):
+    repo = copy_project(tmp_path / "laplace", TINY_PARAMS)
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    e = env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=api, PWD=str(repo),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              cwd=repo, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    worker = None
+    try:
+        wait_healthy(f"{api}/health", server)
+        run([str(BIN / "prefect"), "work-pool", "create", "laplace", "--type", "process"], repo, env=e)
+        run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all"], repo, env=e)
+        worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "laplace"], cwd=repo, env=e,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        out = run([str(BIN / "prefect"), "deployment", "run", "laplace-pipeline/tiny", "--watch",
+                   "--watch-timeout", "600"], repo, env=e, timeout=700)
+        assert "Completed" in out.stdout + out.stderr
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(server)
+    runs = mlflow_runs(repo)
+    assert len(runs) == 1 and runs[0].data.tags["launcher"] == "prefect"
+    assert runs[0].data.tags.get("prefect_flow_run_id")
+    assert "Data and pipelines are up to date" in run(["python", "-m", "dvc", "status"], repo).stdout
+    assert json.loads((repo / "metrics" / "train.json").read_text())["steps"] == TINY_PARAMS["train.steps"]
+
+
+def test_flow_file_runs_directly_with_overrides_recorded_in_dvc_lock(tmp_path):
+    repo = copy_project(tmp_path / "laplace", TINY_PARAMS)
+    e = env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    e.pop("PREFECT_API_URL", None)
+    out = run(["python", "flows/pipeline.py", "--set", "train.lr=0.002"], repo, env=e, timeout=700)
+    result = json.loads(out.stdout[out.stdout.index("{"):])
+    assert result["dvc_status_clean"] is True
+    import yaml
+
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert lock["stages"]["train"]["params"]["params.yaml"]["train"]["lr"] == 0.002
+    assert "# Laplace pipeline parameters" in (repo / "params.yaml").read_text()  # comments kept
+    runs = mlflow_runs(repo)
+    assert len(runs) == 1 and runs[0].data.params["train.lr"] == "0.002"
+
+
+def test_bad_params_fail_the_flow_before_any_stage(tmp_path):
+    repo = copy_project(tmp_path / "laplace", TINY_PARAMS)
+    e = env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    e.pop("PREFECT_API_URL", None)
+    out = run(["python", "flows/pipeline.py", "--set", "train.lrr=0.002"], repo, env=e, check=False, timeout=300)
+    assert out.returncode != 0
+    assert "unknown key 'train.lrr'" in out.stdout + out.stderr
+    assert not (repo / "data").exists() and not (repo / "dvc.lock").exists()
