@@ -73,6 +73,15 @@ def _summary_markdown(info: dict, root: Path) -> str:
                  ("training tokens/s", f"{tr['tokens_per_s'] or 0:,.0f}")]
     if ex:
         rows.append(("model", f"`{root / ex['export_dir']}` ({ex['parameters']:,} parameters)"))
+    if wu := info.get("warmup"):
+        rows.append(("warmup compile seconds (cold / warm)",
+                     f"{wu['compile_seconds_total']:.1f} / {wu['warm_start_seconds_total']:.1f}"))
+    if sv := info.get("serve"):
+        for policy in ("padded", "exact", "eager"):
+            m = sv[policy]
+            rows.append((f"serving {policy}: tokens/s, TTFT p99, TPOT p99, compiles",
+                         f"{m['output_tokens_per_s']:.0f}, {m['ttft_p99_s']:.3f}s, {m['tpot_p99_s']:.4f}s, "
+                         f"{m['compile_events']}"))
     if trk:
         rows.append(("MLflow run", f"`{trk['run_id']}` ({trk['tracking_uri']})"))
         if trk.get("model_version"):

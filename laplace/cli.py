@@ -97,6 +97,7 @@ def _print_info(facts: dict, as_json: bool) -> None:
 
 def print_summary(info: dict, root: Path) -> None:
     tok, tr, ex, trk = info["tokenize"], info["train"], info["export"], info["tracking"]
+    wu, sv = info.get("warmup"), info.get("serve")
     print("\n=== Laplace pipeline ===")
     if tok:
         print(f"corpus      {tok['documents_train'] + tok['documents_val']:,} documents, "
@@ -106,6 +107,17 @@ def print_summary(info: dict, root: Path) -> None:
               f"(ppl {tr['val_ppl']:.1f}), {tr['tokens_per_s'] or 0:,.0f} tokens/s")
     if ex:
         print(f"model       {root / ex['export_dir']} ({ex['parameters']:,} parameters)")
+    if wu:
+        print(f"warmup      {wu['graphs']} graphs compiled in {wu['compile_seconds_total']:.1f}s cold, "
+              f"{wu['warm_start_seconds_total']:.1f}s warm ({wu['warm_speedup']:.1f}x)")
+    if sv:
+        ex_, pd_ = sv["exact"], sv["padded"]
+        print(f"serving     {sv['headline_workload']}: padded {pd_['output_tokens_per_s']:.0f} tokens/s, "
+              f"{pd_['compile_events']} compiles, TTFT p99 {pd_['ttft_p99_s']:.3f}s | exact "
+              f"{ex_['output_tokens_per_s']:.0f} tokens/s, compiles {ex_['compile_step_share']:.1%} of steps, "
+              f"{ex_['compile_time_share']:.1%} of decode time")
+        ratio_key = next(k for k in sv if k.startswith("decode_cost_ratio_"))
+        print(f"            {ratio_key} = {sv[ratio_key]:.3f}; gates {'passed' if sv['passed'] else 'MISSED'}")
     if trk:
         version = f", registered {trk['model_name']} v{trk['model_version']}" if trk.get("model_version") else ""
         print(f"mlflow      run {trk['run_id']} in {trk['tracking_uri']}{version}"

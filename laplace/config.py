@@ -260,6 +260,34 @@ class GenerateSection:
 
 
 @dataclass(frozen=True)
+class ServeSection:
+    """Serving: the decode engine, the compile warmup and the replayed workloads of serve-check."""
+
+    device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto")
+    compile_scope: Literal["block", "model"] = knob(
+        "block", doc="block: compile one GLA block, reused by every layer; model: the whole step as one graph")
+    max_slots: int = knob(8, _positive, "concurrent sequences (state slots); one more dummy slot pads")
+    widths: list[int] = knob([], doc="decode width ladder; empty = powers of two up to max_slots")
+    prefill_buckets: list[int] = knob([64, 256], doc="prompt lengths are padded up to one of these")
+    max_prompt_tokens: int = knob(256, _positive, "longer prompts are rejected")
+    requests: int = knob(48, _positive, "requests per replayed workload")
+    workloads: list[str] = knob(["batch", "poisson", "bursty"], doc="arrival processes replayed")
+    exact_workloads: list[str] = knob(["poisson"], doc="workloads also replayed with the exact policy")
+    rate: float = knob(25.0, _positive, "mean arrivals per second (poisson, bursty)")
+    burst_cv: float = knob(3.0, _positive, "bursty: coefficient of variation of the gaps (Gamma)")
+    prompt_tokens: list[int] = knob([8, 256], doc="[min, max] prompt length, log-uniform")
+    output_tokens: list[int] = knob([8, 64], doc="[min, max] new tokens per request, log-uniform")
+    temperature: float = knob(0.0, _non_negative, "0 = greedy")
+    top_p: float = knob(1.0, _unit_interval)
+    slo_ttft_s: float = knob(1.0, _positive, "goodput: time to first token at most this")
+    slo_tpot_s: float = knob(0.05, _positive, "goodput: time per output token at most this")
+    decode_contexts: list[int] = knob([2048, 8192], doc="prompt lengths for the decode-cost-vs-context check")
+    decode_timing_steps: int = knob(64, _positive)
+    max_decode_cost_ratio: float = knob(1.05, _positive, "gate: decode cost at the longest / shortest context")
+    seed: int = knob(0)
+
+
+@dataclass(frozen=True)
 class TrackingSection:
     experiment: str = knob("laplace", doc="MLflow experiment")
     model_name: str = knob("laplace-gla", doc="MLflow registered model name")
@@ -283,6 +311,7 @@ class Config:
     adamw: AdamWSection = field(default_factory=AdamWSection)
     muon: MuonSection = field(default_factory=MuonSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
+    serve: ServeSection = field(default_factory=ServeSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
 

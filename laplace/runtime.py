@@ -45,3 +45,45 @@ def set_determinism(seed: int, deterministic: bool = True) -> None:
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=False)
+
+
+# --------------------------------------------------------------------------- compilation
+
+def compile_backend(device: torch.device) -> str:
+    """Inductor on CPU/CUDA, the Neuron backend on Trainium."""
+    return "neuron" if device.type == "neuron" else "inductor"
+
+
+def configure_compiler(max_graphs_per_function: int) -> None:
+    """Static-shape compilation that never silently falls back to eager: the recompile limit is
+    raised above the number of shapes we compile, and hitting it is an error."""
+    import torch._dynamo.config as dynamo
+
+    limit = max(8, max_graphs_per_function + 2)
+    dynamo.recompile_limit = max(dynamo.recompile_limit, limit)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * limit)
+    dynamo.fail_on_recompile_limit_hit = True
+
+
+def compile_static(fn, backend: str = "inductor"):
+    """torch.compile with one static graph per input shape (what Neuron requires). A module is
+    compiled in place (and returned): every instance of its class shares the compiled graphs."""
+    if backend == "neuron" and not neuron_available():
+        raise RuntimeErrorConfig("compile backend 'neuron' needs torch-neuronx (pip install 'laplace[neuron]')")
+    if isinstance(fn, torch.nn.Module):
+        fn.compile(fullgraph=True, dynamic=False, backend=backend)
+        return fn
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+
+def compiled_graph_count() -> int:
+    """Graphs Dynamo has compiled in this process so far (a compile event moves it)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock timings mean something on accelerators."""
+    if device.type != "cpu" and torch.accelerator.is_available():
+        torch.accelerator.synchronize()

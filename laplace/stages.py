@@ -63,6 +63,10 @@ class Paths:
         return self.metrics_dir / f"{stage}.json"
 
     @property
+    def warmup_cache(self) -> Path:
+        return self.root / "artifacts" / "warmup" / "compile-cache"
+
+    @property
     def tracking_file(self) -> Path:
         return self.root / "artifacts" / "tracking.json"
 
@@ -75,6 +79,40 @@ def write_metrics(paths: Paths, stage: str, metrics: dict) -> dict:
 def tokenize(cfg: Config, paths: Paths) -> dict:
     metrics = tokenize_corpus(cfg.data, cfg.tokenizer, paths.data_dir, cfg.seed)
     return write_metrics(paths, "tokenize", metrics)
+
+
+def warmup(cfg: Config, paths: Paths) -> dict:
+    """Compile every serving graph into the compile cache artifact; cold and warm timings."""
+    import tempfile
+
+    from laplace.data import read_manifest
+    from laplace.warmup import warmup_stage
+
+    vocab = read_manifest(paths.data_dir)["vocab_size"]
+    with tempfile.TemporaryDirectory(prefix="laplace-warmup-") as scratch:
+        metrics = warmup_stage(cfg, paths.warmup_cache, vocab, Path(scratch))
+    return write_metrics(paths, "warmup", metrics)
+
+
+def serve_check(cfg: Config, paths: Paths) -> dict:
+    """Replay the workloads under the exact, padded and eager policies; fail on a missed gate."""
+    import tempfile
+
+    from laplace import plots
+    from laplace.servecheck import GateFailed, serve_check_stage
+
+    with tempfile.TemporaryDirectory(prefix="laplace-serve-") as scratch:
+        metrics, traces = serve_check_stage(cfg, paths.export_dir, paths.data_dir, paths.warmup_cache,
+                                            Path(scratch), paths.plots_dir)
+    workload = metrics["headline_workload"]
+    plots.latency_cdfs(traces, workload, paths.plots_dir / "serve_latency_cdf.png")
+    plots.step_timeline(traces, workload, paths.plots_dir / "serve_timeline.png")
+    plots.width_histogram(traces, workload, paths.plots_dir / "serve_widths.png")
+    write_metrics(paths, "serve", metrics)
+    if not metrics["passed"]:
+        missed = ", ".join(k for k, ok in metrics["gates"].items() if not ok)
+        raise GateFailed(f"serve-check gates missed: {missed} (see {paths.metrics_file('serve')})")
+    return metrics
 
 
 def train_stage(cfg: Config, paths: Paths, **kwargs) -> dict:
@@ -193,8 +231,10 @@ STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
         Stage("tokenize", tokenize, "tokenize", "tokenize the corpus into packed shards"),
+        Stage("warmup", warmup, "warmup", "compile every decode width and prefill bucket into a cache artifact"),
         Stage("train", train_stage, "train", "train (resumes from the last complete checkpoint)"),
         Stage("export", export, "export", "export the final checkpoint"),
+        Stage("serve-check", serve_check, "serve", "replay workloads: exact vs padded vs eager serving"),
         Stage("track", track, None, "log the pipeline run to MLflow and register the model"),
     )
 }
@@ -207,6 +247,6 @@ def summary(paths: Paths) -> dict:
         p = paths.metrics_file(name)
         return json.loads(p.read_text()) if p.exists() else {}
 
-    tok, tr, ex = read("tokenize"), read("train"), read("export")
-    tracking_info = json.loads(paths.tracking_file.read_text()) if paths.tracking_file.exists() else {}
-    return {"tokenize": tok, "train": tr, "export": ex, "tracking": tracking_info}
+    info = {stage.metrics: read(stage.metrics) for stage in STAGES.values() if stage.metrics}
+    info["tracking"] = json.loads(paths.tracking_file.read_text()) if paths.tracking_file.exists() else {}
+    return info

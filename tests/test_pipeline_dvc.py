@@ -34,16 +34,28 @@ def client(repo):
     return MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
 
 
-def test_repro_runs_every_stage_in_order(repo, first_run):
+STAGES = ["tokenize", "warmup", "train", "export", "serve-check", "track"]
+
+
+def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
     lines = [line for line in first_run.splitlines() if line.startswith("Running stage '")]
-    assert [line.split("'")[1] for line in lines] == ["tokenize", "train", "export", "track"]
+    order = [line.split("'")[1] for line in lines]
+    assert sorted(order) == sorted(STAGES)
+    for before, after in [("tokenize", "warmup"), ("tokenize", "train"), ("train", "export"),
+                          ("export", "serve-check"), ("warmup", "serve-check"), ("serve-check", "track")]:
+        assert order.index(before) < order.index(after), (before, after, order)
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"tokenize", "train", "export", "track"}
+    assert set(lock["stages"]) == set(STAGES)
     # each stage recorded only the params it reads
     assert set(lock["stages"]["tokenize"]["params"]["params.yaml"]) == {"seed", "data", "tokenizer"}
     assert set(lock["stages"]["train"]["params"]["params.yaml"]) == {"seed", "model", "train", "adamw", "muon"}
     train = json.loads((repo / "metrics/train.json").read_text())
     assert train["steps"] == TINY_PARAMS["train.steps"] and train["val_loss"] < train["val_loss_initial"]
+    warmup = json.loads((repo / "metrics/warmup.json").read_text())
+    assert warmup["graphs"] == 2 + 1  # decode widths 1, 2 and the prefill bucket 64
+    assert warmup["warm_speedup"] >= 3, warmup  # starting from the cache artifact is several times faster
+    serve = json.loads((repo / "metrics/serve.json").read_text())
+    assert serve["passed"] and serve["padded"]["compile_events"] == 0 and serve["exact"]["compile_events"] > 0
     status = run(DVC + ["status"], repo).stdout
     assert "Data and pipelines are up to date" in status
 
@@ -76,7 +88,12 @@ def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, f
 
     version = c.get_model_version_by_alias("laplace-gla", "candidate")
     assert version.run_id == r.info.run_id
-    with pytest.raises(Exception):  # no validation stage has passed yet: no champion
+    assert r.data.metrics["serve/padded/compile_events"] == 0
+    assert r.data.metrics["serve/exact/compile_events"] > 0
+    assert r.data.metrics["warmup/compile_seconds_total"] > 0
+    assert "serve/padded/ttft_p99_s" in r.data.metrics
+    assert r.data.tags["gate.serve"] == "passed" and r.data.tags["gate.numerics"] == "missing"
+    with pytest.raises(Exception):  # numerics has not run: no champion yet
         c.get_model_version_by_alias("laplace-gla", "champion")
 
     import mlflow
@@ -98,7 +115,7 @@ def test_second_repro_is_a_no_op(repo, first_run):
 def test_params_change_reruns_only_downstream_and_experiments_compare(repo, first_run):
     commit_all(repo, "baseline pipeline run")
     out = run(DVC + ["exp", "run", "--set-param", "train.lr=0.001", "--name", "lower-lr"], repo)
-    assert ran_stages(out.stdout) == {"train", "export", "track"}
+    assert ran_stages(out.stdout) == {"train", "export", "serve-check", "track"}  # not tokenize, not warmup
     shown = json.loads(run(DVC + ["exp", "show", "--json"], repo).stdout)
     assert "lower-lr" in json.dumps(shown)
     diff = json.loads(run(DVC + ["metrics", "diff", "--json"], repo).stdout)

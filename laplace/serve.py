@@ -1,0 +1,387 @@
+"""Continuous-batching decode engine over a fixed pool of recurrent-state slots.
+
+The state of every live sequence sits in one fixed-shape `State` of max_slots + 1
+rows; the last row is a dummy that padding rows read and write, so a pad row never
+touches a real sequence and is never indexed with -1. Requests are admitted into
+free slots, prefilled one at a time at a padded prefill-length bucket (padding is an
+exact no-op for the state), then decoded together. With the `padded` policy each
+decode step runs at the smallest width of a fixed ladder that holds the live rows,
+so a static-shape compiler (torch.compile(dynamic=False) with Inductor, or Neuron)
+sees only the ladder's widths, all compiled ahead by `warmup()`. With the `exact`
+policy each step runs at exactly the live count: every new width compiles on first
+sight, which is the stall the article measured.
+
+Time is a virtual clock advanced by the measured duration of each operation: a
+replayed workload then gets the latencies a real server would, without sleeping
+through the gaps between arrivals.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from laplace.generation import sample_next
+from laplace.model.lm import LaplaceLM, State
+from laplace.runtime import compile_static, compiled_graph_count, synchronize
+
+
+POLICIES = ("padded", "exact", "eager")
+
+
+class Rejected(ValueError):
+    """A request the engine will not serve (the message says why)."""
+
+
+@dataclass
+class Request:
+    id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+    arrival_s: float = 0.0
+
+
+@dataclass
+class Completion:
+    request_id: int
+    status: str  # "done" | "rejected"
+    reason: str = ""
+    prompt_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    arrival_s: float = 0.0
+    admitted_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.arrival_s if self.token_times else None
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_s is None else self.finished_s - self.arrival_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+
+@dataclass
+class StepRecord:
+    kind: str  # "prefill" | "decode"
+    start_s: float
+    seconds: float
+    width: int  # rows computed (decode) or bucket length (prefill)
+    live: int  # real rows
+    compiled: bool  # a graph was compiled during this step
+
+
+def width_ladder(max_slots: int, widths: list[int] | None = None) -> list[int]:
+    """The decode widths: `widths` sorted, or powers of two up to max_slots (max_slots included)."""
+    if widths:
+        ladder = sorted(set(widths))
+        if ladder[0] < 1:
+            raise ValueError(f"serve.widths: widths must be >= 1, got {ladder}")
+        if ladder[-1] < max_slots:
+            raise ValueError(f"serve.widths: the largest width {ladder[-1]} cannot hold max_slots={max_slots}")
+        return ladder
+    ladder = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots]
+    return ladder + [max_slots]
+
+
+def fit(n: int, ladder: list[int]) -> int:
+    """Smallest ladder entry >= n."""
+    for w in ladder:
+        if w >= n:
+            return w
+    raise ValueError(f"{n} rows do not fit the largest width {ladder[-1]}")
+
+
+class SlotPool:
+    """max_slots state rows for live sequences plus one dummy row (index max_slots) for padding."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.dummy = capacity
+        self._free: deque[int] = deque(range(capacity))
+        self._owner: dict[int, int] = {}
+
+    def acquire(self, request_id: int) -> int:
+        slot = self._free.popleft()
+        self._owner[slot] = request_id
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot not in self._owner:
+            raise RuntimeError(f"slot {slot} released twice")
+        del self._owner[slot]
+        self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def owners(self) -> dict[int, int]:
+        return dict(self._owner)
+
+
+@dataclass
+class _Live:
+    request: Request
+    completion: Completion
+    slot: int
+    generator: torch.Generator | None
+
+
+class DecodeEngine:
+    def __init__(
+        self,
+        model: LaplaceLM,
+        *,
+        max_slots: int,
+        ladder: list[int],
+        prefill_buckets: list[int],
+        max_prompt_tokens: int,
+        compile_scope: str | None,
+        exact_widths: bool = False,
+        backend: str = "inductor",
+        pad_id: int = 0,
+    ):
+        """compile_scope: None (eager), "model" (each decode width / prefill bucket is one graph)
+        or "block" (one GLA block is compiled per shape and reused by every layer)."""
+        if max(prefill_buckets) < max_prompt_tokens:
+            raise ValueError(f"serve.prefill_buckets: the largest bucket {max(prefill_buckets)} is shorter than "
+                             f"serve.max_prompt_tokens={max_prompt_tokens}")
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.max_slots = max_slots
+        self.state: State = model.allocate_state(max_slots + 1)
+        self.ladder = ladder
+        self.buckets = sorted(set(prefill_buckets))
+        self.max_prompt_tokens = max_prompt_tokens
+        self.exact_widths = exact_widths
+        self.compiled = compile_scope is not None
+        self.pad_id = pad_id
+        self.reset()
+        self._decode, self._prefill = self._decode_eager, self._prefill_eager
+        if compile_scope == "model":
+            self._decode = compile_static(self._decode_eager, backend)
+            self._prefill = compile_static(self._prefill_eager, backend)
+        elif compile_scope == "block":
+            for block in model.blocks:
+                compile_static(block, backend)
+        elif compile_scope is not None:
+            raise ValueError(f"serve.compile_scope: unknown scope {compile_scope!r} (block or model)")
+
+    @classmethod
+    def for_policy(cls, model: LaplaceLM, serve, policy: str, backend: str = "inductor") -> "DecodeEngine":
+        """The engine of a serve-check policy from the `serve:` params: `padded` (ladder widths,
+        compiled), `exact` (live-count widths, compiled) or `eager` (live-count widths, no compiler)."""
+        if policy not in POLICIES:
+            raise ValueError(f"unknown serving policy {policy!r} (choose from {', '.join(POLICIES)})")
+        return cls(
+            model,
+            max_slots=serve.max_slots,
+            ladder=width_ladder(serve.max_slots, serve.widths),
+            prefill_buckets=serve.prefill_buckets,
+            max_prompt_tokens=serve.max_prompt_tokens,
+            compile_scope=None if policy == "eager" else serve.compile_scope,
+            exact_widths=policy != "padded",
+            backend=backend,
+        )
+
+    def graphs_needed(self) -> int:
+        """Distinct shapes one compiled function may see: sets the recompile limit."""
+        return (self.max_slots if self.exact_widths else len(self.ladder)) + len(self.buckets)
+
+    def reset(self) -> None:
+        """Forget requests and timings (compiled graphs stay), for the next workload."""
+        self.pool = SlotPool(self.max_slots)
+        self.now = 0.0
+        self.queue: deque[Request] = deque()
+        self.live: list[_Live] = []
+        self.finished: list[Completion] = []
+        self.steps: list[StepRecord] = []
+        self.state.zero_()
+
+    # -- the two graphs (state tensors are explicit inputs, mutated in place) ----------------
+
+    def _decode_eager(self, tokens: Tensor, slots: Tensor, recurrent: Tensor, conv: Tensor | None) -> Tensor:
+        return self.model.decode_step(tokens, State(recurrent, conv), slots)
+
+    def _prefill_eager(self, tokens: Tensor, slots: Tensor, lengths: Tensor, recurrent: Tensor,
+                       conv: Tensor | None) -> Tensor:
+        return self.model.prefill(tokens, State(recurrent, conv), slots, lengths)
+
+    def decode_rows(self, tokens: Tensor, slots: Tensor) -> Tensor:
+        return self._decode(tokens, slots, self.state.recurrent, self.state.conv)
+
+    def prefill_rows(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+        return self._prefill(tokens, slots, lengths, self.state.recurrent, self.state.conv)
+
+    # -- warmup ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def warmup(self) -> dict[str, dict[int, float]]:
+        """Run every decode width and prefill bucket once on the dummy slot (compiling them when
+        compiled). Returns seconds per graph."""
+        dummy = self.pool.dummy
+        out: dict[str, dict[int, float]] = {"decode": {}, "prefill": {}}
+        for w in self.ladder:
+            tokens = torch.full((w,), self.pad_id, dtype=torch.long, device=self.device)
+            slots = torch.full((w,), dummy, dtype=torch.long, device=self.device)
+            out["decode"][w] = self._timed(lambda: self.decode_rows(tokens, slots))[1]
+        for b in self.buckets:
+            tokens = torch.full((1, b), self.pad_id, dtype=torch.long, device=self.device)
+            slots = torch.tensor([dummy], device=self.device)
+            lengths = torch.tensor([b], device=self.device)
+            out["prefill"][b] = self._timed(lambda: self.prefill_rows(tokens, slots, lengths))[1]
+        self.state.zero_()
+        return out
+
+    def _timed(self, fn):
+        start = time.perf_counter()
+        result = fn()
+        synchronize(self.device)
+        return result, time.perf_counter() - start
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def check(self, req: Request) -> None:
+        if not req.prompt_ids:
+            raise Rejected("empty prompt")
+        if len(req.prompt_ids) > self.max_prompt_tokens:
+            raise Rejected(f"prompt has {len(req.prompt_ids)} tokens, the limit is {self.max_prompt_tokens}")
+        if req.max_new_tokens <= 0:
+            raise Rejected(f"max_new_tokens must be > 0, got {req.max_new_tokens}")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise Rejected(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        if not (req.temperature >= 0 and 0 < req.top_p <= 1):
+            raise Rejected(f"temperature must be >= 0 and top_p in (0, 1], got {req.temperature}, {req.top_p}")
+
+    def submit(self, req: Request) -> Completion | None:
+        """Queue a request; a bad one is rejected at once (returned) and the engine carries on."""
+        try:
+            self.check(req)
+        except Rejected as exc:
+            done = Completion(req.id, "rejected", str(exc), len(req.prompt_ids), arrival_s=req.arrival_s,
+                              finished_s=self.now)
+            self.finished.append(done)
+            return done
+        self.queue.append(req)
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.live)
+
+    # -- one scheduler iteration -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit queued requests into free slots (prefilling each), then one decode step."""
+        while self.queue and self.pool.free:
+            self._admit(self.queue.popleft())
+        if self.live:
+            self._decode_step()
+
+    def _record(self, kind: str, seconds: float, width: int, live: int, graphs_before: int) -> None:
+        compiled = self.compiled and compiled_graph_count() > graphs_before
+        self.steps.append(StepRecord(kind, self.now, seconds, width, live, compiled))
+        self.now += seconds
+
+    def _admit(self, req: Request) -> None:
+        slot = self.pool.acquire(req.id)
+        done = Completion(req.id, "done", prompt_tokens=len(req.prompt_ids), arrival_s=req.arrival_s,
+                          admitted_s=self.now)
+        gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
+        live = _Live(req, done, slot, gen)
+        n = len(req.prompt_ids)
+        bucket = fit(n, self.buckets)
+        tokens = torch.full((1, bucket), self.pad_id, dtype=torch.long)
+        tokens[0, :n] = torch.tensor(req.prompt_ids)
+        slots = torch.tensor([slot])
+        before = compiled_graph_count()
+
+        def run():
+            self.state.zero_(slots.to(self.device))  # a reused slot starts clean
+            logits = self.prefill_rows(tokens.to(self.device), slots.to(self.device),
+                                       torch.tensor([n], device=self.device))
+            return self._sample([live], logits)
+
+        (token,), seconds = self._timed(run)
+        self._record("prefill", seconds, bucket, 1, before)
+        self.live.append(live)
+        self._emit(live, token)
+
+    def _decode_step(self) -> None:
+        rows = list(self.live)
+        width = len(rows) if self.exact_widths else fit(len(rows), self.ladder)
+        pad = width - len(rows)
+        tokens = torch.tensor([r.completion.output_ids[-1] for r in rows] + [self.pad_id] * pad)
+        slots = torch.tensor([r.slot for r in rows] + [self.pool.dummy] * pad)
+        before = compiled_graph_count()
+        next_tokens, seconds = self._timed(
+            lambda: self._sample(rows, self.decode_rows(tokens.to(self.device), slots.to(self.device))))
+        self._record("decode", seconds, width, len(rows), before)
+        for row, token in zip(rows, next_tokens):
+            self._emit(row, token)
+
+    def _sample(self, rows: list[_Live], logits: Tensor) -> list[int]:
+        greedy = logits[: len(rows)].argmax(-1).tolist()
+        out = []
+        for i, row in enumerate(rows):
+            r = row.request
+            if r.temperature > 0:
+                out.append(int(sample_next(logits[i:i + 1], r.temperature, r.top_p, row.generator)))
+            else:
+                out.append(greedy[i])
+        return out
+
+    def _emit(self, row: _Live, token: int) -> None:
+        c = row.completion
+        c.output_ids.append(token)
+        c.token_times.append(self.now)
+        if token in row.request.stop_ids or len(c.output_ids) >= row.request.max_new_tokens:
+            c.finished_s = self.now
+            self.live.remove(row)
+            self.pool.release(row.slot)  # free at once: the next admission reuses it
+            self.finished.append(c)
+
+
+def replay(engine: DecodeEngine, requests: list[Request]) -> list[Completion]:
+    """Serve requests arriving at their arrival_s on the engine's virtual clock."""
+    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
+    while pending or engine.has_work():
+        while pending and pending[0].arrival_s <= engine.now:
+            engine.submit(pending.popleft())
+        if not engine.has_work():
+            engine.now = max(engine.now, pending[0].arrival_s)  # idle until the next arrival
+            continue
+        engine.step()
+    return sorted(engine.finished, key=lambda c: c.request_id)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)

@@ -1,0 +1,60 @@
+"""Seeded serving workloads: arrival processes and request lengths.
+
+- batch:   every request arrives at t = 0 (a fixed batch)
+- poisson: exponential gaps with mean 1/rate
+- bursty:  Gamma-distributed gaps with the same mean and a coefficient of variation of
+           burst_cv (> 1 clusters arrivals into bursts separated by lulls)
+
+Prompts are windows of real validation text, so the model decodes plausible tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from laplace.config import ServeSection
+from laplace.serve import Request
+
+ARRIVALS = ("batch", "poisson", "bursty")
+
+
+def arrival_times(kind: str, n: int, rate: float, burst_cv: float, rng: np.random.Generator) -> np.ndarray:
+    if kind == "batch":
+        return np.zeros(n)
+    if kind == "poisson":
+        gaps = rng.exponential(1.0 / rate, size=n)
+    elif kind == "bursty":
+        shape = 1.0 / burst_cv**2
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
+    else:
+        raise ValueError(f"serve.workloads: unknown arrival process {kind!r} (choose from {', '.join(ARRIVALS)})")
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def log_uniform(lo: int, hi: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    if not 1 <= lo <= hi:
+        raise ValueError(f"length range must satisfy 1 <= min <= max, got [{lo}, {hi}]")
+    return np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), size=n))).astype(int).clip(lo, hi)
+
+
+def build_requests(kind: str, serve: ServeSection, text_tokens: np.ndarray, seed: int) -> list[Request]:
+    """The seeded workload `kind` of serve.requests requests over windows of `text_tokens`."""
+    rng = np.random.default_rng([seed, ARRIVALS.index(kind) if kind in ARRIVALS else 99])
+    n = serve.requests
+    arrivals = arrival_times(kind, n, serve.rate, serve.burst_cv, rng)
+    prompt_lens = log_uniform(*serve.prompt_tokens, n, rng)
+    output_lens = log_uniform(*serve.output_tokens, n, rng)
+    starts = rng.integers(0, len(text_tokens) - int(prompt_lens.max()) - 1, size=n)
+    return [
+        Request(
+            id=i,
+            prompt_ids=[int(t) for t in text_tokens[s:s + p]],
+            max_new_tokens=int(o),
+            temperature=serve.temperature,
+            top_p=serve.top_p,
+            seed=seed * 100003 + i,
+            arrival_s=float(a),
+        )
+        for i, (a, p, o, s) in enumerate(zip(arrivals, prompt_lens, output_lens, starts))
+    ]

@@ -1,0 +1,198 @@
+"""The decode engine: padded batching equals single-request generation, pads are isolated, slots
+are accounted for, bad requests are rejected, and after warmup nothing compiles while serving."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from laplace.config import ServeSection, preset_model_config
+from laplace.generation import generate_ids
+from laplace.model.lm import LaplaceLM
+from laplace.runtime import configure_compiler
+from laplace.serve import DecodeEngine, Request, StepRecord, fit, replay, width_ladder
+from laplace.servecheck import summarize
+from laplace.workload import arrival_times, build_requests
+
+VOCAB = 97
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    cfg = preset_model_config("tiny", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, chunk_size=16,
+                              sub_chunk_size=8, init_std=0.3)  # wide logits: no near-ties for greedy
+    return LaplaceLM(cfg).eval()
+
+
+def engine(m, *, max_slots=4, widths=None, buckets=(16, 32), compile_scope=None, exact=False):
+    return DecodeEngine(m, max_slots=max_slots, ladder=width_ladder(max_slots, widths), prefill_buckets=list(buckets),
+                        max_prompt_tokens=max(buckets), compile_scope=compile_scope, exact_widths=exact)
+
+
+def staggered(n=11, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Request(i, rng.integers(0, VOCAB, rng.integers(1, 30)).tolist(), int(rng.integers(1, 14)),
+                    arrival_s=float(i) * 0.002 * rng.integers(0, 3)) for i in range(n)]
+
+
+def test_ladders():
+    assert width_ladder(8) == [1, 2, 4, 8]
+    assert width_ladder(20) == [1, 2, 4, 8, 16, 20]
+    assert width_ladder(20, [1, 2, 4, 8, 12, 16, 20]) == [1, 2, 4, 8, 12, 16, 20]
+    assert [fit(n, [1, 2, 4, 8, 12, 16, 20]) for n in (1, 3, 9, 13, 20)] == [1, 4, 12, 16, 20]
+    with pytest.raises(ValueError, match="cannot hold max_slots=20"):
+        width_ladder(20, [1, 2, 16])
+
+
+@pytest.mark.parametrize("widths", [None, [1, 3, 4]])
+def test_engine_outputs_equal_each_request_alone(widths):
+    m = model()
+    eng = engine(m, max_slots=4, widths=widths)
+    requests = staggered()
+    done = replay(eng, requests)
+    assert [c.status for c in done] == ["done"] * len(requests)
+    decode_widths = {s.width for s in eng.steps if s.kind == "decode"}
+    assert decode_widths <= set(width_ladder(4, widths)) and len(decode_widths) > 1  # padded, mixed widths
+    assert any(s.width > s.live for s in eng.steps if s.kind == "decode")  # some steps carried pad rows
+    for req, c in zip(requests, done):
+        alone = generate_ids(m, req.prompt_ids, req.max_new_tokens, temperature=0.0)
+        assert c.output_ids == alone, req.id
+
+
+def test_pad_rows_only_touch_the_dummy_slot_even_as_nan():
+    m = model()
+    clean, poisoned = engine(m), engine(m)
+    tokens = torch.tensor([5, 7, 0, 0])
+    for eng in (clean, poisoned):
+        for slot, prompt in ((0, [1, 2, 3]), (2, [4, 5])):
+            eng.prefill_rows(torch.tensor([prompt + [0] * (16 - len(prompt))]), torch.tensor([slot]),
+                             torch.tensor([len(prompt)]))
+    poisoned.state.recurrent[:, poisoned.pool.dummy] = float("nan")
+    poisoned.state.conv[:, poisoned.pool.dummy] = float("nan")
+    slots = torch.tensor([0, 2, 4, 4])  # two real rows, two pad rows on the dummy slot (index 4, never -1)
+    with torch.inference_mode():
+        a = clean.decode_rows(tokens, slots)
+        b = poisoned.decode_rows(tokens, slots)
+    assert torch.isfinite(b[:2]).all() and torch.equal(a[:2], b[:2])
+    for rows in ([0, 2], [1, 3]):
+        idx = torch.tensor(rows)
+        assert torch.equal(clean.state.recurrent[:, idx], poisoned.state.recurrent[:, idx])
+    assert torch.isnan(poisoned.state.recurrent[:, 4]).all()
+
+
+def test_slots_are_reused_rezeroed_and_never_shared():
+    m = model()
+    eng = engine(m, max_slots=2)
+    requests = staggered(n=7)
+    owners_seen = []
+    original_step = eng.step
+
+    def checked_step():
+        original_step()
+        live_slots = [r.slot for r in eng.live]
+        assert len(live_slots) == len(set(live_slots)), "two live requests share a slot"
+        assert eng.pool.dummy not in live_slots
+        owners_seen.append(eng.pool.owners)
+
+    eng.step = checked_step
+    done = replay(eng, requests)
+    assert all(c.status == "done" for c in done)
+    slot_users = {}
+    for owners in owners_seen:
+        for slot, rid in owners.items():
+            slot_users.setdefault(slot, set()).add(rid)
+    assert all(len(users) > 1 for users in slot_users.values())  # every slot served several requests
+    assert eng.pool.free == 2 and eng.pool.owners == {}
+    # a reused slot starts from zero: a prefill into a dirty slot leaves exactly the state (and
+    # produces exactly the token) of a prefill into a clean one
+    dirty, fresh = engine(m), engine(m)
+    dirty.state.recurrent.fill_(3.0)
+    dirty.state.conv.fill_(3.0)
+    for eng_ in (dirty, fresh):
+        eng_.submit(Request(0, [1, 2, 3, 4], 1))
+        eng_.step()
+    assert dirty.finished[0].output_ids == fresh.finished[0].output_ids
+    assert torch.equal(dirty.state.recurrent[:, 0], fresh.state.recurrent[:, 0])
+    assert torch.equal(dirty.state.conv[:, 0], fresh.state.conv[:, 0])
+
+
+def test_bad_requests_are_rejected_while_others_are_served():
+    m = model()
+    eng = engine(m, buckets=(16, 32))
+    good = staggered(n=4)
+    bad = [Request(100, [], 5), Request(101, [1] * 33, 5), Request(102, [1, 2], 0), Request(103, [VOCAB + 5], 3),
+           Request(104, [1, 2], 3, temperature=-1.0)]
+    done = {c.request_id: c for c in replay(eng, good + bad)}
+    assert all(done[r.id].status == "done" and len(done[r.id].output_ids) == r.max_new_tokens for r in good)
+    reasons = {rid: done[rid].reason for rid in range(100, 105)}
+    assert all(done[rid].status == "rejected" for rid in reasons)
+    assert reasons[100] == "empty prompt"
+    assert reasons[101] == "prompt has 33 tokens, the limit is 32"
+    assert reasons[102] == "max_new_tokens must be > 0, got 0"
+    assert "outside the vocabulary" in reasons[103]
+    assert "temperature must be >= 0" in reasons[104]
+
+
+def test_summarize_counts_compile_stalls_and_padding():
+    steps = [StepRecord("prefill", 0, 0.5, 16, 1, True), StepRecord("decode", 0.5, 9.0, 2, 2, True),
+             StepRecord("decode", 9.5, 0.01, 4, 3, False), StepRecord("decode", 9.51, 0.01, 4, 3, False),
+             StepRecord("decode", 9.52, 0.02, 2, 1, False)]
+    from laplace.serve import Completion
+
+    done = [Completion(0, "done", output_ids=[1, 2, 3], arrival_s=0.0, token_times=[0.5, 9.5, 9.51], finished_s=9.51)]
+    m = summarize(steps, done, ttft_slo=1.0, tpot_slo=0.1)
+    assert m["compile_events"] == 2 and m["compile_events_decode"] == 1
+    assert m["compile_step_share"] == pytest.approx(1 / 4)
+    assert m["compile_time_share"] == pytest.approx(9.0 / 9.04)
+    assert m["padding_waste"] == pytest.approx((0 + 1 + 1 + 1) / (2 + 4 + 4 + 2))
+    assert m["compile_cost_step_equivalents"] == pytest.approx(9.5 / 0.01)
+    assert m["widths_visited"] == 2 and m["widths_histogram"] == {"2": 2, "4": 2}
+    assert m["ttft_p50_s"] == pytest.approx(0.5) and m["tpot_p50_s"] == pytest.approx(4.505)
+    assert m["goodput_fraction"] == 0.0  # tpot 4.5 s misses the 0.1 s SLO
+
+
+def test_arrival_processes():
+    rng = np.random.default_rng(0)
+    assert (arrival_times("batch", 5, 10, 3, rng) == 0).all()
+    gaps = np.diff(arrival_times("poisson", 20001, 10.0, 3.0, rng))
+    assert gaps.mean() == pytest.approx(0.1, rel=0.05) and gaps.std() / gaps.mean() == pytest.approx(1, rel=0.05)
+    gaps = np.diff(arrival_times("bursty", 20001, 10.0, 3.0, rng))
+    assert gaps.mean() == pytest.approx(0.1, rel=0.1) and gaps.std() / gaps.mean() == pytest.approx(3, rel=0.1)
+    serve = ServeSection(requests=30, prompt_tokens=[4, 20], output_tokens=[2, 9])
+    reqs = build_requests("poisson", serve, np.arange(1000) % VOCAB, seed=1)
+    assert reqs == build_requests("poisson", serve, np.arange(1000) % VOCAB, seed=1)  # seeded
+    assert all(4 <= len(r.prompt_ids) <= 20 and 2 <= r.max_new_tokens <= 9 for r in reqs)
+    with pytest.raises(ValueError, match="unknown arrival process 'steady'"):
+        build_requests("steady", serve, np.arange(1000), seed=1)
+
+
+@pytest.mark.slow
+def test_compiled_engine_never_compiles_after_warmup_and_exact_compiles_each_width():
+    m = model()
+    padded = engine(m, max_slots=4, buckets=(32,), compile_scope="block")
+    configure_compiler(padded.graphs_needed() + 4)
+    seconds = padded.warmup()
+    assert set(seconds["decode"]) == {1, 2, 4} and set(seconds["prefill"]) == {32}
+    requests = staggered(n=9)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        done = replay(padded, requests)
+    assert not any(s.compiled for s in padded.steps)
+    eager = model()  # same weights, never compiled
+    for req, c in zip(requests, done):  # compiled + padded still equals eager alone
+        assert c.output_ids == generate_ids(eager, req.prompt_ids, req.max_new_tokens), req.id
+
+    # without warmup the stance catches the first compilation (a fresh Dynamo: a new deployment)
+    torch._dynamo.reset()
+    cold = engine(model(), max_slots=4, buckets=(32,), compile_scope="block")
+    with pytest.raises(Exception, match="(?i)recompil"):
+        with torch.compiler.set_stance("fail_on_recompile"):
+            replay(cold, staggered(n=3))
+
+    # exact widths compile once per new width seen, during serving
+    torch._dynamo.reset()
+    exact = engine(model(), max_slots=4, buckets=(32,), compile_scope="block", exact=True)
+    replay(exact, staggered(n=9))
+    decode = [s for s in exact.steps if s.kind == "decode"]
+    assert sum(s.compiled for s in decode) == len({s.width for s in decode})
+    assert math.isclose(sum(s.compiled for s in exact.steps if s.kind == "prefill"), 1)
