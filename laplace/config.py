@@ -288,6 +288,50 @@ class ServeSection:
 
 
 @dataclass(frozen=True)
+class NumericsSection:
+    """Eager vs compiled vs fp64 checks on the exported model (the numerics stage)."""
+
+    mode: Literal["compare", "eager"] = knob(
+        "compare", doc="compare: compiled vs eager vs fp64 gates; eager: also prove bitwise eager reproducibility")
+    batch_size: int = knob(4, _positive, "held-out sequences per check")
+    seq_len: int = knob(128, _positive, "prefill / training-step length")
+    greedy_prompts: int = knob(4, _positive)
+    greedy_tokens: int = knob(32, _positive)
+    prompt_tokens: int = knob(32, _positive)
+    margin: float = knob(0.5, _non_negative, "top-1 agreement also counted on positions whose fp64 top-1/top-2 gap >= this")
+    fp32_rel_rms_max: float = knob(1e-5, _positive, "gate: fp32 compiled vs fp64 relative RMS of logits")
+    fp32_top1_min: float = knob(1.0, _unit_interval, "gate: fp32 compiled vs eager top-1 agreement")
+    bf16_error_ratio_max: float = knob(1.5, _positive, "gate: bf16 compiled error vs fp64 <= this x eager's")
+    bf16_top1_min: float = knob(0.99, _unit_interval, "gate: bf16 top-1 agreement with fp64 on clear-margin positions")
+    grad_rel_rms_fp32_max: float = knob(1e-4, _positive, "gate: fp32 compiled training-step gradients vs fp64")
+    seed: int = knob(0)
+
+
+@dataclass(frozen=True)
+class ProbesSection:
+    """Retrieval probes and memory accounting (the probes stage)."""
+
+    mqar_contexts: list[int] = knob([64, 128, 256], doc="MQAR sequence lengths")
+    mqar_pairs: list[int] = knob([4, 8, 16], doc="key-value pairs per sequence")
+    mqar_samples: int = knob(32, _positive, "sequences per (context, pairs) cell")
+    passkey_contexts: list[int] = knob([256, 1024, 4096])
+    passkey_depths: list[float] = knob([0.1, 0.5, 0.9], doc="where the passkey sits, as a fraction of the context")
+    passkey_samples: int = knob(2, _positive)
+    memory_contexts: list[int] = knob([1024, 4096, 16384, 32768], doc="decode memory measured after these")
+    kv_contexts: list[int] = knob([2048, 8192, 32768])
+    train_mqar: bool = knob(True, doc="train a small GLA on MQAR so the probe is seen to measure something")
+    mqar_train_steps: int = knob(300, _positive)
+    mqar_train_d_model: int = knob(128, _positive)
+    mqar_train_layers: int = knob(2, _positive)
+    mqar_train_heads: int = knob(2, _positive)
+    mqar_train_gate_bias: float = knob(4.0, doc="forget-gate bias init: > 0 starts with long memory")
+    mqar_train_vocab: int = knob(256, _positive)
+    mqar_train_seq_len: int = knob(64, _positive)
+    mqar_train_pairs: int = knob(8, _positive, "the hardest pair count sampled during MQAR training")
+    seed: int = knob(0)
+
+
+@dataclass(frozen=True)
 class TrackingSection:
     experiment: str = knob("laplace", doc="MLflow experiment")
     model_name: str = knob("laplace-gla", doc="MLflow registered model name")
@@ -312,6 +356,8 @@ class Config:
     muon: MuonSection = field(default_factory=MuonSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
     serve: ServeSection = field(default_factory=ServeSection)
+    numerics: NumericsSection = field(default_factory=NumericsSection)
+    probes: ProbesSection = field(default_factory=ProbesSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
 
