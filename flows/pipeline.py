@@ -87,6 +87,12 @@ def _summary_markdown(info: dict, root: Path) -> str:
         if trk.get("model_version"):
             alias = "champion" if trk.get("champion") else "candidate"
             rows.append(("registered model", f"{trk['model_name']} v{trk['model_version']} @{alias}"))
+    if nm := info.get("numerics"):
+        rows += [("max abs logit diff compiled vs eager (fp32 / bf16)",
+                  f"{nm['max_abs_logit_diff_fp32']:.2e} / {nm['max_abs_logit_diff_bf16']:.2e}"),
+                 ("greedy agreement compiled vs eager (fp32 / bf16)",
+                  f"{nm['greedy_agreement_fp32']:.1%} / {nm['greedy_agreement_bf16']:.1%}"),
+                 ("numerics gates", "passed" if nm["passed"] else "MISSED")]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return f"# Laplace pipeline\n\n| figure | value |\n|---|---|\n{table}\n"
 

@@ -118,6 +118,11 @@ def print_summary(info: dict, root: Path) -> None:
               f"{ex_['compile_time_share']:.1%} of decode time")
         ratio_key = next(k for k in sv if k.startswith("decode_cost_ratio_"))
         print(f"            {ratio_key} = {sv[ratio_key]:.3f}; gates {'passed' if sv['passed'] else 'MISSED'}")
+    if nm := info.get("numerics"):
+        f32, b16 = nm["fp32"]["prefill"], nm["bf16"]["prefill"]
+        print(f"numerics    fp32 compiled vs fp64 rel RMS {f32['rel_rms_compiled_vs_fp64']:.1e}, max |compiled-eager| "
+              f"{nm['max_abs_logit_diff_fp32']:.1e}; bf16 compiled {b16['rel_rms_compiled_vs_fp64']:.1e} vs eager "
+              f"{b16['rel_rms_eager_vs_fp64']:.1e}; gates {'passed' if nm['passed'] else 'MISSED'}")
     if trk:
         version = f", registered {trk['model_name']} v{trk['model_version']}" if trk.get("model_version") else ""
         print(f"mlflow      run {trk['run_id']} in {trk['tracking_uri']}{version}"

@@ -311,7 +311,7 @@ class NumericsSection:
 class ProbesSection:
     """Retrieval probes and memory accounting (the probes stage)."""
 
-    mqar_contexts: list[int] = knob([64, 128, 256], doc="MQAR sequence lengths")
+    mqar_contexts: list[int] = knob([64, 256, 1024], doc="MQAR sequence lengths")
     mqar_pairs: list[int] = knob([4, 8, 16], doc="key-value pairs per sequence")
     mqar_samples: int = knob(32, _positive, "sequences per (context, pairs) cell")
     passkey_contexts: list[int] = knob([256, 1024, 4096])
@@ -320,14 +320,18 @@ class ProbesSection:
     memory_contexts: list[int] = knob([1024, 4096, 16384, 32768], doc="decode memory measured after these")
     kv_contexts: list[int] = knob([2048, 8192, 32768])
     train_mqar: bool = knob(True, doc="train a small GLA on MQAR so the probe is seen to measure something")
-    mqar_train_steps: int = knob(300, _positive)
+    mqar_train_steps: int = knob(600, _positive)
     mqar_train_d_model: int = knob(128, _positive)
     mqar_train_layers: int = knob(2, _positive)
     mqar_train_heads: int = knob(2, _positive)
     mqar_train_gate_bias: float = knob(4.0, doc="forget-gate bias init: > 0 starts with long memory")
-    mqar_train_vocab: int = knob(256, _positive)
+    mqar_train_vocab: int = knob(64, _positive, "MQAR training vocabulary (a larger one stays on the plateau longer)")
     mqar_train_seq_len: int = knob(64, _positive)
     mqar_train_pairs: int = knob(8, _positive, "the hardest pair count sampled during MQAR training")
+    mqar_train_batch_size: int = knob(16, _positive, "small batches reach the jump in accuracy soonest on a CPU")
+    mqar_train_lr: float = knob(5e-3, _positive, "AdamW learning rate of the MQAR model")
+    mqar_train_muon_lr: float = knob(0.02, _positive)
+    mqar_train_warmup_steps: int = knob(20, _non_negative)
     seed: int = knob(0)
 
 

@@ -178,6 +178,7 @@ class DecodeEngine:
         self.exact_widths = exact_widths
         self.compiled = compile_scope is not None
         self.pad_id = pad_id
+        self.on_logits = None  # optional callback(logits of a step's real rows), for inspection
         self.reset()
         self._decode, self._prefill = self._decode_eager, self._prefill_eager
         if compile_scope == "model":
@@ -344,6 +345,8 @@ class DecodeEngine:
             self._emit(row, token)
 
     def _sample(self, rows: list[_Live], logits: Tensor) -> list[int]:
+        if self.on_logits is not None:
+            self.on_logits(logits[: len(rows)])
         greedy = logits[: len(rows)].argmax(-1).tolist()
         out = []
         for i, row in enumerate(rows):

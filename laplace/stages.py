@@ -115,6 +115,30 @@ def serve_check(cfg: Config, paths: Paths) -> dict:
     return metrics
 
 
+def numerics(cfg: Config, paths: Paths) -> dict:
+    """Compiled vs eager vs fp64 on prefill, decode widths and a training step; fail on a missed gate."""
+    import sys
+
+    from laplace.numerics import GateFailed, numerics_stage
+
+    metrics = numerics_stage(cfg, paths.export_dir, paths.data_dir, paths.warmup_cache)
+    write_metrics(paths, "numerics", metrics)
+    if not metrics["passed"]:
+        print(metrics["gate_table"], file=sys.stderr)
+        missed = [k for k, g in metrics["gates"].items() if not g["passed"]]
+        raise GateFailed(f"{len(missed)} numerics gate(s) missed: {'; '.join(missed)} "
+                         f"(table above, figures in {paths.metrics_file('numerics')})")
+    return metrics
+
+
+def probes(cfg: Config, paths: Paths) -> dict:
+    """MQAR and passkey retrieval, state vs KV memory; reports retrieval, gates only path agreement."""
+    from laplace.probes import probes_stage
+
+    metrics = probes_stage(cfg, paths.export_dir, paths.data_dir, paths.warmup_cache, paths.plots_dir)
+    return write_metrics(paths, "probes", metrics)
+
+
 def train_stage(cfg: Config, paths: Paths, **kwargs) -> dict:
     from laplace.plots import training_curve, write_rows  # matplotlib: only when plotting
 
@@ -235,6 +259,8 @@ STAGES: dict[str, Stage] = {
         Stage("train", train_stage, "train", "train (resumes from the last complete checkpoint)"),
         Stage("export", export, "export", "export the final checkpoint"),
         Stage("serve-check", serve_check, "serve", "replay workloads: exact vs padded vs eager serving"),
+        Stage("numerics", numerics, "numerics", "compiled vs eager vs fp64 on prefill, decode and a training step"),
+        Stage("probes", probes, "probes", "MQAR and passkey retrieval, state vs KV-cache memory"),
         Stage("track", track, None, "log the pipeline run to MLflow and register the model"),
     )
 }

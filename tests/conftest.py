@@ -17,3 +17,28 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def seeded():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tmp_path_factory):
+    """A tokenized corpus and an exported, briefly trained 1-layer model: (data_dir, export_dir)."""
+    from laplace import checkpoint as ckpt
+    from laplace.config import config_from_dict
+    from laplace.data import tokenize_corpus
+    from laplace.export import export_model
+    from laplace.train import train
+
+    root = tmp_path_factory.mktemp("tiny-artifacts")
+    cfg = config_from_dict({
+        "data": {"max_documents": 300, "num_proc": 1},
+        "tokenizer": {"vocab_size": 400},
+        "model": {"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "chunk_size": 16,
+                  "sub_chunk_size": 8},
+        "train": {"steps": 20, "batch_size": 4, "seq_len": 32, "eval_every": 20, "eval_batches": 1,
+                  "checkpoint_every": 20, "warmup_steps": 2},
+    })
+    data_dir, export_dir = root / "tokenized", root / "export"
+    tokenize_corpus(cfg.data, cfg.tokenizer, data_dir, cfg.seed)
+    result = train(cfg, data_dir, root / "run", progress=False)
+    export_model(ckpt.load_checkpoint(result.checkpoint), data_dir / "tokenizer.json", export_dir)
+    return data_dir, export_dir

@@ -40,6 +40,22 @@ TINY_PARAMS = {
     "serve.decode_contexts": [256, 1024],
     "serve.decode_timing_steps": 16,
     "serve.max_decode_cost_ratio": 1.5,  # a 1-layer model's ~1 ms steps are noisy; the gate logic is unit-tested
+    "numerics.batch_size": 2,
+    "numerics.seq_len": 32,
+    "numerics.prompt_tokens": 16,
+    "numerics.greedy_prompts": 2,
+    "numerics.greedy_tokens": 8,
+    "probes.mqar_contexts": [32, 64],
+    "probes.mqar_pairs": [2, 4],
+    "probes.mqar_samples": 4,
+    "probes.passkey_contexts": [64, 128],
+    "probes.passkey_depths": [0.5],
+    "probes.passkey_samples": 1,
+    "probes.memory_contexts": [128, 512],
+    "probes.mqar_train_steps": 10,
+    "probes.mqar_train_d_model": 32,
+    "probes.mqar_train_seq_len": 32,
+    "probes.mqar_train_pairs": 4,
 }
 
 

@@ -34,7 +34,7 @@ def client(repo):
     return MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
 
 
-STAGES = ["tokenize", "warmup", "train", "export", "serve-check", "track"]
+STAGES = ["tokenize", "warmup", "train", "export", "serve-check", "numerics", "track"]
 
 
 def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
@@ -42,7 +42,8 @@ def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
     order = [line.split("'")[1] for line in lines]
     assert sorted(order) == sorted(STAGES)
     for before, after in [("tokenize", "warmup"), ("tokenize", "train"), ("train", "export"),
-                          ("export", "serve-check"), ("warmup", "serve-check"), ("serve-check", "track")]:
+                          ("export", "serve-check"), ("warmup", "serve-check"), ("export", "numerics"),
+                          ("serve-check", "track"), ("numerics", "track")]:
         assert order.index(before) < order.index(after), (before, after, order)
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert set(lock["stages"]) == set(STAGES)
@@ -92,9 +93,11 @@ def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, f
     assert r.data.metrics["serve/exact/compile_events"] > 0
     assert r.data.metrics["warmup/compile_seconds_total"] > 0
     assert "serve/padded/ttft_p99_s" in r.data.metrics
-    assert r.data.tags["gate.serve"] == "passed" and r.data.tags["gate.numerics"] == "missing"
-    with pytest.raises(Exception):  # numerics has not run: no champion yet
-        c.get_model_version_by_alias("laplace-gla", "champion")
+    assert r.data.tags["gate.serve"] == "passed" and r.data.tags["gate.numerics"] == "passed"
+    assert r.data.metrics["numerics/max_abs_logit_diff_fp32"] < 1e-3
+    assert r.data.metrics["numerics/passed"] == 1.0
+    champion = c.get_model_version_by_alias("laplace-gla", "champion")  # both validation stages passed
+    assert champion.version == c.get_model_version_by_alias("laplace-gla", "candidate").version
 
     import mlflow
 
@@ -115,7 +118,7 @@ def test_second_repro_is_a_no_op(repo, first_run):
 def test_params_change_reruns_only_downstream_and_experiments_compare(repo, first_run):
     commit_all(repo, "baseline pipeline run")
     out = run(DVC + ["exp", "run", "--set-param", "train.lr=0.001", "--name", "lower-lr"], repo)
-    assert ran_stages(out.stdout) == {"train", "export", "serve-check", "track"}  # not tokenize, not warmup
+    assert ran_stages(out.stdout) == {"train", "export", "serve-check", "numerics", "track"}  # not tokenize/warmup
     shown = json.loads(run(DVC + ["exp", "show", "--json"], repo).stdout)
     assert "lower-lr" in json.dumps(shown)
     diff = json.loads(run(DVC + ["metrics", "diff", "--json"], repo).stdout)

@@ -1,0 +1,90 @@
+"""The numerics checks: figures are right, a broken compiled path fails the gates, the healthy one
+passes, and eager mode is bitwise reproducible across processes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from laplace.config import config_from_dict
+from laplace.numerics import check_dtype, compare_logits, dtype_gates, gate_table, reference, rel_rms
+
+SMALL = {"serve": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32},
+         "numerics": {"batch_size": 2, "seq_len": 32, "prompt_tokens": 16, "greedy_prompts": 2, "greedy_tokens": 8}}
+
+
+def test_compare_logits_figures():
+    ref = torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.9, 0.0], [0.0, 0.0, 5.0]], dtype=torch.float64)
+    eager = ref.clone()
+    compiled = ref.clone()
+    compiled[1] = torch.tensor([0.9, 1.0, 0.0])  # flips a near-tie (margin 0.1)
+    r = compare_logits(eager, compiled, ref, margin=0.5)
+    assert r["positions"] == 3 and r["excluded_near_ties"] == 1
+    assert r["top1_compiled_vs_eager"] == pytest.approx(2 / 3)
+    assert r["top1_compiled_vs_eager_clear"] == 1.0  # the flip sits on an excluded near-tie
+    assert r["max_abs_logit_diff"] == pytest.approx(0.1)
+    assert r["rel_rms_eager_vs_fp64"] == 0.0
+    assert r["rel_rms_compiled_vs_fp64"] == pytest.approx(rel_rms(compiled, ref))
+    assert r["cosine_min_eager_vs_fp64"] == pytest.approx(1.0)
+
+
+def held_out(data_dir, rows=2, length=40):
+    from laplace.data import open_split
+
+    val = open_split(data_dir, "val")
+    return torch.as_tensor(val[: rows * length].astype("int64")).view(rows, length)
+
+
+@pytest.mark.slow
+def test_a_broken_compiled_path_fails_the_gates_and_the_healthy_one_passes(tiny_artifacts):
+    from laplace.export import load_export
+    from laplace.runtime import configure_compiler
+
+    data_dir, export_dir = tiny_artifacts
+    cfg = config_from_dict(SMALL)
+    configure_compiler(40)
+    tokens = held_out(data_dir)
+    ref_model, _, _ = load_export(export_dir, dtype=torch.float64)
+    ref = reference(cfg, ref_model, tokens)
+
+    healthy = check_dtype(cfg, export_dir, torch.float32, tokens, ref)
+    g = dtype_gates(cfg, "fp32", healthy)
+    assert all(ok for ok, _, _ in g.values()), gate_table(g)
+    assert healthy["prefill"]["rel_rms_compiled_vs_fp64"] < 1e-5
+    assert healthy["greedy"]["mean_agreement"] == 1.0
+
+    def perturb(model):  # a weight used only by the compiled model is 1% off
+        with torch.no_grad():
+            model.blocks[0].mlp.up_proj.weight.mul_(1.01)
+
+    broken = check_dtype(cfg, export_dir, torch.float32, tokens, ref, corrupt_compiled=perturb)
+    g = dtype_gates(cfg, "fp32", broken)
+    failed = [k for k, (ok, _, _) in g.items() if not ok]
+    assert "fp32 prefill compiled vs fp64 rel RMS" in failed
+    assert "fp32 train-step gradients compiled vs fp64 rel RMS" in failed
+    assert "FAIL" in gate_table(g)
+
+
+def fingerprint_in_subprocess(export_dir, data_dir) -> dict:
+    code = (
+        "import json, sys, torch\n"
+        "from pathlib import Path\n"
+        "from laplace.data import open_split\n"
+        "from laplace.numerics import eager_fingerprint\n"
+        "val = open_split(Path(sys.argv[2]), 'val')\n"
+        "tokens = torch.as_tensor(val[:128].astype('int64')).view(2, 64)\n"
+        "f = eager_fingerprint(Path(sys.argv[1]), tokens, 12, seed=0)\n"
+        "print(json.dumps({k: f[k] for k in ('logits_sha256', 'tokens_sha256')}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(export_dir), str(data_dir)], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_eager_mode_is_bitwise_reproducible_across_processes(tiny_artifacts):
+    data_dir, export_dir = tiny_artifacts
+    first = fingerprint_in_subprocess(export_dir, data_dir)
+    second = fingerprint_in_subprocess(export_dir, data_dir)
+    assert first == second

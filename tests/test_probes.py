@@ -1,0 +1,375 @@
+"""Probes: the MQAR generator's layout, scoring against an oracle and chance, serving vs eager
+paths (pad rows as NaN), chunked long prefills, passkey prompts, memory accounting, and an MQAR
+training run that learns (slow)."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from laplace import checkpoint as ckpt
+from laplace.config import ProbesSection, config_from_dict, preset_model_config
+from laplace.data import tokenize_corpus
+from laplace.export import export_model
+from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes
+from laplace.probes import (
+    IGNORE,
+    RandomGuesser,
+    RecallOracle,
+    accuracy_plot,
+    argmax_agreement,
+    decode_rss,
+    memory_plot,
+    memory_report,
+    mqar_accuracy_eager,
+    mqar_accuracy_serving,
+    mqar_batch,
+    mqar_chance,
+    mqar_predictions_eager,
+    mqar_predictions_serving,
+    mqar_ranges,
+    passkey_found,
+    passkey_probe,
+    passkey_prompt,
+    prefill_long,
+    run_probes,
+    score,
+    train_mqar,
+)
+from laplace.runtime import configure_compiler
+from laplace.serve import DecodeEngine, width_ladder
+from laplace.train import train
+
+# The values proposed for params.yaml's probes section (train_mqar reaches ~0.97-1.0 on 4 pairs);
+# once they are the defaults, ProbesSection() alone will do.
+RECOMMENDED = dict(mqar_train_steps=600, mqar_train_vocab=64, mqar_contexts=[64, 256, 1024], mqar_pairs=[4, 8, 16])
+
+
+def small_model(vocab=32, seed=0, **over):
+    torch.manual_seed(seed)
+    cfg = preset_model_config("tiny", **{**dict(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, chunk_size=16,
+                                                sub_chunk_size=8, init_std=0.3), **over})
+    return LaplaceLM(cfg).eval()  # init_std 0.3: wide logits, no near-ties for argmax
+
+
+def engine(model, *, max_slots=4, buckets=(16, 32), compile_scope=None):
+    return DecodeEngine(model, max_slots=max_slots, ladder=width_ladder(max_slots), prefill_buckets=list(buckets),
+                        max_prompt_tokens=max(buckets), compile_scope=compile_scope)
+
+
+def poison_dummy(eng):
+    eng.state.recurrent[:, eng.pool.dummy] = float("nan")
+    eng.state.conv[:, eng.pool.dummy] = float("nan")
+
+
+# --------------------------------------------------------------------------- generator
+
+
+def test_mqar_layout_hand_checked_smallest_case():
+    # one pair in 4 tokens leaves no room for noise: k v k v, the query at position 2
+    noise, keys, values = mqar_ranges(16)
+    assert (list(noise), keys, values) == ([0, 1], range(2, 8), range(8, 16))
+    tokens, targets, mask = mqar_batch(3, 4, 1, 16, rng=0)
+    for row, tgt, m in zip(tokens.tolist(), targets.tolist(), mask.tolist()):
+        k, v = row[0], row[1]
+        assert row == [k, v, k, v] and k in keys and v in values
+        assert tgt == [IGNORE, IGNORE, v, IGNORE]
+        assert m == [False, False, True, False]
+
+
+@pytest.mark.parametrize("seq_len,pairs,vocab", [(12, 2, 16), (64, 8, 64), (64, 16, 256), (256, 4, 4096)])
+def test_mqar_layout_structure(seq_len, pairs, vocab):
+    noise, keys, values = mqar_ranges(vocab)
+    tokens, targets, mask = mqar_batch(50, seq_len, pairs, vocab, rng=1)
+    assert tokens.shape == targets.shape == mask.shape == (50, seq_len) and mask.dtype == torch.bool
+    assert (mask.sum(1) == pairs).all()
+    assert (targets[~mask] == IGNORE).all()
+    for row, tgt, m in zip(tokens.tolist(), targets.tolist(), mask.tolist()):
+        prefix_keys, prefix_values = row[0:2 * pairs:2], row[1:2 * pairs:2]
+        assert len(set(prefix_keys)) == pairs and all(k in keys for k in prefix_keys)
+        assert all(v in values for v in prefix_values)
+        value_of = dict(zip(prefix_keys, prefix_values))
+        queries = [t for t in range(seq_len) if m[t]]
+        assert all(t >= 2 * pairs for t in queries)
+        assert sorted(row[t] for t in queries) == sorted(prefix_keys)  # each key queried once
+        for t in queries:  # the target is the key's value, and teacher forcing reads it next
+            assert tgt[t] == value_of[row[t]] == row[t + 1]
+        answered = set(queries) | {t + 1 for t in queries}
+        filler = [row[t] for t in range(2 * pairs, seq_len) if t not in answered]
+        assert all(tok in set(noise.tolist()) for tok in filler)
+
+
+def test_mqar_is_seeded_and_ranges_can_be_chosen():
+    a, b = mqar_batch(4, 32, 4, 64, rng=7), mqar_batch(4, 32, 4, 64, rng=7)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    tokens, targets, mask = mqar_batch(20, 32, 4, 64, key_range=(0, 10), value_range=(40, 50))
+    assert ((tokens[:, 0:8:2] >= 0) & (tokens[:, 0:8:2] < 10)).all()
+    assert ((targets[mask] >= 40) & (targets[mask] < 50)).all()
+    assert mqar_chance(64, (0, 10), (40, 50)) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(n=2, seq_len=15, pairs=4, vocab_size=64), "too short for 4 pairs"),
+    (dict(n=2, seq_len=64, pairs=8, vocab_size=16), "vocab 16 is too small"),
+    (dict(n=2, seq_len=64, pairs=0, vocab_size=64), "at least one"),
+    (dict(n=2, seq_len=64, pairs=2, vocab_size=64, key_range=(0, 40), value_range=(30, 64)), "overlap"),
+    (dict(n=2, seq_len=64, pairs=2, vocab_size=64, key_range=(0, 32), value_range=(32, 64)), "no id left"),
+])
+def test_mqar_rejects_impossible_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        mqar_batch(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def test_an_oracle_scores_100_and_a_random_guesser_scores_chance():
+    vocab, n, pairs = 64, 256, 8
+    tokens, targets, mask = mqar_batch(n, 64, pairs, vocab, rng=3)
+    assert mqar_accuracy_eager(RecallOracle(vocab), tokens, targets, mask) == 1.0
+    chance = mqar_chance(vocab)  # 1/32: a uniform guess among the value ids
+    acc = mqar_accuracy_eager(RandomGuesser(vocab, mqar_ranges(vocab)[2], seed=0), tokens, targets, mask)
+    queries = n * pairs
+    sd = math.sqrt(chance * (1 - chance) / queries)  # binomial: 2,048 queries, sd ~0.0038
+    assert abs(acc - chance) < 4 * sd
+    # the answers score 100%; spoiling one sequence's answers costs exactly its share
+    preds = torch.where(mask, targets, -1)
+    assert score(preds, targets, mask) == 1.0
+    preds[0][mask[0]] = 0
+    assert score(preds, targets, mask) == pytest.approx(1 - pairs / queries)
+
+
+def test_serving_path_matches_the_eager_path_with_nan_pad_rows():
+    m = small_model(vocab=16)
+    eng = engine(m, max_slots=4, buckets=(16, 32))
+    poison_dummy(eng)
+    widths, pads = [], []
+    decode = eng.decode_rows
+
+    def spy(tokens, slots):  # record the widths and pad rows the probe asks for
+        widths.append(len(slots))
+        pads.append(int((slots == eng.pool.dummy).sum()))
+        return decode(tokens, slots)
+
+    eng.decode_rows = spy
+    tokens, targets, mask = mqar_batch(10, 36, 3, 16, rng=5)  # query prefixes of 6..30 tokens: both buckets
+    served = mqar_predictions_serving(eng, tokens, mask)
+    eager = mqar_predictions_eager(m, tokens)
+    assert set(widths) <= {1, 2, 4} and sum(pads) > 0  # padded ladder widths, pad rows used
+    assert eng.pool.free == 4 and not eng.pool.owners  # every slot released
+    assert torch.isfinite(eng.state.recurrent[:, :4]).all()  # NaN never left the dummy slot
+    assert argmax_agreement(served, eager) >= 0.99
+    assert score(served, targets, mask) == score(eager, targets, mask)
+    assert (served[mask] >= 0).all()  # every query was computed
+    assert mqar_accuracy_serving(eng, tokens, targets, mask) == score(served, targets, mask)
+
+    long_prefix = torch.zeros(1, 80, dtype=torch.long)
+    long_mask = torch.zeros(1, 80, dtype=torch.bool)
+    long_mask[0, 60] = True
+    with pytest.raises(ValueError, match="does not fit the largest prefill bucket 32"):
+        mqar_predictions_serving(eng, long_prefix, long_mask)
+
+
+@pytest.mark.slow
+def test_compiled_padded_serving_path_matches_eager():
+    m = small_model(vocab=16)
+    eng = engine(m, max_slots=4, buckets=(32,), compile_scope="block")
+    configure_compiler(eng.graphs_needed() + 8)
+    eng.warmup()
+    poison_dummy(eng)
+    tokens, targets, mask = mqar_batch(12, 32, 3, 16, rng=2)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        served = mqar_predictions_serving(eng, tokens, mask)
+    eager = mqar_predictions_eager(m, tokens)  # force_eager inside: no new graphs
+    assert torch.isfinite(eng.state.recurrent[:, :4]).all()
+    assert argmax_agreement(served, eager) >= 0.99
+    assert score(served, targets, mask) == score(eager, targets, mask)
+
+
+# --------------------------------------------------------------------------- long prompts, passkey
+
+
+def test_chunked_prefill_equals_one_prefill_of_the_whole_prompt():
+    m = small_model(vocab=32)
+    eng = engine(m, buckets=(16, 32))
+    prompt = torch.randint(0, 32, (1, 77), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        chunked = prefill_long(eng, prompt[0].tolist(), slot=1)
+        state = m.allocate_state(1)
+        whole = m.prefill(prompt, state)
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(eng.state.recurrent[:, 1], state.recurrent[:, 0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="empty"):
+        prefill_long(eng, [], slot=0)
+
+
+class CharTokenizer:
+    """Stand-in for a tokenizers.Tokenizer: one id per character."""
+
+    def encode(self, text):
+        return SimpleNamespace(ids=[ord(c) % 128 for c in text])
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_passkey_prompt_layout_and_scoring():
+    tok = CharTokenizer()
+    haystack = np.array(tok.encode("lorem ipsum dolor sit amet " * 20).ids)
+    rng = np.random.default_rng(0)
+    for ctx, depth in ((120, 0.0), (300, 0.5), (900, 0.9)):  # 900 > the haystack: repeated
+        prompt = tok.decode(passkey_prompt(tok, haystack, ctx, depth, 48213, rng))
+        assert len(prompt) == ctx and prompt.endswith("What is the pass key? The pass key is")
+        at = prompt.index("The pass key is 48213")
+        filler = ctx - len(" The pass key is 48213. Remember it. 48213 is the pass key.") - len(
+            " What is the pass key? The pass key is")
+        assert abs(at - 1 - depth * filler) <= 1
+    with pytest.raises(ValueError, match="shorter than the needle"):
+        passkey_prompt(tok, haystack, 20, 0.5, 48213, rng)
+    assert passkey_found(" 48213. Remember", 48213) and passkey_found(" 48 213", 48213)
+    assert not passkey_found(" 4821", 48213)
+
+
+def test_passkey_probe_reports_every_context_and_depth():
+    m = small_model(vocab=128)
+    eng = engine(m, buckets=(16, 32))
+    poison_dummy(eng)
+    tok = CharTokenizer()
+    haystack = np.array(tok.encode("the quick brown fox jumps over the lazy dog. " * 10).ids)
+    out = passkey_probe(eng, tok, haystack, [110, 140], [0.25, 0.75], samples=2, seed=0, new_tokens=4,
+                        progress=False)
+    assert set(out["accuracy"]) == {110, 140} and set(out["accuracy_by_depth"]) == {0.25, 0.75}
+    assert out["accuracy_grid"].keys() == {110, 140} and out["accuracy_grid"][110].keys() == {0.25, 0.75}
+    assert len(out["table"]) == 8 and all(r["prompt_tokens"] in (110, 140) for r in out["table"])
+    assert all(0.0 <= a <= 1.0 for a in out["accuracy"].values())
+    assert not eng.pool.owners
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("over,dtype", [
+    (dict(), torch.float32),
+    (dict(use_short_conv=False), torch.float32),
+    (dict(n_heads=4, d_model=64, expand_k=1.0), torch.float32),
+    (dict(dtype="bfloat16"), torch.bfloat16),
+    (dict(dtype="float64"), torch.float64),
+])
+def test_measured_state_bytes_equal_the_formula(over, dtype):
+    m = small_model(vocab=32, **over).to(dtype)
+    eng = engine(m)
+    report = memory_report(m, eng, contexts=[], kv_contexts=[1024], progress=False)
+    assert report["state_bytes_measured"] == report["state_bytes_analytic"] == analytic_state_bytes(m.cfg, dtype)
+    assert report["state_bytes_measured"] == State.allocate(m.cfg, 1, dtype=dtype).nbytes
+
+
+def test_kv_cache_formula_and_the_3b_figures():
+    cfg = preset_model_config("tiny", vocab_size=97)
+    assert kv_cache_bytes(cfg, 8192) == 2 * cfg.n_layers * 8192 * cfg.d_model * 2  # K and V, bf16
+    m = small_model(vocab=32)
+    report = memory_report(m, engine(m), contexts=[], kv_contexts=[2048, 8192], progress=False)
+    assert report["kv_bytes"] == {2048: kv_cache_bytes(m.cfg, 2048), 8192: kv_cache_bytes(m.cfg, 8192)}
+    assert report["kv_bytes"][8192] == 4 * report["kv_bytes"][2048] == report["kv_bytes_8192"]
+    # the article: 29.5 MB of state per sequence, ~82x smaller than the KV cache at 8,192 tokens
+    assert report["laplace_3b_state_bytes"] == report["laplace_3b_state_bytes_analytic"]
+    assert report["laplace_3b_state_bytes"] == pytest.approx(29.5e6, rel=0.02)
+    assert report["laplace_3b_kv_bytes_8192"] == 2 * 24 * 8192 * 3072 * 2
+    assert 80 < report["laplace_3b_state_vs_kv_8192"] < 85
+    assert 2.9e9 < report["laplace_3b_params"] < 3.2e9
+
+
+def test_decode_rss_has_one_entry_per_context_and_plots_are_written(tmp_path):
+    m = small_model(vocab=32)
+    eng = engine(m, buckets=(16, 32))
+    report = memory_report(m, eng, contexts=[64, 300, 1000], kv_contexts=[2048, 8192], decode_steps=4,
+                           text=np.arange(50) % 32, progress=False)
+    assert list(report["decode_rss_bytes"]) == [64, 300, 1000]
+    assert all(v > 0 for v in report["decode_rss_bytes"].values())
+    assert report["decode_rss_flat_ratio"] >= 1.0
+    assert not eng.pool.owners
+    memory_plot(report, tmp_path / "memory.png")
+    accuracy_plot({"accuracy": {64: {4: 0.9, 8: 0.5}, 256: {4: 0.8, 8: 0.4, 16: 0.1}}, "chance": 1 / 32,
+                   "state_floats": 2048, "train_pairs": 8, "train_seq_len": 64}, tmp_path / "mqar.png")
+    assert (tmp_path / "memory.png").stat().st_size > 10_000 and (tmp_path / "mqar.png").stat().st_size > 10_000
+
+
+def test_decode_rss_without_text_uses_a_fixed_token():
+    m = small_model(vocab=32)
+    assert list(decode_rss(engine(m), [20, 40], decode_steps=2, progress=False)) == [20, 40]
+
+
+# --------------------------------------------------------------------------- MQAR training
+
+
+def test_a_short_mqar_training_run_returns_the_grid():
+    probes = ProbesSection(mqar_train_steps=4, mqar_train_d_model=32, mqar_train_heads=2, mqar_train_layers=1,
+                           mqar_train_vocab=64, mqar_train_seq_len=32, mqar_train_pairs=4,
+                           mqar_contexts=[16, 32], mqar_pairs=[2, 4, 16], mqar_samples=4)
+    result = train_mqar(probes, seed=0, progress=False)
+    assert result["accuracy"].keys() == {16, 32}
+    assert result["accuracy"][16].keys() == {2, 4} and result["accuracy"][32].keys() == {2, 4}  # 16 pairs never fit
+    assert all(0.0 <= a <= 1.0 for row in result["accuracy"].values() for a in row.values())
+    assert result["state_floats"] == 1 * 2 * 8 * 16  # layers * heads * (K/H) * (V/H)
+    assert result["state_bytes"] == analytic_state_bytes(preset_model_config(
+        "tiny", vocab_size=64, d_model=32, n_layers=1, n_heads=2, chunk_size=32, sub_chunk_size=16))
+    assert math.isfinite(result["final_loss"]) and result["train_seconds"] > 0
+    assert result["chance"] == mqar_chance(64)
+    with pytest.raises(ValueError, match="holds no MQAR pair"):
+        train_mqar(ProbesSection(mqar_train_seq_len=3), seed=0, progress=False)
+
+
+@pytest.mark.slow
+def test_default_mqar_training_recalls_few_pairs_and_degrades_with_more():
+    probes = ProbesSection(**RECOMMENDED)
+    result = train_mqar(probes, seed=0, progress=False)
+    acc = result["accuracy"]
+    easiest = acc[min(acc)][min(probes.mqar_pairs)]
+    hardest_same_context = acc[min(acc)][max(acc[min(acc)])]
+    hardest = acc[max(acc)][max(acc[max(acc)])]
+    assert easiest >= 0.9, acc  # seeds 0-3 gave 0.96-1.0
+    assert hardest_same_context < easiest - 0.1, acc
+    assert hardest < easiest - 0.1, acc
+    assert result["train_seconds"] + result["eval_seconds"] < 150  # ~45 s on 2 idle cores
+
+
+@pytest.mark.slow
+def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
+    cfg = config_from_dict({
+        "data": {"max_documents": 300, "num_proc": 1},
+        "tokenizer": {"vocab_size": 400},
+        "model": {"preset": "tiny", "d_model": 64, "n_layers": 2, "n_heads": 2, "chunk_size": 16,
+                  "sub_chunk_size": 8},
+        "train": {"steps": 2, "batch_size": 2, "seq_len": 32, "eval_every": 2, "eval_batches": 1,
+                  "checkpoint_every": 2, "warmup_steps": 1},
+        "serve": {"max_slots": 4, "prefill_buckets": [32, 64], "max_prompt_tokens": 64},
+        "probes": {"mqar_contexts": [32, 128], "mqar_pairs": [2, 4], "mqar_samples": 6,
+                   "passkey_contexts": [64, 200], "passkey_depths": [0.5], "passkey_samples": 1,
+                   "memory_contexts": [128, 1024], "kv_contexts": [2048, 8192],
+                   "mqar_train_steps": 3, "mqar_train_d_model": 32, "mqar_train_layers": 1,
+                   "mqar_train_vocab": 64, "mqar_train_seq_len": 32, "mqar_train_pairs": 4},
+    })
+    data = tmp_path / "data"
+    tokenize_corpus(cfg.data, cfg.tokenizer, data, cfg.seed)
+    trained = train(cfg, data, tmp_path / "run", progress=False)
+    export_model(ckpt.load_checkpoint(trained.checkpoint), data / "tokenizer.json", tmp_path / "export")
+
+    metrics = run_probes(cfg, tmp_path / "export", data, tmp_path / "plots", progress=False)
+    json.dumps(metrics)  # JSON-ready: string keys all the way down
+    assert metrics["passed"] and metrics["mqar_paths_agree"] and metrics["state_bytes_match"]
+    assert metrics["mqar_serving_vs_eager_agreement"] >= 0.99
+    assert set(metrics["mqar_accuracy"]) == {"32", "128"}  # 128 > the largest bucket: eager only, noted
+    assert any("context 128" in note for note in metrics["notes"])
+    assert set(metrics["mqar_trained_accuracy"]) == {"32", "128"}
+    assert set(metrics["mqar_trained_accuracy"]["32"]) == {"2", "4"}
+    assert set(metrics["passkey_accuracy"]) == {"64", "200"}
+    assert set(metrics["decode_rss_bytes"]) == {"128", "1024"} and metrics["decode_rss_flat_ratio"] >= 1.0
+    assert set(metrics["kv_bytes"]) == {"2048", "8192"}
+    for key in ("state_bytes_measured", "state_bytes_analytic", "kv_bytes_8192", "laplace_3b_state_bytes",
+                "laplace_3b_kv_bytes_8192", "laplace_3b_state_vs_kv_8192", "mqar_trained_state_bytes"):
+        assert metrics[key] > 0, key
+    for name in ("probes_mqar.png", "probes_memory.png", "probes_mqar.json", "probes_passkey.json"):
+        assert (tmp_path / "plots" / name).stat().st_size > 0, name
