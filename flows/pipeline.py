@@ -93,6 +93,11 @@ def _summary_markdown(info: dict, root: Path) -> str:
                  ("greedy agreement compiled vs eager (fp32 / bf16)",
                   f"{nm['greedy_agreement_fp32']:.1%} / {nm['greedy_agreement_bf16']:.1%}"),
                  ("numerics gates", "passed" if nm["passed"] else "MISSED")]
+    if pr := info.get("probes"):
+        rows += [("MQAR accuracy of the trained-on-MQAR GLA (context: pairs)",
+                  "; ".join(f"{c}: " + ", ".join(f"{k}p {v:.0%}" for k, v in sorted(g.items(), key=lambda x: int(x[0])))
+                            for c, g in sorted((pr.get("mqar_trained_accuracy") or {}).items(), key=lambda x: int(x[0])))),
+                 ("state bytes / KV bytes at 8192", f"{pr['state_bytes_measured']:,} / {pr['kv_bytes_8192']:,}")]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return f"# Laplace pipeline\n\n| figure | value |\n|---|---|\n{table}\n"
 

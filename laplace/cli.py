@@ -123,6 +123,17 @@ def print_summary(info: dict, root: Path) -> None:
         print(f"numerics    fp32 compiled vs fp64 rel RMS {f32['rel_rms_compiled_vs_fp64']:.1e}, max |compiled-eager| "
               f"{nm['max_abs_logit_diff_fp32']:.1e}; bf16 compiled {b16['rel_rms_compiled_vs_fp64']:.1e} vs eager "
               f"{b16['rel_rms_eager_vs_fp64']:.1e}; gates {'passed' if nm['passed'] else 'MISSED'}")
+    if pr := info.get("probes"):
+        grid = pr.get("mqar_trained_accuracy") or {}
+        if grid:
+            ctx = sorted(grid, key=int)
+            easy, hard = grid[ctx[0]], grid[ctx[-1]]
+            print(f"probes      MQAR-trained GLA: {max(easy.values()):.0%} at {ctx[0]} tokens, "
+                  f"{min(hard.values()):.0%} at {ctx[-1]}; exported model MQAR "
+                  f"{max(pr['mqar_accuracy'].values()):.0%}, passkey {pr['passkey_accuracy_overall']:.0%}")
+        print(f"            state {pr['state_bytes_measured']:,} B/sequence vs KV@8192 {pr['kv_bytes_8192']:,} B; "
+              f"3B: {pr['laplace_3b_state_bytes'] / 1e6:.1f} MB vs {pr['laplace_3b_kv_bytes_8192'] / 1e9:.2f} GB "
+              f"({pr['laplace_3b_state_vs_kv_8192']:.1f}x)")
     if trk:
         version = f", registered {trk['model_name']} v{trk['model_version']}" if trk.get("model_version") else ""
         print(f"mlflow      run {trk['run_id']} in {trk['tracking_uri']}{version}"
