@@ -48,7 +48,7 @@ TINY_PARAMS = {
     "probes.mqar_contexts": [32, 64],
     "probes.mqar_pairs": [2, 4],
     "probes.mqar_samples": 4,
-    "probes.passkey_contexts": [64, 128],
+    "probes.passkey_contexts": [128, 256],  # the needle and question alone take ~80 tokens at vocab 300
     "probes.passkey_depths": [0.5],
     "probes.passkey_samples": 1,
     "probes.memory_contexts": [128, 512],
