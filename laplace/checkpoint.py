@@ -1,15 +1,18 @@
-"""Training checkpoints: safetensors + JSON, written atomically, verified on load.
+"""Training checkpoints: torch.distributed.checkpoint in safetensors, written atomically, verified.
 
 Layout of one checkpoint (runs/train/checkpoints/step_000100/):
-    model.safetensors      parameters
-    optimizer.safetensors  optimizer state as named tensors
-    trainer.json           step, history, config digest
-    MANIFEST.json          sizes and sha256 of the files above, written last
+    shard-0000R-model-00001-of-00001.safetensors   one file per rank (DCP's safetensors storage):
+                                                    the parameters (replicated, written once) and
+                                                    that rank's flat shards of the optimizer state
+    trainer.json                                    step, history, run fingerprint, world size
+    MANIFEST.json                                   sizes and sha256 of the files above, written last
 
-A checkpoint is written into a hidden staging directory, every file fsynced, the
-manifest written last, then the directory is renamed into place. On load the
-newest checkpoint whose manifest and checksums verify wins; a damaged one is
-skipped with a warning naming the file.
+Every rank writes into one hidden staging directory; rank 0 then writes trainer.json
+and the manifest, fsyncs and renames the directory into place. A load at another world
+size reads the saved shards into the new sharding. The newest checkpoint whose
+manifest and checksums verify wins; a damaged one is skipped with a warning naming
+the file. Nothing is unpickled: DCP's safetensors storage keeps its metadata in the
+safetensors headers.
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from laplace.fileio import atomic_write_json, replace_dir, sha256_file, staging_dir
+from laplace.fileio import atomic_write_json, replace_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +44,7 @@ class Checkpoint:
     path: Path
     step: int
     model: dict[str, torch.Tensor]
-    optimizer: dict[str, torch.Tensor]
     trainer: dict[str, Any]
-
-
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # clone: safetensors refuses tensors that share storage (tied weights)
-    return {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
 
 
 def write_manifest(directory: Path, step: int) -> None:
@@ -81,31 +77,6 @@ def verify_manifest(directory: Path) -> tuple[bool, str]:
     return True, ""
 
 
-def save_checkpoint(
-    root: Path,
-    step: int,
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict[str, torch.Tensor],
-    trainer: dict[str, Any],
-    keep: int = 2,
-) -> Path:
-    """Write checkpoint `step` atomically under `root` and prune all but the newest `keep`."""
-    root = Path(root)
-    final = root / f"step_{step:06d}"
-    tmp = staging_dir(final)
-    try:
-        save_file(_contiguous(model_state), str(tmp / "model.safetensors"), metadata={"step": str(step)})
-        save_file(_contiguous(optimizer_state), str(tmp / "optimizer.safetensors"), metadata={"step": str(step)})
-        atomic_write_json(tmp / "trainer.json", {**trainer, "step": step})
-        write_manifest(tmp, step)
-        replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    prune_checkpoints(root, keep)
-    return final
-
-
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Completed checkpoint directories, newest first (staging directories are ignored)."""
     root = Path(root)
@@ -122,22 +93,37 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
 def prune_checkpoints(root: Path, keep: int) -> None:
     for _, p in list_checkpoints(root)[keep:]:
         shutil.rmtree(p, ignore_errors=True)
-    for p in Path(root).glob(".step_*.partial-*"):
+    for p in Path(root).glob(".step_*.partial*"):
         shutil.rmtree(p, ignore_errors=True)  # leftovers of killed writes
 
 
+def model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The parameters stored in a checkpoint, read straight from its safetensors files (no
+    process group needed): they are replicated, so each is stored whole once."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            offsets = json.loads((f.metadata() or {}).get(CUSTOM_METADATA_KEY, "{}"))
+            for key in f.keys():
+                if key.startswith("model."):
+                    if any(offsets.get(key, {}).get(SAVED_OFFSETS_KEY, [0])):
+                        raise CheckpointError(f"{file}: parameter {key} is stored sharded, expected whole")
+                    out[key[len("model."):]] = f.get_tensor(key)
+    if not out:
+        raise CheckpointError(f"{path}: holds no parameters")
+    return out
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
+    """A verified checkpoint's parameters and trainer record (for export and inspection)."""
     ok, reason = verify_manifest(path)
     if not ok:
         raise CheckpointError(reason)
-    trainer = json.loads((path / "trainer.json").read_text())
-    return Checkpoint(
-        path=path,
-        step=int(trainer["step"]),
-        model=load_file(str(path / "model.safetensors")),
-        optimizer=load_file(str(path / "optimizer.safetensors")),
-        trainer=trainer,
-    )
+    trainer = json.loads((Path(path) / "trainer.json").read_text())
+    return Checkpoint(path=Path(path), step=int(trainer["step"]), model=model_tensors(path), trainer=trainer)
 
 
 def latest_checkpoint(root: Path) -> Checkpoint | None:
@@ -148,3 +134,83 @@ def latest_checkpoint(root: Path) -> Checkpoint | None:
         except (CheckpointError, OSError, ValueError, KeyError) as exc:
             log.warning("skipping damaged checkpoint %s: %s", path, exc)
     return None
+
+
+# --------------------------------------------------------------------------- sharded (DCP)
+#
+# Distributed training checkpoints go through torch.distributed.checkpoint with its
+# safetensors storage (HuggingFaceStorageWriter/Reader): every rank writes its own
+# shard file, the metadata lives in the safetensors headers (no pickle), and a load at
+# another world size reads the saved shards into the new sharding. The staging
+# directory, manifest and rename around it are the same as above.
+
+
+def _flat_dtensor(local: torch.Tensor, total: int, mesh):
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, mesh, [Shard(0)], shape=(total,), stride=(1,), run_check=False)
+
+
+def _dcp_state(model, optimizer, mesh) -> dict:
+    state = {f"model.{name}": p.detach() for name, p in model.named_parameters()}
+    total = optimizer.layout.total
+    state.update({f"optim.{k}": _flat_dtensor(v, total, mesh) for k, v in optimizer.state_tensors().items()})
+    return state
+
+
+def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any], keep: int, mesh) -> Path:
+    """Collective: every rank calls it. Writes checkpoint `step` atomically under `root`."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    root = Path(root)
+    final = root / f"step_{step:06d}"
+    staging = root / f".step_{step:06d}.partial"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # a killed writer's leftovers
+        staging.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_dcp_state(model, optimizer, mesh), storage_writer=HuggingFaceStorageWriter(str(staging),
+                                                                                          save_distributed=True))
+    dist.barrier()
+    if rank == 0:
+        atomic_write_json(staging / "trainer.json", {**trainer, "step": step, "world_size": dist.get_world_size()})
+        write_manifest(staging, step)
+        replace_dir(staging, final)
+        prune_checkpoints(root, keep)
+    dist.barrier()
+    return final
+
+
+def load_sharded(path: Path, model, optimizer, mesh) -> dict[str, Any]:
+    """Collective: fill the model and this rank's optimizer shards from checkpoint `path`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    state = _dcp_state(model, optimizer, mesh)
+    with torch.no_grad():
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    optimizer.load_master()
+    return json.loads((Path(path) / "trainer.json").read_text())
+
+
+def latest_verified(root: Path) -> Path | None:
+    """Rank 0 picks the newest checkpoint that verifies (damaged ones skipped with a warning);
+    every rank gets the same answer."""
+    import torch.distributed as dist
+
+    from laplace.distributed import broadcast_int
+
+    choice = -1
+    found = list_checkpoints(root)
+    if dist.get_rank() == 0:
+        for i, (_, path) in enumerate(found):
+            ok, reason = verify_manifest(path)
+            if ok:
+                choice = i
+                break
+            log.warning("skipping damaged checkpoint %s: %s", path, reason)
+    choice = broadcast_int(choice)
+    return None if choice < 0 else list_checkpoints(root)[choice][1]

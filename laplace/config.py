@@ -228,7 +228,12 @@ class TrainSection:
     checkpoint_every: int = knob(100, _positive)
     keep_checkpoints: int = knob(2, _positive)
     log_every: int = knob(10, _positive)
-    nproc_per_node: int = knob(1, _positive)
+    nproc_per_node: int = knob(1, _positive, "ranks per node; > 1 launches torchrun")
+    nnodes: int = knob(1, _positive)
+    node_rank: int = knob(0, _non_negative)
+    rdzv_endpoint: str = knob("", doc="host:port of the c10d rendezvous; empty = one node, --standalone")
+    rdzv_id: str = knob("laplace", doc="rendezvous id shared by the nodes of one job")
+    max_restarts: int = knob(0, _non_negative, "torchrun restarts the whole job this often after a failure")
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,8 @@ class MuonSection:
     eps: float = knob(1e-7, _positive)
     weight_decay: float = knob(0.0, _non_negative)
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = knob("original")
+    comm: Literal["alltoall", "allgather"] = knob(
+        "alltoall", doc="sharded Newton-Schulz: whole matrices on owner ranks (two all-to-alls) or everywhere")
 
 
 @dataclass(frozen=True)
@@ -515,6 +522,14 @@ def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
 def config_from_dict(raw: dict) -> Config:
     cfg = _build(Config, raw, "")
     cfg.model_config()  # validates preset and architecture overrides now, not at first use
+    t = cfg.train
+    if t.nnodes > 1 and not t.rdzv_endpoint:
+        raise ConfigError("train.rdzv_endpoint: required (host:port) when train.nnodes > 1")
+    if t.node_rank >= t.nnodes:
+        raise ConfigError(f"train.node_rank: must be < train.nnodes={t.nnodes}, got {t.node_rank}")
+    if t.batch_size % (t.nproc_per_node * t.nnodes):
+        raise ConfigError(f"train.batch_size: {t.batch_size} is not divisible by the "
+                          f"{t.nproc_per_node * t.nnodes} ranks (nproc_per_node x nnodes)")
     return cfg
 
 

@@ -139,18 +139,45 @@ def probes(cfg: Config, paths: Paths) -> dict:
     return write_metrics(paths, "probes", metrics)
 
 
-def train_stage(cfg: Config, paths: Paths, **kwargs) -> dict:
+def run_training(cfg: Config, paths: Paths, resume: bool = True, stop_at_step: int | None = None):
+    """Train in this process, or under torchrun when train.nproc_per_node / nnodes ask for more ranks.
+    Returns (metrics, history, checkpoint path)."""
+    from laplace import distributed
+
+    if not distributed.needs_torchrun(cfg.train):
+        result = train(cfg, paths.data_dir, paths.run_dir, resume=resume, stop_at_step=stop_at_step)
+        return result.metrics, result.history, result.checkpoint
+    import tempfile
+
+    from laplace.fileio import atomic_write_json
+    from laplace.repro import run_streaming, subprocess_env
+
+    with tempfile.TemporaryDirectory(prefix="laplace-train-") as tmp:
+        cfg_file, out = Path(tmp) / "config.json", Path(tmp) / "result.json"
+        atomic_write_json(cfg_file, cfg.to_dict())
+        args = ["--config-json", str(cfg_file), "--data-dir", str(paths.data_dir), "--run-dir", str(paths.run_dir),
+                "--out", str(out)] + (["--no-resume"] if not resume else []) + \
+               (["--stop-at-step", str(stop_at_step)] if stop_at_step else [])
+        status, tail = run_streaming(distributed.torchrun_command(cfg.train, "laplace.train", args), paths.root,
+                                     subprocess_env(), lambda line: print(line, flush=True))
+        if status != 0:
+            raise RuntimeError(f"torchrun exited with status {status}: {tail.splitlines()[-1] if tail else ''}")
+        result = json.loads(out.read_text())
+    return result["metrics"], result["history"], Path(result["checkpoint"]) if result["checkpoint"] else None
+
+
+def train_stage(cfg: Config, paths: Paths, resume: bool = True) -> dict:
     from laplace.plots import training_curve, write_rows  # matplotlib: only when plotting
 
-    result = train(cfg, paths.data_dir, paths.run_dir, **kwargs)
-    metrics = dict(result.metrics)
-    metrics["checkpoint"] = str(result.checkpoint.relative_to(paths.root)) if result.checkpoint else None
+    metrics, history, checkpoint = run_training(cfg, paths, resume=resume)
+    metrics = dict(metrics)
+    metrics["checkpoint"] = str(checkpoint.relative_to(paths.root)) if checkpoint else None
     write_rows(paths.plots_dir / "train_loss.json",
                [{"step": h["step"], "loss": h["loss"], "tokens_per_s": h.get("tokens_per_s")}
-                for h in result.history if "loss" in h])
+                for h in history if "loss" in h])
     write_rows(paths.plots_dir / "val_loss.json",
-               [{"step": h["step"], "val_loss": h["val_loss"]} for h in result.history if "val_loss" in h])
-    training_curve(result.history, paths.plots_dir / "train_curve.png")
+               [{"step": h["step"], "val_loss": h["val_loss"]} for h in history if "val_loss" in h])
+    training_curve(history, paths.plots_dir / "train_curve.png")
     write_metrics(paths, "train", metrics)
     return metrics
 

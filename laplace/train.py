@@ -29,7 +29,6 @@ from laplace import checkpoint as ckpt
 from laplace.config import Config, TrainSection
 from laplace.data import open_split, read_manifest, sample_batch, validation_batches
 from laplace.model.lm import LaplaceLM
-from laplace.optim.muon import MuonAdamW
 from laplace.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -104,6 +103,18 @@ class TrainResult:
     checkpoint: Path | None = None
 
 
+def traffic_metrics(gathered: dict[str, dict[str, list[int]]], steps: int) -> dict:
+    """Per-rank bytes per optimizer step: by collective, and Muon's total (sent + received)."""
+    world = len(next(iter(gathered.values()))["sent"])
+    per_rank = {c: [(v["sent"][r] + v["received"][r]) / steps for r in range(world)] for c, v in gathered.items()}
+    muon = [sum(per_rank[c][r] for c in per_rank if c.startswith("muon_")) for r in range(world)]
+    out = {f"{c}_bytes_per_rank_per_step_max": max(v) for c, v in per_rank.items() if max(v) > 0}
+    out["muon_bytes_per_rank_per_step_max"] = max(muon)
+    out["muon_bytes_per_rank_per_step_mean"] = sum(muon) / world
+    out["by_rank"] = {c: v for c, v in per_rank.items() if max(v) > 0}
+    return out
+
+
 def train(
     cfg: Config,
     data_dir: Path,
@@ -117,10 +128,18 @@ def train(
 ) -> TrainResult:
     """Train cfg.model on the tokenized data in `data_dir`, checkpointing into `run_dir`.
 
+    Runs in a process group of any size (torchrun's, or a one-rank group): each rank takes
+    its slice of the global batch; gradients are reduce-scattered and the Muon/AdamW state
+    is sharded (laplace.optim.sharded); checkpoints are torch.distributed.checkpoint.
     `stop_at_step` ends the run early after that step's checkpoint (used to test resume).
     `on_log` receives each logged row (step, loss, lr, tokens_per_s, val_loss when evaluated).
     `before_step(step, model)` runs before each step (profiling, fault injection in tests).
     """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from laplace import distributed
+    from laplace.optim.sharded import ShardedMuonAdamW
+
     t = cfg.train
     device = resolve_device(t.device)
     manifest = read_manifest(data_dir)
@@ -129,103 +148,123 @@ def train(
         raise ValueError(
             f"tokenizer vocab {manifest['vocab_size']} is larger than model.vocab_size {model_cfg.vocab_size}"
         )
-    train_tokens = open_split(data_dir, "train", verify=True)
-    val_tokens = open_split(data_dir, "val", verify=True)
-    val_batches = validation_batches(val_tokens, t.batch_size, t.seq_len, t.eval_batches)
+    group = distributed.join(device)
+    try:
+        if t.batch_size % group.world:
+            raise ValueError(f"train.batch_size {t.batch_size} is not divisible by the world size {group.world}")
+        mesh = init_device_mesh(device.type, (group.world,))
+        train_tokens = open_split(data_dir, "train", verify=True)
+        val_tokens = open_split(data_dir, "val", verify=True)
+        val_batches = validation_batches(val_tokens, t.batch_size, t.seq_len, t.eval_batches)
 
-    torch.manual_seed(cfg.seed)
-    model = LaplaceLM(model_cfg).to(device)
-    optimizer = MuonAdamW(model, t.lr, cfg.adamw, cfg.muon)
-    ckpt_root = Path(run_dir) / "checkpoints"
+        torch.manual_seed(cfg.seed)
+        model = LaplaceLM(model_cfg).to(device)
+        optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon, comm=cfg.muon.comm)
+        return _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train_tokens,
+                     val_batches, Path(run_dir), resume, stop_at_step, on_log, before_step, progress)
+    finally:
+        distributed.leave(group)
 
+
+def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train_tokens, val_batches, run_dir,
+          resume, stop_at_step, on_log, before_step, progress) -> TrainResult:
+    from laplace.distributed import all_mean
+
+    t = cfg.train
+    ckpt_root = run_dir / "checkpoints"
     fingerprint = run_fingerprint(cfg, model_cfg, manifest)
     start_step, history = 0, []
-    found = ckpt.latest_checkpoint(ckpt_root) if resume else None
-    if found is not None and found.trainer.get("fingerprint") != fingerprint:
+    found = ckpt.latest_verified(ckpt_root) if resume else None
+    if found is not None and json.loads((found / "trainer.json").read_text()).get("fingerprint") != fingerprint:
         # Another run's checkpoints (params or data changed): keep them one generation back, start over.
-        previous = Path(run_dir) / "previous"
-        shutil.rmtree(previous, ignore_errors=True)
-        ckpt_root.rename(previous)
-        log.warning("checkpoints in %s belong to another run (settings or data changed); moved to %s, "
-                    "training from step 0", ckpt_root, previous)
+        if group.is_main:
+            previous = run_dir / "previous"
+            shutil.rmtree(previous, ignore_errors=True)
+            ckpt_root.rename(previous)
+            log.warning("checkpoints in %s belong to another run (settings or data changed); moved to %s, "
+                        "training from step 0", ckpt_root, previous)
+        from laplace.distributed import barrier
+
+        barrier()
         found = None
     if found is not None:
-        model.load_state_dict(found.model)
-        optimizer.load_state_tensors(found.optimizer)
-        start_step, history = found.step, list(found.trainer.get("history", []))
-        log.info("resumed from %s (step %d)", found.path, start_step)
+        trainer = ckpt.load_sharded(found, model, optimizer, mesh)
+        start_step, history = int(trainer["step"]), list(trainer.get("history", []))
+        optimizer.set_adamw_steps(start_step)
+        if group.is_main:
+            log.info("resumed from %s (step %d, saved at world size %s, now %d)", found, start_step,
+                     trainer.get("world_size"), group.world)
 
-    step_fn = model
-    if t.compile:
-        step_fn = torch.compile(model, fullgraph=True, dynamic=False)
+    step_fn = torch.compile(model, fullgraph=True, dynamic=False) if t.compile else model
 
     def save(step: int) -> Path:
         trainer = {"history": history, "model_config": model_cfg.to_dict(), "fingerprint": fingerprint}
-        return ckpt.save_checkpoint(
-            ckpt_root, step, model.state_dict(), optimizer.state_tensors(), trainer, keep=t.keep_checkpoints
-        )
+        return ckpt.save_sharded(ckpt_root, step, model, optimizer, trainer, t.keep_checkpoints, mesh)
 
     if start_step == 0 and not history:
-        val0 = evaluate(model, val_batches, t.precision, device)
-        history.append({"step": 0, "val_loss": val0})
-        if on_log:
+        history.append({"step": 0, "val_loss": evaluate(model, val_batches, t.precision, device)})
+        if on_log and group.is_main:
             on_log(history[-1])
 
     tokens_per_step = t.batch_size * t.seq_len
     last_path = None
-    bar = tqdm(range(start_step, t.steps), initial=start_step, total=t.steps, disable=not progress,
+    bar = tqdm(range(start_step, t.steps), initial=start_step, total=t.steps, disable=not progress or not group.is_main,
                desc="train", unit="step", dynamic_ncols=True)
     window_start, window_tokens = time.perf_counter(), 0
-    run_start, run_tokens = time.perf_counter(), 0
+    run_start, run_tokens, steps_run = time.perf_counter(), 0, 0
+    optimizer.meter.reset()
     model.train()
     for step in bar:
         if before_step is not None:
             before_step(step, model)
         scale = lr_scale(step, t)
         optimizer.set_lr_scale(scale)
-        x, y = sample_batch(train_tokens, step, t.batch_size, t.seq_len, cfg.seed)
+        x, y = sample_batch(train_tokens, step, t.batch_size, t.seq_len, cfg.seed, group.rank, group.world)
         x, y = x.to(device), y.to(device)
         with autocast_context(t.precision, device):
             loss = cross_entropy(step_fn(x), y)
-        if not torch.isfinite(loss):
-            raise TrainingDiverged(f"loss is {loss.item()} at step {step + 1}; last good checkpoint kept in {ckpt_root}")
+        mean_loss = all_mean(loss)  # every rank sees the same value, so every rank stops together
+        if not torch.isfinite(mean_loss):
+            raise TrainingDiverged(f"loss is {mean_loss.item()} at step {step + 1}; last good checkpoint kept in "
+                                   f"{ckpt_root}")
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
-        optimizer.step()
+        grad_norm = optimizer.step(max_grad_norm=t.grad_clip)
         optimizer.zero_grad()
         done = step + 1
+        steps_run += 1
         window_tokens += tokens_per_step
         run_tokens += tokens_per_step
 
         row = None
         if done % t.log_every == 0 or done == t.steps:
             elapsed = time.perf_counter() - window_start
-            row = {"step": done, "loss": loss.item(), "lr_scale": scale, "grad_norm": grad_norm.item(),
+            row = {"step": done, "loss": mean_loss.item(), "lr_scale": scale, "grad_norm": grad_norm,
                    "tokens_per_s": window_tokens / max(elapsed, 1e-9)}
             window_start, window_tokens = time.perf_counter(), 0
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
         if done % t.eval_every == 0 or done == t.steps:
-            row = row or {"step": done, "loss": loss.item(), "lr_scale": scale}
+            row = row or {"step": done, "loss": mean_loss.item(), "lr_scale": scale}
             row["val_loss"] = evaluate(model, val_batches, t.precision, device)
         if row is not None:
             history.append(row)
-            if on_log:
+            if on_log and group.is_main:
                 on_log(row)
-        if done % t.checkpoint_every == 0 or done == t.steps:
+        if done % t.checkpoint_every == 0 or done == t.steps or (stop_at_step is not None and done >= stop_at_step):
             last_path = save(done)
         if stop_at_step is not None and done >= stop_at_step:
-            if last_path is None or not last_path.name.endswith(f"{done:06d}"):
-                last_path = save(done)
             break
     bar.close()
 
     run_seconds = time.perf_counter() - run_start
+    traffic = traffic_metrics(optimizer.meter.gather(), steps_run) if steps_run else {}
     evals = [h for h in history if "val_loss" in h]
     losses = [h for h in history if "loss" in h]
     metrics = {
         "steps": history[-1]["step"] if history else 0,
         "params": model.num_parameters(),
         "tokens_per_step": tokens_per_step,
+        "world_size": group.world,
+        "muon_comm": cfg.muon.comm,
         "val_loss_initial": evals[0]["val_loss"] if evals else None,
         "val_loss": evals[-1]["val_loss"] if evals else None,
         "val_ppl": math.exp(min(evals[-1]["val_loss"], 50)) if evals else None,
@@ -233,7 +272,41 @@ def train(
         "tokens_per_s": run_tokens / run_seconds if run_tokens else None,
         "train_seconds_this_run": run_seconds,
         "resumed_from_step": start_step,
+        "traffic": traffic,
     }
     if last_path is None and (latest := ckpt.list_checkpoints(ckpt_root)):
         last_path = latest[0][1]
     return TrainResult(metrics=metrics, history=history, checkpoint=last_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The torchrun entry point: `torchrun ... -m laplace.train --config-json C --data-dir D --run-dir R --out O`.
+    Every rank trains; rank 0 writes the result (metrics and history) to --out."""
+    import argparse
+    import os
+
+    from laplace.config import config_from_dict
+    from laplace.fileio import atomic_write_json
+
+    parser = argparse.ArgumentParser(description="distributed training worker (run by torchrun)")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stop-at-step", type=int, default=None)
+    parser.add_argument("--no-resume", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
+    result = train(cfg, Path(args.data_dir), Path(args.run_dir), resume=not args.no_resume,
+                   stop_at_step=args.stop_at_step)
+    if int(os.environ.get("RANK", "0")) == 0:
+        atomic_write_json(args.out, {"metrics": result.metrics, "history": result.history,
+                                     "checkpoint": str(result.checkpoint) if result.checkpoint else None})
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -34,7 +34,7 @@ def client(repo):
     return MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
 
 
-STAGES = ["tokenize", "warmup", "train", "export", "serve-check", "numerics", "track"]
+STAGES = ["tokenize", "warmup", "train", "export", "serve-check", "numerics", "probes", "track"]
 
 
 def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
@@ -43,7 +43,8 @@ def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
     assert sorted(order) == sorted(STAGES)
     for before, after in [("tokenize", "warmup"), ("tokenize", "train"), ("train", "export"),
                           ("export", "serve-check"), ("warmup", "serve-check"), ("export", "numerics"),
-                          ("serve-check", "track"), ("numerics", "track")]:
+                          ("export", "probes"), ("serve-check", "track"), ("numerics", "track"),
+                          ("probes", "track")]:
         assert order.index(before) < order.index(after), (before, after, order)
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert set(lock["stages"]) == set(STAGES)
@@ -117,8 +118,10 @@ def test_second_repro_is_a_no_op(repo, first_run):
 
 def test_params_change_reruns_only_downstream_and_experiments_compare(repo, first_run):
     commit_all(repo, "baseline pipeline run")
-    out = run(DVC + ["exp", "run", "--set-param", "train.lr=0.001", "--name", "lower-lr"], repo)
-    assert ran_stages(out.stdout) == {"train", "export", "serve-check", "numerics", "track"}  # not tokenize/warmup
+    # a lower learning rate, trained by 2 ranks under torchrun (sharded Muon)
+    out = run(DVC + ["exp", "run", "--set-param", "train.lr=0.001", "--set-param", "train.nproc_per_node=2",
+                     "--name", "lower-lr"], repo)
+    assert ran_stages(out.stdout) == {"train", "export", "serve-check", "numerics", "probes", "track"}  # not tokenize/warmup
     shown = json.loads(run(DVC + ["exp", "show", "--json"], repo).stdout)
     assert "lower-lr" in json.dumps(shown)
     diff = json.loads(run(DVC + ["metrics", "diff", "--json"], repo).stdout)
@@ -129,6 +132,8 @@ def test_params_change_reruns_only_downstream_and_experiments_compare(repo, firs
     runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
     assert [r.data.params["train.lr"] for r in runs] == ["0.003", "0.001"]
     assert runs[1].data.tags.get("dvc_experiment") == "lower-lr"
+    assert runs[1].data.metrics["train/world_size"] == 2 and runs[0].data.metrics["train/world_size"] == 1
+    assert runs[1].data.metrics["train/traffic/muon_bytes_per_rank_per_step_max"] > 0
     assert int(c.get_model_version_by_alias("laplace-gla", "candidate").version) == 2
     assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
 
