@@ -141,6 +141,9 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
         bad("n_heads", f"value dim d_model*expand_v={m.value_dim} is not divisible by n_heads={m.n_heads}")
     if m.chunk_size % m.sub_chunk_size:
         bad("sub_chunk_size", f"{m.sub_chunk_size} does not divide chunk_size={m.chunk_size}")
+    if m.sub_chunk_size > 32:
+        bad("sub_chunk_size", f"must be <= 32, got {m.sub_chunk_size}: the gate floor that keeps the "
+                              "chunked form exact, -80/(sub/2) per token, would cut real decays")
     if m.conv_size < 2 and m.use_short_conv:
         bad("conv_size", "must be >= 2 when use_short_conv is true")
     if m.dtype not in MODEL_DTYPES:

@@ -29,7 +29,7 @@ from laplace import checkpoint as ckpt
 from laplace.config import Config, TrainSection
 from laplace.data import open_split, read_manifest, sample_batch, validation_batches
 from laplace.model.lm import LaplaceLM
-from laplace.runtime import resolve_device
+from laplace.runtime import keep_cpu_allocations, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,8 @@ def train(
 
     t = cfg.train
     device = resolve_device(t.device)
+    if device.type == "cpu":
+        keep_cpu_allocations()
     manifest = read_manifest(data_dir)
     model_cfg = cfg.model_config(vocab_size=manifest["vocab_size"])
     if manifest["vocab_size"] > model_cfg.vocab_size:
@@ -247,8 +249,12 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
             row["val_loss"] = evaluate(model, val_batches, t.precision, device)
         if row is not None:
             history.append(row)
-            if on_log and group.is_main:
-                on_log(row)
+            if group.is_main:
+                # a plain line per logged step: visible in log files, where the progress bar is not
+                log.info("step %d/%d loss %.4f%s", done, t.steps, row["loss"],
+                         f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else "")
+                if on_log:
+                    on_log(row)
         if done % t.checkpoint_every == 0 or done == t.steps or (stop_at_step is not None and done >= stop_at_step):
             last_path = save(done)
         if stop_at_step is not None and done >= stop_at_step:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rel_rms
-from laplace.model.gla import chunk_gla, gla_step, naive_gla
+from laplace.model.gla import chunk_gla, gla_step, min_log_decay, naive_gla
 
 B, H, K, V = 2, 3, 16, 24
 
@@ -133,3 +133,46 @@ def test_chunked_form_compiles_to_one_static_graph():
     o_c, S_c = compiled(q, k, v, g)
     o_ref, S_ref = reference(q, k, v, g)
     assert rel_rms(o_c, o_ref) <= 1e-5 and rel_rms(S_c, S_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("sub", [8, 16, 32])
+def test_exact_at_the_decay_floor(sub):
+    """At g = min_log_decay(sub) everywhere the sub-chunk factors reach e^+-80: still finite and exact."""
+    T = 128
+    q, k, v, _ = inputs(T)
+    g = torch.full_like(q, min_log_decay(sub))
+    o_ref, S_ref = reference(q, k, v, g)
+    o, S = chunk_gla(q, k, v, g, chunk_size=64, sub_chunk_size=sub)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_rms(o, o_ref) <= 1e-5
+    assert rel_rms(S, S_ref) <= 1e-5
+    # and gradients stay finite there
+    q, k, v, g = (x.clone().requires_grad_() for x in (q, k, v, g))
+    o, _ = chunk_gla(q, k, v, g, chunk_size=64, sub_chunk_size=sub)
+    o.square().sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v, g))
+
+
+def test_the_layer_clamps_its_gate_at_the_floor():
+    from laplace.config import preset_model_config
+    from laplace.model.lm import GatedLinearAttention
+
+    cfg = preset_model_config("tiny", vocab_size=64, d_model=32, n_heads=2)
+    layer = GatedLinearAttention(cfg)
+    with torch.no_grad():
+        layer.gk_proj[1].bias.fill_(-1e4)  # a gate logit far below the floor
+        _, _, _, gk, _ = layer._qkvg(torch.randn(1, 8, 32), None, None)
+    assert gk.min().item() == min_log_decay(cfg.sub_chunk_size) == -10.0
+
+
+def test_segments_carry_the_state_exactly():
+    """Long inputs run in segments of `segment_len`; any segmentation is the same recurrence."""
+    T = 300
+    q, k, v, g = inputs(T)
+    lengths = torch.tensor([300, 211])
+    o_ref, _ = naive_gla(*(x.double() for x in (q, k, v, torch.where(
+        (torch.arange(T) < lengths[:, None])[:, :, None, None], g, 0.0))))
+    one, S_one = chunk_gla(q, k, v, g, lengths=lengths, chunk_size=32, segment_len=4096)
+    many, S_many = chunk_gla(q, k, v, g, lengths=lengths, chunk_size=32, segment_len=64)
+    assert rel_rms(many, one) <= 1e-6 and rel_rms(S_many, S_one) <= 1e-6
+    assert rel_rms(many[0], o_ref[0]) <= 1e-5

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from laplace.config import ModelConfig
-from laplace.model.gla import chunk_gla, gla_step
+from laplace.model.gla import chunk_gla, gla_step, min_log_decay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -189,6 +189,8 @@ class GatedLinearAttention(nn.Module):
             v, cv = self.v_conv(v, cv, lengths)
             new_conv = torch.cat([cq, ck, cv], dim=-1)
         gk = F.logsigmoid(self.gk_proj(x).float()) / cfg.gate_logit_normalizer
+        # fla's clamp_min: keeps the chunked form exact; every form sees the same clamped gate
+        gk = gk.clamp_min(min_log_decay(cfg.sub_chunk_size))
         B, T = x.shape[:2]
         H = self.n_heads
         q = q.view(B, T, H, self.head_k_dim)

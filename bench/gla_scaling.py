@@ -1,0 +1,137 @@
+"""Benchmark: one GLA layer's token mixing, forward + backward, against causal softmax attention.
+
+At each sequence length (batch 1, fp32, the `small` preset's width: 6 heads, key dim
+384, value dim 768) it times, side by side in one run:
+  - our chunked form (`chunk_gla`) at chunk 32, 64 and 128,
+  - our token-by-token recurrent form (`gla_step` in a loop),
+  - `scaled_dot_product_attention(is_causal=True)` with the same 768-wide q, k, v,
+and reports each form's achieved GFLOP/s against this machine's fp32 matmul peak,
+measured in the same run. Prints a table and one JSON object.
+
+    .venv/bin/python bench/gla_scaling.py [--lengths 512 1024 2048 4096 8192] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, machine, matmul_peak_gflops, median_seconds, print_table  # noqa: E402
+
+from laplace.config import preset_model_config  # noqa: E402
+from laplace.model.gla import chunk_gla, gla_step  # noqa: E402
+from laplace.runtime import keep_cpu_allocations  # noqa: E402
+
+CHUNKS = (32, 64, 128)
+
+
+def gla_inputs(T: int, H: int, K: int, V: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, H, K, generator=gen)
+    k = torch.randn(1, T, H, K, generator=gen)
+    v = torch.randn(1, T, H, V, generator=gen)
+    g = F.logsigmoid(torch.randn(1, T, H, K, generator=gen)) / 16  # the model's gate
+    return [x.requires_grad_() for x in (q, k, v, g)]
+
+
+def chunked(inputs, chunk: int, sub: int):
+    def run():
+        o, _ = chunk_gla(*inputs, chunk_size=chunk, sub_chunk_size=sub)
+        o.sum().backward()
+    return run
+
+
+def recurrent(inputs):
+    q, k, v, g = inputs
+
+    def run():
+        B, T, H, K = q.shape
+        S = q.new_zeros(B, H, K, v.shape[-1])
+        outs = []
+        for t in range(T):
+            o, S = gla_step(q[:, t], k[:, t], v[:, t], g[:, t], S)
+            outs.append(o)
+        torch.stack(outs, 1).sum().backward()
+    return run
+
+
+def sdpa(T: int, H: int, D: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, H, T, D, generator=gen).requires_grad_() for _ in range(3))
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    return run
+
+
+def flops(form: str, T: int, H: int, K: int, V: int, chunk: int = 0) -> float:
+    """Algorithmic FLOPs of forward + backward (backward counted as 2x forward; SDPA's as 2.5x)."""
+    kv_state = 2 * K * V / H  # one [K_h, V_h] product per head, all heads
+    if form == "sdpa":  # causal: half of QK^T and of PV, each 2*T*T*width
+        return 3.5 * (2 * T * T * V)
+    if form == "recurrent":  # state update + readout per token
+        return 3 * T * 2 * kv_state
+    # chunked: the full C x C score block and its product with v, plus state readout and update
+    return 3 * T * (2 * chunk * K + 2 * chunk * V + 2 * kv_state)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--recurrent-repeats", type=int, default=2, help="the slow form gets fewer runs")
+    ap.add_argument("--default-malloc", action="store_true", help="skip keep_cpu_allocations (to compare)")
+    args = ap.parse_args(argv)
+    kept = False if args.default_malloc else keep_cpu_allocations()
+
+    cfg = preset_model_config("small", vocab_size=16384)
+    H, K, V = cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim
+    peak = matmul_peak_gflops()
+    result = {"machine": machine(), "matmul_peak_gflops": peak, "heads": H, "head_k_dim": K,
+              "head_v_dim": V, "sub_chunk_size": cfg.sub_chunk_size, "lengths": args.lengths, "kept_cpu_allocations": kept,
+              "gla_chunked_s": {}, "gla_recurrent_s": {}, "sdpa_s": {}, "gflops": {}}
+    rows = []
+    for T in args.lengths:
+        torch.manual_seed(0)
+        inputs = gla_inputs(T, H, K, V)
+        per_chunk = {c: median_seconds(chunked(inputs, c, cfg.sub_chunk_size), args.repeats) for c in CHUNKS}
+        rec = median_seconds(recurrent(inputs), args.recurrent_repeats)
+        att = median_seconds(sdpa(T, H, V), args.repeats)
+        result["gla_chunked_s"][str(T)] = {str(c): s for c, s in per_chunk.items()}
+        result["gla_recurrent_s"][str(T)] = rec
+        result["sdpa_s"][str(T)] = att
+        rates = {f"chunk{c}": flops("chunk", T, H, H * K, H * V, c) / s / 1e9 for c, s in per_chunk.items()}
+        rates["recurrent"] = flops("recurrent", T, H, H * K, H * V) / rec / 1e9
+        rates["sdpa"] = flops("sdpa", T, H, H * K, H * V) / att / 1e9
+        result["gflops"][str(T)] = rates
+        best = min(per_chunk, key=per_chunk.get)
+        rows.append([T, *per_chunk.values(), rec, att, att / per_chunk[best], rec / per_chunk[best],
+                     rates[f"chunk{best}"] / peak, rates["sdpa"] / peak])
+
+    # the best chunk: fastest summed over all lengths
+    totals = {c: sum(result["gla_chunked_s"][str(T)][str(c)] for T in args.lengths) for c in CHUNKS}
+    best = min(totals, key=totals.get)
+    result["chunk_best"] = best
+    result["gla_best_s"] = {str(T): result["gla_chunked_s"][str(T)][str(best)] for T in args.lengths}
+    first, last = str(args.lengths[0]), str(args.lengths[-1])
+    if "2048" in result["sdpa_s"] and "8192" in result["sdpa_s"]:
+        result["sdpa_over_gla_8192"] = result["sdpa_s"]["8192"] / result["gla_best_s"]["8192"]
+        result["gla_8192_over_2048"] = result["gla_best_s"]["8192"] / result["gla_best_s"]["2048"]
+        result["sdpa_8192_over_2048"] = result["sdpa_s"]["8192"] / result["sdpa_s"]["2048"]
+        result["recurrent_over_gla_2048"] = result["gla_recurrent_s"]["2048"] / result["gla_best_s"]["2048"]
+    result["gla_growth"] = result["gla_best_s"][last] / result["gla_best_s"][first]
+    result["sdpa_growth"] = result["sdpa_s"][last] / result["sdpa_s"][first]
+
+    print(f"fp32 matmul peak {peak:.1f} GFLOP/s; seconds per forward+backward; best chunk {best}")
+    print_table(["T", *(f"chunk{c}" for c in CHUNKS), "recurrent", "sdpa", "sdpa/gla", "rec/gla",
+                 "gla/peak", "sdpa/peak"], rows)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
