@@ -158,11 +158,30 @@ def _dcp_state(model, optimizer, mesh) -> dict:
     return state
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The first line of the error underneath DCP's per-rank wrapper (e.g. the OSError of a full disk)."""
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    while exc.__cause__ is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
 def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any], keep: int, mesh) -> Path:
-    """Collective: every rank calls it. Writes checkpoint `step` atomically under `root`."""
+    """Collective: every rank calls it. Writes checkpoint `step` atomically under `root`.
+
+    A failed write (a full disk, a write error on any rank) removes the staging directory,
+    leaves every earlier checkpoint as it was and raises a one-line CheckpointError on
+    every rank."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from laplace.distributed import broadcast_int
 
     root = Path(root)
     final = root / f"step_{step:06d}"
@@ -172,13 +191,29 @@ def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any
         shutil.rmtree(staging, ignore_errors=True)  # a killed writer's leftovers
         staging.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_dcp_state(model, optimizer, mesh), storage_writer=HuggingFaceStorageWriter(str(staging),
-                                                                                          save_distributed=True))
+    error = ""
+    try:
+        dcp.save(_dcp_state(model, optimizer, mesh),
+                 storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True))
+    except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure: all ranks land here
+        error = _root_cause(exc)
     dist.barrier()
+    if rank == 0 and not error:
+        try:
+            atomic_write_json(staging / "trainer.json", {**trainer, "step": step, "world_size": dist.get_world_size()})
+            write_manifest(staging, step)
+            replace_dir(staging, final)
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    failed = broadcast_int(1 if error else 0)  # rank 0's finalisation decides for everyone
+    if failed:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        previous = list_checkpoints(root)
+        kept = f"the previous checkpoint {previous[0][1].name} is intact" if previous else "no earlier checkpoint"
+        raise CheckpointError(f"could not write checkpoint {final.name} in {root}: "
+                              f"{error or 'failed on rank 0'}; {kept}")
     if rank == 0:
-        atomic_write_json(staging / "trainer.json", {**trainer, "step": step, "world_size": dist.get_world_size()})
-        write_manifest(staging, step)
-        replace_dir(staging, final)
         prune_checkpoints(root, keep)
     dist.barrier()
     return final

@@ -43,7 +43,13 @@ def join(device: torch.device) -> Group:
     if dist.is_initialized():
         return Group(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), False)
     if launched_by_torchrun():
-        dist.init_process_group(backend_for(device))
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store, _, _ = next(dist.rendezvous("env://", rank, world))  # torchrun's store, as env:// would
+        # After a restart torchrun may hand out the same store, still holding the dead workers'
+        # addresses: a rank that reads one first times out connecting. Keys per attempt avoid that.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"laplace/attempt_{attempt}", store),
+                                rank=rank, world_size=world)
     else:  # one rank, no network: an in-memory store
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return Group(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), True)

@@ -5,8 +5,10 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -74,12 +76,26 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
     assert json.loads((repo / "metrics" / "train.json").read_text())["steps"] == TINY_PARAMS["train.steps"]
 
 
-def test_flow_file_runs_directly_with_overrides_recorded_in_dvc_lock(tmp_path):
-    repo = copy_project(tmp_path / "laplace", TINY_PARAMS)
-    e = env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    e.pop("PREFECT_API_URL", None)
-    out = run(["python", "flows/pipeline.py", "--set", "train.lr=0.002"], repo, env=e, timeout=700)
-    result = json.loads(out.stdout[out.stdout.index("{"):])
+def test_flow_file_runs_directly_retries_a_killed_stage_and_records_overrides(tmp_path):
+    """No server; the train stage's process is killed -9 once (a transient fault): Prefect retries
+    it, training resumes from its checkpoint, and the flow completes."""
+    repo = copy_project(tmp_path / "laplace", {**TINY_PARAMS, "pipeline.retries": 1, "pipeline.retry_delay_s": 0})
+    proc = subprocess.Popen(["python", "flows/pipeline.py", "--set", "train.lr=0.002"], cwd=repo,
+                            env=direct_flow_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    done, killed = threading.Event(), []
+    watcher = threading.Thread(target=kill_once, args=(proc.pid, "train", done, killed))
+    watcher.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=700)
+    finally:
+        done.set()
+        watcher.join()
+    log = stdout + stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert killed, "the train stage was never seen running"
+    assert "stage train failed" in log and "Retry" in log, log[-3000:]
+    result, _ = json.JSONDecoder().raw_decode(stdout, stdout.rindex('{\n  "params_hash"'))
     assert result["dvc_status_clean"] is True
     import yaml
 
@@ -98,3 +114,52 @@ def test_bad_params_fail_the_flow_before_any_stage(tmp_path):
     assert out.returncode != 0
     assert "unknown key 'train.lrr'" in out.stdout + out.stderr
     assert not (repo / "data").exists() and not (repo / "dvc.lock").exists()
+
+
+def kill_once(parent: int, command: str, done: threading.Event, killed: list) -> None:
+    """Watch the processes below `parent`; SIGKILL the first `laplace <command>` process."""
+    while not done.is_set() and not killed:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = [a for a in (entry / "cmdline").read_bytes().decode(errors="replace").split("\0") if a]
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            runs_it = argv[-1:] == [command] and any(a.endswith("/laplace") or a == "laplace" for a in argv)
+            if runs_it and is_below(ppid, parent):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+                return
+        time.sleep(0.02)
+
+
+def is_below(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def direct_flow_env(tmp_path):
+    e = env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    e.pop("PREFECT_API_URL", None)
+    return e
+
+
+def test_a_rejected_stage_is_not_retried(tmp_path):
+    """Bad data (a corpus with no usable text) makes tokenize exit 2: the flow fails at once, no retry."""
+    (tmp_path / "empty.txt").write_text("too short\n")
+    repo = copy_project(tmp_path / "laplace", {**TINY_PARAMS, "pipeline.retries": 2, "pipeline.retry_delay_s": 0,
+                                                "data.source": "files", "data.files": [str(tmp_path / "empty.txt")]})
+    out = run(["python", "flows/pipeline.py"], repo, env=direct_flow_env(tmp_path), check=False, timeout=300)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "stage tokenize rejected its input" in log
+    assert log.count("Running stage 'tokenize'") == 1  # deterministic: run once, never retried
+    assert not (repo / "runs").exists()  # nothing after tokenize ran

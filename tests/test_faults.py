@@ -1,0 +1,212 @@
+"""Fault injection into real training runs (`laplace train` processes, torchrun/gloo ranks):
+kill -9 of the job, of one rank, during a checkpoint write, and a disk that fills up.
+Every recovered run must end with the same weights, bit for bit, as one never disturbed."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from laplace import checkpoint as ckpt
+from project import BIN, TINY_PARAMS, copy_project, env, run
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+FAULT_PARAMS = {**TINY_PARAMS, "model.d_model": 64, "model.n_layers": 2, "train.steps": STEPS,
+                "train.batch_size": 8, "train.seq_len": 64, "train.checkpoint_every": 2,
+                "train.keep_checkpoints": 3, "train.eval_every": 12, "train.log_every": 1}
+LAPLACE = [str(BIN / "laplace")]
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> Path:
+    root = copy_project(tmp_path_factory.mktemp("faults"), FAULT_PARAMS)
+    run(LAPLACE + ["tokenize"], root)
+    return root
+
+
+def fresh(tokenized: Path, tmp_path: Path, name: str, **params) -> Path:
+    """A copy of the tokenized project with no training run yet."""
+    root = tmp_path / name
+    shutil.copytree(tokenized, root, ignore=shutil.ignore_patterns("runs", ".git"))
+    if params:
+        from laplace.repro import write_params
+
+        write_params(root / "params.yaml", params)
+    return root
+
+
+def final_weights(root: Path) -> dict[str, torch.Tensor]:
+    newest = ckpt.list_checkpoints(root / "runs/train/checkpoints")[0]
+    assert newest[0] == STEPS, f"the run ended at step {newest[0]}, not {STEPS}"
+    return ckpt.model_tensors(newest[1])
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ: {different[:5]}"
+
+
+def train_metrics(root: Path) -> dict:
+    return json.loads((root / "metrics/train.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tokenized, tmp_path_factory) -> dict[int, dict[str, torch.Tensor]]:
+    """Final weights of undisturbed runs, by world size."""
+    out = {}
+    for world in (1, 2):
+        root = fresh(tokenized, tmp_path_factory.mktemp("ref"), f"ref{world}", **{"train.nproc_per_node": world})
+        run(LAPLACE + ["train"], root)
+        out[world] = final_weights(root)
+    return out
+
+
+def start_training(root: Path) -> subprocess.Popen:
+    return subprocess.Popen(LAPLACE + ["train"], cwd=root, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 300) -> list[str]:
+    """Read the job's log until rank 0 reports `step`; returns the lines read."""
+    lines, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if f"step {step}/{STEPS} " in line:
+            return lines
+        assert time.monotonic() < deadline, "training did not reach the step in time"
+    raise AssertionError(f"training ended before step {step}:\n{''.join(lines[-20:])}")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def worker_of_rank(launcher: int, rank: int) -> int:
+    for pid in descendants(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"LOCAL_RANK=" + str(rank).encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} worker under pid {launcher}")
+
+
+def test_kill_9_of_the_whole_job_resumes_to_the_same_weights(tokenized, reference, tmp_path):
+    root = fresh(tokenized, tmp_path, "killed")
+    kill_at = random.Random(os.getpid()).randint(3, STEPS // 2)  # a random step, recorded on failure
+    proc = start_training(root)
+    wait_for_step(proc, kill_at)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    survived = ckpt.list_checkpoints(root / "runs/train/checkpoints")
+    assert survived and survived[0][0] < STEPS, f"killed at step {kill_at}, yet the run had finished"
+
+    run(LAPLACE + ["train"], root)  # the train stage again, as dvc repro would
+    resumed = train_metrics(root)["resumed_from_step"]
+    assert 0 < resumed <= survived[0][0], (kill_at, resumed, survived[0][0])
+    assert_bitwise_equal(final_weights(root), reference[1])
+
+
+def test_kill_9_of_one_rank_under_torchrun_restarts_and_finishes_the_same(tokenized, reference, tmp_path):
+    root = fresh(tokenized, tmp_path, "rank-killed", **{"train.nproc_per_node": 2, "train.max_restarts": 1})
+    proc = start_training(root)
+    wait_for_step(proc, 6)
+    victim = worker_of_rank(proc.pid, 1)
+    os.kill(victim, signal.SIGKILL)
+    log = "".join(proc.stdout)  # torchrun notices, restarts both ranks, they resume
+    assert proc.wait() == 0, log[-3000:]
+    assert "resumed from" in log, log[-3000:]
+    assert train_metrics(root)["resumed_from_step"] > 0
+    assert_bitwise_equal(final_weights(root), reference[2])
+
+
+DIE_WRITING_MANIFEST = """
+import os, signal, sys
+from laplace import checkpoint
+write = checkpoint.write_manifest
+def die_at_step_6(directory, step):
+    if step == 6:  # shards and trainer.json are written, the manifest is not: SIGKILL now
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(directory, step)
+checkpoint.write_manifest = die_at_step_6
+from laplace.cli import main
+sys.exit(main(["train"]))
+"""
+
+
+def test_kill_during_a_checkpoint_write_and_a_truncated_checkpoint_are_never_loaded(
+        tokenized, reference, tmp_path):
+    root = fresh(tokenized, tmp_path, "torn")
+    died = subprocess.run([sys.executable, "-c", DIE_WRITING_MANIFEST], cwd=root, env=env(),
+                          capture_output=True, text=True, timeout=600)
+    assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+    checkpoints = root / "runs/train/checkpoints"
+    assert (checkpoints / ".step_000006.partial").is_dir()  # the torn write, under its staging name
+    assert [s for s, _ in ckpt.list_checkpoints(checkpoints)] == [4, 2]
+    # and the newest complete checkpoint gets truncated on disk as well
+    shard = sorted((checkpoints / "step_000004").glob("*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+
+    out = run(LAPLACE + ["train"], root)
+    assert f"skipping damaged checkpoint {checkpoints / 'step_000004'}" in out.stderr
+    assert str(shard) in out.stderr and "truncated" in out.stderr
+    assert train_metrics(root)["resumed_from_step"] == 2
+    assert not list(checkpoints.glob(".step_*.partial"))  # cleaned up by the next save
+    assert_bitwise_equal(final_weights(root), reference[1])
+
+
+DISK_FULL_AT_STEP_5 = """
+import resource, signal, sys
+from laplace import stages
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like ENOSPC
+train = stages.train
+def fill_the_disk(step, model):
+    if step == 5:  # after checkpoint 4: no file may grow past 4 KiB any more
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+def train_with_a_full_disk(*args, **kwargs):
+    return train(*args, before_step=fill_the_disk, **kwargs)
+stages.train = train_with_a_full_disk
+from laplace.cli import main
+sys.exit(main(["train"]))
+"""
+
+
+def test_disk_full_while_writing_is_a_clear_error_and_the_previous_checkpoint_survives(tokenized, tmp_path):
+    root = fresh(tokenized, tmp_path, "full")
+    out = subprocess.run([sys.executable, "-c", DISK_FULL_AT_STEP_5], cwd=root, env=env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stderr[-2000:]
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith("laplace train: error: could not write checkpoint step_000006"), error
+    assert "File too large" in error and "the previous checkpoint step_000004 is intact" in error
+    checkpoints = root / "runs/train/checkpoints"
+    assert [s for s, _ in ckpt.list_checkpoints(checkpoints)] == [4, 2]
+    assert ckpt.verify_manifest(checkpoints / "step_000004") == (True, "")
+    assert not list(checkpoints.glob(".step_*"))  # no half-written staging directory left behind
