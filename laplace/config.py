@@ -280,6 +280,7 @@ class ServeSection:
     widths: list[int] = knob([], doc="decode width ladder; empty = powers of two up to max_slots")
     prefill_buckets: list[int] = knob([64, 256], doc="prompt lengths are padded up to one of these")
     max_prompt_tokens: int = knob(256, _positive, "longer prompts are rejected")
+    max_queue: int = knob(64, _positive, "requests that may wait for a slot; one more is rejected at once")
     requests: int = knob(48, _positive, "requests per replayed workload")
     workloads: list[str] = knob(["batch", "poisson", "bursty"], doc="arrival processes replayed")
     exact_workloads: list[str] = knob(["poisson"], doc="workloads also replayed with the exact policy")

@@ -19,6 +19,8 @@ through the gaps between arrivals.
 from __future__ import annotations
 
 import math
+import numbers
+import reprlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from laplace.config import ServeSection
 from laplace.generation import sample_next
 from laplace.model.lm import LaplaceLM, State
 from laplace.runtime import compile_static, compiled_graph_count, synchronize
@@ -36,6 +39,14 @@ POLICIES = ("padded", "exact", "eager")
 
 class Rejected(ValueError):
     """A request the engine will not serve (the message says why)."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 @dataclass
@@ -162,9 +173,13 @@ class DecodeEngine:
         exact_widths: bool = False,
         backend: str = "inductor",
         pad_id: int = 0,
+        max_queue: int = ServeSection.max_queue,  # the params.yaml default
     ):
         """compile_scope: None (eager), "model" (each decode width / prefill bucket is one graph)
-        or "block" (one GLA block is compiled per shape and reused by every layer)."""
+        or "block" (one GLA block is compiled per shape and reused by every layer).
+        max_queue: requests that may wait for a slot; one arriving at a full queue is rejected."""
+        if max_queue < 1:
+            raise ValueError(f"serve.max_queue: must be >= 1, got {max_queue}")
         if max(prefill_buckets) < max_prompt_tokens:
             raise ValueError(f"serve.prefill_buckets: the largest bucket {max(prefill_buckets)} is shorter than "
                              f"serve.max_prompt_tokens={max_prompt_tokens}")
@@ -176,6 +191,7 @@ class DecodeEngine:
         self.buckets = sorted(set(prefill_buckets))
         self.max_prompt_tokens = max_prompt_tokens
         self.exact_widths = exact_widths
+        self.max_queue = max_queue
         self.compiled = compile_scope is not None
         self.pad_id = pad_id
         self.on_logits = None  # optional callback(logits of a step's real rows), for inspection
@@ -205,6 +221,7 @@ class DecodeEngine:
             compile_scope=None if policy == "eager" else serve.compile_scope,
             exact_widths=policy != "padded",
             backend=backend,
+            max_queue=serve.max_queue,
         )
 
     def graphs_needed(self) -> int:
@@ -265,27 +282,47 @@ class DecodeEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def check(self, req: Request) -> None:
-        if not req.prompt_ids:
+        """Raise Rejected (one line naming the problem) for a request the engine cannot serve.
+        Types are checked too: a malformed request must not crash the loop serving the others."""
+        prompt = req.prompt_ids
+        if not isinstance(prompt, (list, tuple)):
+            raise Rejected(f"prompt_ids must be a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
             raise Rejected("empty prompt")
-        if len(req.prompt_ids) > self.max_prompt_tokens:
-            raise Rejected(f"prompt has {len(req.prompt_ids)} tokens, the limit is {self.max_prompt_tokens}")
+        if len(prompt) > self.max_prompt_tokens:
+            raise Rejected(f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}")
+        if not _is_int(req.max_new_tokens):
+            raise Rejected(f"max_new_tokens must be an integer, got {reprlib.repr(req.max_new_tokens)}")
         if req.max_new_tokens <= 0:
             raise Rejected(f"max_new_tokens must be > 0, got {req.max_new_tokens}")
         vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_ids):
-            raise Rejected(f"prompt holds token ids outside the vocabulary [0, {vocab})")
-        if not (req.temperature >= 0 and 0 < req.top_p <= 1):
-            raise Rejected(f"temperature must be >= 0 and top_p in (0, 1], got {req.temperature}, {req.top_p}")
+        for i, t in enumerate(prompt):
+            if not _is_int(t):
+                raise Rejected(f"prompt token at position {i} is not an integer id: {reprlib.repr(t)}")
+            if not 0 <= t < vocab:
+                raise Rejected(f"prompt token id {t} at position {i} is outside the vocabulary [0, {vocab})")
+        if not (_is_real(req.temperature) and _is_real(req.top_p) and math.isfinite(req.temperature)
+                and req.temperature >= 0 and 0 < req.top_p <= 1):
+            raise Rejected(f"temperature must be >= 0 (finite) and top_p in (0, 1], got "
+                           f"{reprlib.repr(req.temperature)}, {reprlib.repr(req.top_p)}")
+        if not (_is_int(req.seed) and -2**63 <= req.seed < 2**64):  # what torch.Generator.manual_seed takes
+            raise Rejected(f"seed must be an integer in [-2**63, 2**64), got {reprlib.repr(req.seed)}")
+
+    def _reject(self, req: Request, reason: str) -> Completion:
+        prompt_tokens = len(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else 0
+        done = Completion(req.id, "rejected", reason, prompt_tokens, arrival_s=req.arrival_s, finished_s=self.now)
+        self.finished.append(done)
+        return done
 
     def submit(self, req: Request) -> Completion | None:
-        """Queue a request; a bad one is rejected at once (returned) and the engine carries on."""
+        """Queue a request. A bad one, or one arriving while max_queue requests already wait, is
+        rejected at once (the Completion is returned) and the engine carries on."""
         try:
             self.check(req)
         except Rejected as exc:
-            done = Completion(req.id, "rejected", str(exc), len(req.prompt_ids), arrival_s=req.arrival_s,
-                              finished_s=self.now)
-            self.finished.append(done)
-            return done
+            return self._reject(req, str(exc))
+        if len(self.queue) >= self.max_queue:  # shed load now rather than grow latency and memory without bound
+            return self._reject(req, f"queue full ({len(self.queue)} waiting)")
         self.queue.append(req)
         return None
 
@@ -308,15 +345,15 @@ class DecodeEngine:
         self.now += seconds
 
     def _admit(self, req: Request) -> None:
-        slot = self.pool.acquire(req.id)
         done = Completion(req.id, "done", prompt_tokens=len(req.prompt_ids), arrival_s=req.arrival_s,
                           admitted_s=self.now)
         gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
-        live = _Live(req, done, slot, gen)
         n = len(req.prompt_ids)
         bucket = fit(n, self.buckets)
         tokens = torch.full((1, bucket), self.pad_id, dtype=torch.long)
         tokens[0, :n] = torch.tensor(req.prompt_ids)
+        slot = self.pool.acquire(req.id)
+        live = _Live(req, done, slot, gen)
         slots = torch.tensor([slot])
         before = compiled_graph_count()
 
@@ -326,7 +363,11 @@ class DecodeEngine:
                                        torch.tensor([n], device=self.device))
             return self._sample([live], logits)
 
-        (token,), seconds = self._timed(run)
+        try:
+            (token,), seconds = self._timed(run)
+        except BaseException:
+            self.pool.release(slot)  # the error propagates (e.g. fail_on_recompile); the slot must not leak
+            raise
         self._record("prefill", seconds, bucket, 1, before)
         self.live.append(live)
         self._emit(live, token)

@@ -67,6 +67,7 @@ def summarize(steps: list[StepRecord], done: list[Completion], ttft_slo: float, 
         "requests": len(done),
         "served": len(served),
         "rejected": len(done) - len(served),
+        "rejected_queue_full": sum(c.reason.startswith("queue full") for c in done),  # shed, not invalid
         "steps": len(decode),
         "prefill_steps": len(steps) - len(decode),
         "widths_visited": len(widths),
