@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except USER_ERRORS as exc:
         print(f"laplace {args.command}: error: {exc}", file=sys.stderr)
-        return USER_ERROR_EXIT
+        # a transient failure (tracking.TrackingUnavailable: 75) carries its own status, so it is retried
+        return getattr(exc, "exit_status", USER_ERROR_EXIT)
 
 
 def _run(args) -> int:

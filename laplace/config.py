@@ -351,6 +351,8 @@ class TrackingSection:
     experiment: str = knob("laplace", doc="MLflow experiment")
     model_name: str = knob("laplace-gla", doc="MLflow registered model name")
     register: bool = knob(True, doc="register the exported model (alias candidate; champion when gates pass)")
+    retry_seconds: float = knob(60.0, _non_negative, "how long track waits, with backoff, for an unreachable "
+                                "tracking server before failing (0 = one try); nothing is lost either way")
 
 
 @dataclass(frozen=True)
@@ -534,7 +536,32 @@ def config_from_dict(raw: dict) -> Config:
     if t.batch_size % (t.nproc_per_node * t.nnodes):
         raise ConfigError(f"train.batch_size: {t.batch_size} is not divisible by the "
                           f"{t.nproc_per_node * t.nnodes} ranks (nproc_per_node x nnodes)")
+    check_project_paths(cfg)
     return cfg
+
+
+def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:
+    """(key, value) of every knob naming a file or directory to read. data.hub_path is a hub
+    id or a local directory; hub ids never contain a '..' component, so the check is safe for both."""
+    return ([(f"data.files[{i}]", f) for i, f in enumerate(cfg.data.files)]
+            + [("tokenizer.path", cfg.tokenizer.path), ("data.hub_path", cfg.data.hub_path)])
+
+
+def check_project_paths(cfg: Config) -> None:
+    """Relative paths (and globs) are read from the project directory and must stay inside it:
+    one that climbs out with '..' is a ConfigError naming the key. Absolute paths are the
+    explicit way to read elsewhere. The check is lexical (symlinks inside the project are
+    the project owner's), so it gives the same answer whatever the current directory."""
+    import os
+
+    for key, value in project_path_knobs(cfg):
+        if not value or os.path.isabs(value):
+            continue
+        parts = os.path.normpath(value).split(os.sep)
+        if parts[0] == os.pardir:
+            levels = next((i for i, part in enumerate(parts) if part != os.pardir), len(parts))
+            raise ConfigError(f"{key}: {value!r} resolves outside the project ({levels} level(s) above the project "
+                              "directory, where relative paths are read); give an absolute path to read outside it")
 
 
 def read_params(path: str | Path) -> dict:

@@ -8,6 +8,15 @@ its DVC hash as digest) and the model, which is registered with the alias
 `candidate` and moved to `champion` only when every validation stage passed.
 So an MLflow outage never stops training, and every front door (dvc repro, the
 Prefect flow, the CLI) produces the same kind of run.
+
+The metrics/ and plots/ files are the spool: when the tracking server is down, `track`
+retries with backoff for `tracking.retry_seconds`, then fails with one line
+(TrackingUnavailable, exit status 75: transient, so the Prefect flow retries it); nothing
+is lost, and rerunning `laplace track` (or `dvc repro`) logs the run once the server is back.
+
+Nothing secret is logged: param and tag values are passed through `redact`, which masks
+the value of every environment variable whose name says it is a secret (TOKEN, KEY,
+SECRET, PASSWORD, PASSWD, CREDENTIAL) and the password of any URL (`https://user:***@host`).
 """
 
 from __future__ import annotations
@@ -125,6 +134,11 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
     No type hints on predict: with them MLflow would drop the runtime params.
     """
 
+    # No type-hint validation wrapper either (MLflow's own models opt out the same way): for a
+    # predict without hints it validates nothing and warns on every import, i.e. on every
+    # `laplace track`, burying the stage's one line of outcome.
+    _skip_type_hint_validation = True
+
     def load_context(self, context):
         from laplace.export import load_export
 
@@ -160,19 +174,150 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
         return out
 
 
-# --------------------------------------------------------------------------- logging a run
+# --------------------------------------------------------------------------- secrets
 
 
-def _retrying(fn, what: str, attempts: int = 4, delay: float = 2.0):
-    for attempt in range(1, attempts + 1):
+# An environment variable whose name matches this holds a secret: its value is never logged.
+SECRET_ENV_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+# Shorter values ("1", "true", "false": TOKENIZERS_PARALLELISM=false) are flags, not secrets,
+# and masking them would mangle every param that happens to contain them.
+MIN_SECRET_CHARS = 8
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^/@:\s]*):(?P<password>[^/@\s]+)@", re.IGNORECASE)
+REDACTED = "***"
+
+
+def secret_values(environ: dict[str, str] | None = None) -> list[str]:
+    """Values of the environment variables named like secrets, longest first."""
+    env = os.environ if environ is None else environ
+    found = {v for k, v in env.items() if SECRET_ENV_NAME.search(k) and len(v.strip()) >= MIN_SECRET_CHARS}
+    return sorted(found, key=len, reverse=True)
+
+
+def redact(text: str, secrets: list[str] | None = None) -> str:
+    """`text` with every secret environment value and every URL password replaced by ***."""
+    text = str(text)
+    for secret in secret_values() if secrets is None else secrets:
+        text = text.replace(secret, REDACTED)
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}:{REDACTED}@", text)
+
+
+# --------------------------------------------------------------------------- reaching the store
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking server did not answer within tracking.retry_seconds. Transient: the CLI
+    exits with `exit_status` (75, EX_TEMPFAIL), which the Prefect flow retries; the stage
+    results stay on disk and a rerun of the track stage logs them."""
+
+    exit_status = 75
+
+
+DEFAULT_RETRY_SECONDS = 60.0
+_MAX_BACKOFF_S = 10.0
+
+
+def _is_http(uri: str) -> bool:
+    return uri.lower().startswith(("http://", "https://"))
+
+
+def unavailable_message(uri: str, reason: str, retry_seconds: float, during: str = "") -> str:
+    what = "server" if _is_http(uri) else "store"
+    return (f"MLflow tracking {what} {redact(uri)} unreachable{during} ({reason}; retried for "
+            f"{retry_seconds:g}s, tracking.retry_seconds): nothing was lost, the stage results stay in "
+            "metrics/ and plots/; rerun `laplace track` (or `dvc repro`) once it is back to log them")
+
+
+def _short_reason(exc: BaseException) -> str:
+    """One short line for a connection failure ("Connection refused", "timed out", ...)."""
+    text = " ".join(str(exc).split())
+    if found := re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text):
+        return found.group(1).strip().rstrip(".")
+    if "timed out" in text.lower() or "timeout" in type(exc).__name__.lower():
+        return "timed out"
+    return redact(text[:160]) or type(exc).__name__
+
+
+def _probe(uri: str, timeout: float) -> str | None:
+    """None when the tracking server answers, else why not. Stores that are not HTTP servers
+    (sqlite, file) are not probed here: their first call is retried instead."""
+    if not _is_http(uri):
+        return None
+    import requests
+
+    insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true")
+    verify = False if insecure else os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
+    try:  # one plain request, no urllib3 retries: MLflow's own client would retry for minutes
+        response = requests.get(uri.rstrip("/") + "/health", timeout=timeout, verify=verify,
+                                allow_redirects=False)
+    except requests.RequestException as exc:
+        return _short_reason(exc)
+    return None if response.status_code < 500 else f"HTTP {response.status_code}"
+
+
+def wait_for_tracking(uri: str, retry_seconds: float) -> float:
+    """Block until the tracking server answers, probing with backoff (0.5 s, 1 s, 2 s, ...
+    at most 10 s apart) for at most `retry_seconds`. Returns the deadline (time.monotonic)
+    for the retries that follow; raises TrackingUnavailable when the time is up."""
+    deadline = time.monotonic() + retry_seconds
+    delay, warned = 0.5, False
+    while True:
+        reason = _probe(uri, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+        if reason is None:
+            if warned:
+                log.info("MLflow tracking server %s is back", redact(uri))
+            return deadline
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TrackingUnavailable(unavailable_message(uri, reason, retry_seconds))
+        if not warned:
+            log.warning("MLflow tracking server %s unreachable (%s); retrying for up to %gs (tracking.retry_seconds)",
+                        redact(uri), reason, retry_seconds)
+            warned = True
+        time.sleep(min(delay, remaining))
+        delay = min(2 * delay, _MAX_BACKOFF_S)
+
+
+def _transient(exc: BaseException) -> bool:
+    """A failure worth retrying: the server unreachable or erroring, the sqlite store locked."""
+    return _connection_lost(exc) or "locked" in str(exc).lower() or type(exc).__name__ == "OperationalError"
+
+
+def _retrying(fn, uri: str, deadline: float, retry_seconds: float):
+    """fn() retried with backoff until `deadline` (a sqlite store may be locked, a server restarting).
+    Any other failure (a permission denied, say) is one line at once: retrying cannot help."""
+    delay = 0.5
+    while True:
         try:
             return fn()
-        except Exception as exc:  # the store may be a server that is restarting
-            if attempt == attempts:
-                raise RuntimeError(f"MLflow {what} failed after {attempts} attempts: {exc}") from exc
-            log.warning("MLflow %s failed (%s); retrying in %.0fs", what, exc, delay)
-            time.sleep(delay)
-            delay *= 2
+        except Exception as exc:
+            if not _transient(exc):
+                raise RuntimeError(f"MLflow tracking store {redact(uri)} refused the request: "
+                                   f"{redact(' '.join(str(exc).split()))[:300]}") from exc
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TrackingUnavailable(unavailable_message(uri, _short_reason(exc), retry_seconds)) from exc
+            log.warning("MLflow tracking store %s failed (%s); retrying in %.1fs", redact(uri), _short_reason(exc),
+                        min(delay, remaining))
+            time.sleep(min(delay, remaining))
+            delay = min(2 * delay, _MAX_BACKOFF_S)
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """True when `exc` (or what caused it) says the server could not be reached."""
+    import requests
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (requests.ConnectionError, requests.Timeout, ConnectionError)):
+            return True
+        if any(s in str(exc) for s in ("Max retries exceeded", "Connection refused", "Failed to establish")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# --------------------------------------------------------------------------- logging a run
 
 
 def log_pipeline_run(
@@ -192,16 +337,21 @@ def log_pipeline_run(
     dataset_digest: str | None,
     run_name: str,
     tags: dict[str, str],
+    retry_seconds: float | None = None,
 ) -> dict:
-    """Create one MLflow run holding the whole pipeline run. Returns ids and the model version."""
+    """Create one MLflow run holding the whole pipeline run. Returns ids and the model version.
+
+    First waits up to `retry_seconds` (default: the params' tracking.retry_seconds) for the
+    tracking server, else raises TrackingUnavailable having logged nothing. Param and tag
+    values go through `redact`."""
     import mlflow
     from mlflow import MlflowClient
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.entities import Metric, Param
-    from mlflow.models import infer_signature
 
+    if retry_seconds is None:
+        retry_seconds = float(params.get("tracking.retry_seconds", DEFAULT_RETRY_SECONDS))
+    secrets = secret_values()
     uri, artifacts = tracking_store(root)
+    deadline = wait_for_tracking(uri, retry_seconds)
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
 
@@ -211,62 +361,51 @@ def log_pipeline_run(
             return found.experiment_id
         return client.create_experiment(experiment, artifact_location=artifacts)
 
-    experiment_id = _retrying(ensure_experiment, "experiment lookup")
+    experiment_id = _retrying(ensure_experiment, uri, deadline, retry_seconds)
     gate_results = gates(metrics_by_stage)
     champion = bool(gate_results) and all(v is True for v in gate_results.values())
+    all_tags = {**tags, "params_hash": params_hash,
+                **{f"gate.{k}": {True: "passed", False: "failed", None: "missing"}[v]
+                   for k, v in gate_results.items()}}
+    try:  # MLflow's own run-context tags (user, source, git) come from the environment too
+        from mlflow.tracking.context.registry import resolve_tags
 
-    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name) as run:
-        run_id = run.info.run_id
-        now = int(time.time() * 1000)
-        param_items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
-        metrics = [Metric(k, v, now, 0) for stage, m in sorted(metrics_by_stage.items())
-                   for k, v in sorted(flatten_metrics(stage, m).items())]
-        metrics += [Metric(k, float(v), now, int(step)) for k, series in step_series.items() for step, v in series]
-        for i in range(0, len(param_items), 100):
-            client.log_batch(run_id, params=param_items[i:i + 100])
-        for i in range(0, len(metrics), 500):
-            client.log_batch(run_id, metrics=metrics[i:i + 500])
-        all_tags = {**tags, "params_hash": params_hash,
-                    **{f"gate.{k}": {True: "passed", False: "failed", None: "missing"}[v]
-                       for k, v in gate_results.items()}}
-        mlflow.set_tags(all_tags)
-        if dataset_path is not None and dataset_digest:
-            dataset = MetaDataset(source=resolve_dataset_source(str(dataset_path)), name="tokenized",
-                                  digest=dataset_digest)
-            mlflow.log_input(dataset, context="training")
-        if plots_dir is not None and plots_dir.exists():
-            mlflow.log_artifacts(str(plots_dir), "plots")
-        if tokenizer_path is not None and tokenizer_path.exists():
-            mlflow.log_artifact(str(tokenizer_path), "tokenizer")
+        all_tags = {**{k: v for k, v in resolve_tags({}).items() if redact(v, secrets) != v}, **all_tags}
+    except ImportError:
+        pass
+    all_tags = {k: redact(v, secrets) for k, v in all_tags.items()}
 
-        version = None
-        if export_dir is not None and (export_dir / "config.json").exists():
-            import pandas as pd
-
-            import laplace
-
-            signature = infer_signature(
-                model_input=pd.DataFrame({"prompt": ["The function"]}),
-                model_output=["text"],
-                params={"max_new_tokens": 48, "temperature": 0.0, "top_p": 1.0, "seed": 0},
-            )
-            info = mlflow.pyfunc.log_model(
-                name="model",
-                python_model=str(Path(laplace.__file__).parent / "mlflow_model.py"),  # from code: no pickle
-                artifacts={"export": str(export_dir)},
-                signature=signature,
-                input_example=pd.DataFrame({"prompt": ["The function"]}),
-                code_paths=[str(Path(laplace.__file__).parent)],
-                pip_requirements=["torch>=2.13", "safetensors", "tokenizers", "pandas"],
-                registered_model_name=model_name if register else None,
-            )
-            version = info.registered_model_version
-            if register and version is not None:
-                client.set_registered_model_alias(model_name, "candidate", str(version))
-                if champion:
-                    client.set_registered_model_alias(model_name, "champion", str(version))
+    run_id = None
+    # MLflow prints "View run ... at: <tracking URI>/#/..." to stdout, credentials included: with
+    # a user:password URI, silence it and log the link with the password masked instead.
+    hide_url = redact(uri, secrets) != uri
+    saved = os.environ.get("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
+    try:
+        if hide_url:
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+        with mlflow.start_run(experiment_id=experiment_id, run_name=redact(run_name, secrets), tags=all_tags) as run:
+            run_id = run.info.run_id
+            version = _log_run_contents(
+                client, run_id, params=params, secrets=secrets, metrics_by_stage=metrics_by_stage,
+                step_series=step_series, plots_dir=plots_dir, tokenizer_path=tokenizer_path, export_dir=export_dir,
+                dataset_path=dataset_path, dataset_digest=dataset_digest, model_name=model_name, register=register,
+                champion=champion)
+    except Exception as exc:  # the server went away mid-run: the same one line as above
+        if isinstance(exc, TrackingUnavailable) or not _connection_lost(exc):
+            raise
+        during = f" while logging run {run_id} (left incomplete)" if run_id else ""
+        raise TrackingUnavailable(unavailable_message(uri, _short_reason(exc), retry_seconds, during)) from exc
+    finally:
+        if hide_url:
+            if saved is None:
+                os.environ.pop("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", None)
+            else:
+                os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = saved
+    if hide_url:
+        log.info("MLflow run %s: %s/#/experiments/%s/runs/%s", run_id, redact(uri, secrets).rstrip("/"),
+                 experiment_id, run_id)
     return {
-        "tracking_uri": uri,
+        "tracking_uri": redact(uri, secrets),
         "experiment_id": experiment_id,
         "run_id": run_id,
         "model_name": model_name if register else None,
@@ -274,6 +413,65 @@ def log_pipeline_run(
         "champion": champion and version is not None,
         "gates": {k: v for k, v in gate_results.items()},
     }
+
+
+def _log_run_contents(client, run_id: str, *, params, secrets, metrics_by_stage, step_series, plots_dir,
+                      tokenizer_path, export_dir, dataset_path, dataset_digest, model_name, register,
+                      champion) -> int | str | None:
+    """Params, metrics, dataset input, artifacts and the model of the active run; the model version."""
+    import mlflow
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import Metric, Param
+    from mlflow.models import infer_signature
+
+    now = int(time.time() * 1000)
+    param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(params.items())]
+    metrics = [Metric(k, v, now, 0) for stage, m in sorted(metrics_by_stage.items())
+               for k, v in sorted(flatten_metrics(stage, m).items())]
+    metrics += [Metric(k, float(v), now, int(step)) for k, series in step_series.items() for step, v in series]
+    for i in range(0, len(param_items), 100):
+        client.log_batch(run_id, params=param_items[i:i + 100])
+    for i in range(0, len(metrics), 500):
+        client.log_batch(run_id, metrics=metrics[i:i + 500])
+    if dataset_path is not None and dataset_digest:
+        # MLflow caps digests at 36 characters: a DVC md5 (".dir" included) fits, the manifest's
+        # sha256 (the fallback outside DVC) is cut to its first 36 hex digits
+        dataset = MetaDataset(source=resolve_dataset_source(str(dataset_path)), name="tokenized",
+                              digest=dataset_digest[:36])
+        mlflow.log_input(dataset, context="training")
+    if plots_dir is not None and plots_dir.exists():
+        mlflow.log_artifacts(str(plots_dir), "plots")
+    if tokenizer_path is not None and tokenizer_path.exists():
+        mlflow.log_artifact(str(tokenizer_path), "tokenizer")
+
+    if export_dir is None or not (export_dir / "config.json").exists():
+        return None
+    import pandas as pd
+
+    import laplace
+
+    signature = infer_signature(
+        model_input=pd.DataFrame({"prompt": ["The function"]}),
+        model_output=["text"],
+        params={"max_new_tokens": 48, "temperature": 0.0, "top_p": 1.0, "seed": 0},
+    )
+    info = mlflow.pyfunc.log_model(
+        name="model",
+        python_model=str(Path(laplace.__file__).parent / "mlflow_model.py"),  # from code: no pickle
+        artifacts={"export": str(export_dir)},
+        signature=signature,
+        input_example=pd.DataFrame({"prompt": ["The function"]}),
+        code_paths=[str(Path(laplace.__file__).parent)],
+        pip_requirements=["torch>=2.13", "safetensors", "tokenizers", "pandas"],
+        registered_model_name=model_name if register else None,
+    )
+    version = info.registered_model_version
+    if register and version is not None:
+        client.set_registered_model_alias(model_name, "candidate", str(version))
+        if champion:
+            client.set_registered_model_alias(model_name, "champion", str(version))
+    return version
 
 
 def load_registered_model(root: Path, model_name: str, alias: str = "candidate"):
