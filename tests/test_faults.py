@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from laplace import checkpoint as ckpt
-from project import BIN, TINY_PARAMS, copy_project, env, run
+from project import BIN, TINY_PARAMS, copy_project, descendants, env, run
 
 pytestmark = pytest.mark.slow
 
@@ -86,24 +86,6 @@ def wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 300) -> li
             return lines
         assert time.monotonic() < deadline, "training did not reach the step in time"
     raise AssertionError(f"training ended before step {step}:\n{''.join(lines[-20:])}")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def worker_of_rank(launcher: int, rank: int) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from project import BIN, TINY_PARAMS, copy_project, env, free_port, run
+from project import BIN, TINY_PARAMS, copy_project, descendants, env, free_port, run
 
 pytestmark = pytest.mark.slow
 
@@ -105,31 +105,16 @@ def test_bad_params_fail_the_flow_before_any_stage(tmp_path):
 def kill_once(parent: int, command: str, done: threading.Event, killed: list) -> None:
     """Watch the processes below `parent`; SIGKILL the first `laplace <command>` process."""
     while not done.is_set() and not killed:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
+        for pid in descendants(parent):
             try:
-                argv = [a for a in (entry / "cmdline").read_bytes().decode(errors="replace").split("\0") if a]
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
+                argv = [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if a]
+            except OSError:
                 continue
-            runs_it = argv[-1:] == [command] and any(a.endswith("/laplace") or a == "laplace" for a in argv)
-            if runs_it and is_below(ppid, parent):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
+            if argv[-1:] == [command] and any(a.endswith("/laplace") or a == "laplace" for a in argv):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
                 return
         time.sleep(0.02)
-
-
-def is_below(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            return False
-    return False
 
 
 def direct_flow_env(tmp_path):
