@@ -5,12 +5,26 @@ import torch
 
 # Tests run on 2 cores; keep torch from oversubscribing when pytest itself is the only job.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# fp32 tests compare at 1e-5: TF32 (cuDNN's default for convolutions on CUDA) would give ~1e-3.
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+# Numerical tests that take `device` run on the CPU everywhere and on CUDA where a GPU is present.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative RMS error ||a - e|| / ||e||, computed in fp64."""
     a, e = actual.double(), expected.double()
     return ((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt().clamp(min=1e-30)).item()
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from laplace.model.gla import chunk_gla, gla_step, min_log_decay, naive_gla
 B, H, K, V = 2, 3, 16, 24
 
 
-def inputs(T, decay="normal", dtype=torch.float32, seed=0):
+def inputs(T, decay="normal", dtype=torch.float32, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen)
     k = torch.randn(B, T, H, K, generator=gen)
@@ -19,7 +19,7 @@ def inputs(T, decay="normal", dtype=torch.float32, seed=0):
         g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen)) / 16
     else:  # strong: -0.75 .. -3 per token, cumulative far below -88 inside a chunk of 128
         g = -0.75 - 2.25 * torch.rand(B, T, H, K, generator=gen)
-    return [x.to(dtype) for x in (q, k, v, g)]
+    return [x.to(device, dtype) for x in (q, k, v, g)]
 
 
 def reference(q, k, v, g, initial_state=None):
@@ -28,7 +28,7 @@ def reference(q, k, v, g, initial_state=None):
 
 
 def run_recurrent(q, k, v, g, state=None):
-    S = torch.zeros(B, H, K, V) if state is None else state.clone()
+    S = q.new_zeros(B, H, K, V, dtype=torch.float32) if state is None else state.clone()
     outs = []
     for t in range(q.shape[1]):
         o, S = gla_step(q[:, t], k[:, t], v[:, t], g[:, t], S)
@@ -38,8 +38,8 @@ def run_recurrent(q, k, v, g, state=None):
 
 @pytest.mark.parametrize("T", [1, 37, 64, 100, 256])
 @pytest.mark.parametrize("chunk,sub", [(16, 16), (64, 16), (128, 32)])
-def test_chunked_and_recurrent_match_naive_fp32(T, chunk, sub):
-    q, k, v, g = inputs(T)
+def test_chunked_and_recurrent_match_naive_fp32(T, chunk, sub, device):
+    q, k, v, g = inputs(T, device=device)
     o_ref, S_ref = reference(q, k, v, g)
     o, S = chunk_gla(q, k, v, g, chunk_size=chunk, sub_chunk_size=sub)
     assert o.dtype == torch.float32 and S.dtype == torch.float32
@@ -50,9 +50,9 @@ def test_chunked_and_recurrent_match_naive_fp32(T, chunk, sub):
     assert rel_rms(S_r, S_ref) <= 1e-5
 
 
-def test_strong_decay_at_chunk_128_is_exact_and_finite():
+def test_strong_decay_at_chunk_128_is_exact_and_finite(device):
     T = 256
-    q, k, v, g = inputs(T, decay="strong")
+    q, k, v, g = inputs(T, decay="strong", device=device)
     in_chunk = g[:, :128].sum(1)  # cumulative log-decay over one chunk of 128, per channel
     assert in_chunk.max() < -88 * 1.05, "the case must be past fp32 exp overflow"
     # the textbook factorisation overflows here: exp(-cumsum) is inf in fp32
@@ -64,8 +64,8 @@ def test_strong_decay_at_chunk_128_is_exact_and_finite():
     assert rel_rms(S, S_ref) <= 1e-5
 
 
-def test_bf16_inputs_accumulate_in_fp32():
-    q, k, v, g = inputs(100, dtype=torch.bfloat16)
+def test_bf16_inputs_accumulate_in_fp32(device):
+    q, k, v, g = inputs(100, dtype=torch.bfloat16, device=device)
     o_ref, S_ref = reference(q, k, v, g)
     o, S = chunk_gla(q, k, v, g, chunk_size=64)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
@@ -75,22 +75,22 @@ def test_bf16_inputs_accumulate_in_fp32():
     assert rel_rms(o_r, o_ref) <= 1e-2 and rel_rms(S_r, S_ref) <= 1e-2
 
 
-def test_under_bf16_autocast_the_recurrence_stays_fp32():
-    q, k, v, g = inputs(100)
+def test_under_bf16_autocast_the_recurrence_stays_fp32(device):
+    q, k, v, g = inputs(100, device=device)
     o_ref, S_ref = reference(q, k, v, g)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         o, S = chunk_gla(q, k, v, g, chunk_size=64)
     assert S.dtype == torch.float32
     # were the matmuls down-cast to bf16 the error would be ~1e-3; fp32 keeps it at ~1e-7
     assert rel_rms(o, o_ref) <= 1e-5
 
 
-def test_gradients_chunked_vs_naive_fp32():
+def test_gradients_chunked_vs_naive_fp32(device):
     T = 77
-    base = inputs(T)
+    base = inputs(T, device=device)
     leaves_c = [x.clone().requires_grad_() for x in base]
     leaves_n = [x.double().clone().requires_grad_() for x in base]
-    w = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(5)).to(device)
     o_c, S_c = chunk_gla(*leaves_c, chunk_size=32, sub_chunk_size=8)
     ((o_c * w).sum() + S_c.pow(2).sum() * 0.1).backward()
     o_n, S_n = naive_gla(*leaves_n)
@@ -99,8 +99,8 @@ def test_gradients_chunked_vs_naive_fp32():
         assert rel_rms(a.grad, b.grad) <= 1e-4, name
 
 
-def test_initial_state_continues_the_sequence():
-    q, k, v, g = inputs(150)
+def test_initial_state_continues_the_sequence(device):
+    q, k, v, g = inputs(150, device=device)
     o_ref, S_ref = reference(q, k, v, g)
     o1, S1 = chunk_gla(q[:, :70], k[:, :70], v[:, :70], g[:, :70], chunk_size=32)
     o2, S2 = chunk_gla(q[:, 70:], k[:, 70:], v[:, 70:], g[:, 70:], initial_state=S1, chunk_size=32)
@@ -108,10 +108,10 @@ def test_initial_state_continues_the_sequence():
     assert rel_rms(S2, S_ref) <= 1e-5
 
 
-def test_padded_positions_are_exact_no_ops_even_with_nan():
+def test_padded_positions_are_exact_no_ops_even_with_nan(device):
     T = 90
-    q, k, v, g = inputs(T)
-    lengths = torch.tensor([90, 41])
+    q, k, v, g = inputs(T, device=device)
+    lengths = torch.tensor([90, 41], device=device)
     qn, kn, vn, gn = (x.clone() for x in (q, k, v, g))
     for x in (qn, kn, vn, gn):
         x[1, 41:] = float("nan")  # garbage after the real tokens of row 1
@@ -125,8 +125,8 @@ def test_padded_positions_are_exact_no_ops_even_with_nan():
     assert rel_rms(S[:1], S_row0) <= 1e-5
 
 
-def test_chunked_form_compiles_to_one_static_graph():
-    q, k, v, g = inputs(64)
+def test_chunked_form_compiles_to_one_static_graph(device):
+    q, k, v, g = inputs(64, device=device)
     compiled = torch.compile(
         lambda q, k, v, g: chunk_gla(q, k, v, g, chunk_size=32, sub_chunk_size=16), fullgraph=True, dynamic=False
     )
@@ -136,10 +136,10 @@ def test_chunked_form_compiles_to_one_static_graph():
 
 
 @pytest.mark.parametrize("sub", [8, 16, 32])
-def test_exact_at_the_decay_floor(sub):
+def test_exact_at_the_decay_floor(sub, device):
     """At g = min_log_decay(sub) everywhere the sub-chunk factors reach e^+-80: still finite and exact."""
     T = 128
-    q, k, v, _ = inputs(T)
+    q, k, v, _ = inputs(T, device=device)
     g = torch.full_like(q, min_log_decay(sub))
     o_ref, S_ref = reference(q, k, v, g)
     o, S = chunk_gla(q, k, v, g, chunk_size=64, sub_chunk_size=sub)
@@ -165,13 +165,13 @@ def test_the_layer_clamps_its_gate_at_the_floor():
     assert gk.min().item() == min_log_decay(cfg.sub_chunk_size) == -10.0
 
 
-def test_segments_carry_the_state_exactly():
+def test_segments_carry_the_state_exactly(device):
     """Long inputs run in segments of `segment_len`; any segmentation is the same recurrence."""
     T = 300
-    q, k, v, g = inputs(T)
-    lengths = torch.tensor([300, 211])
+    q, k, v, g = inputs(T, device=device)
+    lengths = torch.tensor([300, 211], device=device)
     o_ref, _ = naive_gla(*(x.double() for x in (q, k, v, torch.where(
-        (torch.arange(T) < lengths[:, None])[:, :, None, None], g, 0.0))))
+        (torch.arange(T, device=device) < lengths[:, None])[:, :, None, None], g, 0.0))))
     one, S_one = chunk_gla(q, k, v, g, lengths=lengths, chunk_size=32, segment_len=4096)
     many, S_many = chunk_gla(q, k, v, g, lengths=lengths, chunk_size=32, segment_len=64)
     assert rel_rms(many, one) <= 1e-6 and rel_rms(S_many, S_one) <= 1e-6

@@ -8,17 +8,17 @@ from laplace.config import preset_model_config
 from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes
 
 
-def small_model(**over):
+def small_model(device="cpu", **over):
     cfg = preset_model_config("tiny", vocab_size=300, d_model=64, n_layers=2, n_heads=2, chunk_size=16,
                               sub_chunk_size=8, **over)
     torch.manual_seed(0)
-    return LaplaceLM(cfg).eval()
+    return LaplaceLM(cfg).to(device).eval()
 
 
 @pytest.mark.parametrize("conv", [True, False])
-def test_prefill_then_decode_reproduces_forward(conv):
-    model = small_model(use_short_conv=conv)
-    tokens = torch.randint(0, 300, (3, 53), generator=torch.Generator().manual_seed(1))
+def test_prefill_then_decode_reproduces_forward(conv, device):
+    model = small_model(device, use_short_conv=conv)
+    tokens = torch.randint(0, 300, (3, 53), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         full = model(tokens)
         state = model.allocate_state(3)
@@ -28,10 +28,10 @@ def test_prefill_then_decode_reproduces_forward(conv):
     assert rel_rms(torch.stack(steps, 1), full[:, 21:]) <= 1e-5
 
 
-def test_padded_prefill_equals_each_row_alone():
-    model = small_model()
-    tokens = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(2))
-    lengths = torch.tensor([40, 17, 3])
+def test_padded_prefill_equals_each_row_alone(device):
+    model = small_model(device)
+    tokens = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(2)).to(device)
+    lengths = torch.tensor([40, 17, 3], device=device)
     with torch.no_grad():
         state = model.allocate_state(3)
         last = model.prefill(tokens, state, lengths=lengths)
@@ -44,18 +44,18 @@ def test_padded_prefill_equals_each_row_alone():
             assert rel_rms(state.conv[:, row], alone.conv[:, 0]) <= 1e-5
 
 
-def test_slots_read_and_write_only_their_rows():
-    model = small_model()
-    tokens = torch.randint(0, 300, (2, 10))
+def test_slots_read_and_write_only_their_rows(device):
+    model = small_model(device)
+    tokens = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(3)).to(device)
     pool = model.allocate_state(6)
     pool.recurrent.fill_(7.0)
-    slots = torch.tensor([4, 1])
+    slots = torch.tensor([4, 1], device=device)
     before = pool.clone()
     with torch.no_grad():
         pool.zero_(slots)
         model.prefill(tokens, pool, slots=slots)
         model.decode_step(tokens[:, 0], pool, slots=slots)
-    untouched = torch.tensor([0, 2, 3, 5])
+    untouched = torch.tensor([0, 2, 3, 5], device=device)
     assert torch.equal(pool.recurrent[:, untouched], before.recurrent[:, untouched])
     assert not torch.equal(pool.recurrent[:, slots], before.recurrent[:, slots])
     # the same rows computed in a private state agree
@@ -100,9 +100,9 @@ def test_tiny_has_a_few_million_parameters():
     assert 2e6 < n < 10e6
 
 
-def test_model_forward_compiles_to_one_graph():
-    model = small_model()
-    tokens = torch.randint(0, 300, (2, 32))
+def test_model_forward_compiles_to_one_graph(device):
+    model = small_model(device)
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(4)).to(device)
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     with torch.no_grad():
         assert rel_rms(compiled(tokens), model(tokens)) <= 1e-5

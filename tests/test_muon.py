@@ -10,17 +10,17 @@ from laplace.optim.muon import Muon, MuonAdamW, route_parameters, zeropower_via_
 
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust", [None, "original", "match_rms_adamw"])
-def test_muon_equals_torch_muon_bitwise(nesterov, adjust):
+def test_muon_equals_torch_muon_bitwise(nesterov, adjust, device):
     gen = torch.Generator().manual_seed(0)
     shapes = [(64, 32), (16, 80), (48, 48)]
-    init = [torch.randn(s, generator=gen) for s in shapes]
+    init = [torch.randn(s, generator=gen).to(device) for s in shapes]
     ours = [p.clone().requires_grad_() for p in init]
     ref = [p.clone().requires_grad_() for p in init]
     kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust)
     opt_ours, opt_ref = Muon(ours, **kw), torch.optim.Muon(ref, **kw)
     for _ in range(6):
         for a, b in zip(ours, ref):
-            g = torch.randn(a.shape, generator=gen)
+            g = torch.randn(a.shape, generator=gen).to(device)
             a.grad, b.grad = g.clone(), g.clone()
         opt_ours.step()
         opt_ref.step()
