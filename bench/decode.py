@@ -9,7 +9,7 @@ length for a transformer of the same layers and width (`scaled_dot_product_atten
 all layers), the cost our state avoids. Also the state bytes per sequence (the real
 State tensors) vs the KV cache a transformer keeps. Prints a table and one JSON object.
 
-    .venv/bin/python bench/decode.py [--preset small] [--contexts 512 2048 8192] [--widths 1 2 4 8 16 32]
+    .venv/bin/python bench/decode.py [--preset small] [--contexts 512 2048 8192] [--widths 1 2 4 8 16 32] [--device cuda]
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, machine, print_table  # noqa: E402
+from common import add_device_argument, emit, machine, prepare_device, print_table, synchronize  # noqa: E402
 
 from laplace.config import preset_model_config  # noqa: E402
 from laplace.model.lm import LaplaceLM, State, kv_cache_bytes  # noqa: E402
-from laplace.runtime import keep_cpu_allocations  # noqa: E402
 
 VOCAB = {"tiny": 4096, "small": 16384, "laplace-3b": 50304}
 
@@ -36,7 +35,8 @@ VOCAB = {"tiny": 4096, "small": 16384, "laplace-3b": 50304}
 def state_after(model: LaplaceLM, context: int, seed: int, prefill_chunk: int = 2048) -> State:
     """The state after prefilling `context` random tokens (in pieces, continuing the state)."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, model.cfg.vocab_size, (1, context), generator=gen)
+    device = next(model.parameters()).device
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, context), generator=gen).to(device)
     state = model.allocate_state(1)
     for start in range(0, context, prefill_chunk):
         model.prefill(tokens[:, start:start + prefill_chunk], state)
@@ -45,34 +45,39 @@ def state_after(model: LaplaceLM, context: int, seed: int, prefill_chunk: int = 
 
 def widened(state: State, width: int) -> State:
     """`width` copies of a one-sequence state."""
-    return state.select(torch.zeros(width, dtype=torch.long))
+    return state.select(torch.zeros(width, dtype=torch.long, device=state.recurrent.device))
 
 
 def time_decode(model: LaplaceLM, state: State, steps: int, seed: int) -> float:
     """Median seconds of one decode step (one token for every row)."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, model.cfg.vocab_size, (state.batch_size,), generator=gen)
+    device = state.recurrent.device
+    tokens = torch.randint(0, model.cfg.vocab_size, (state.batch_size,), generator=gen).to(device)
     times = []
     for _ in range(steps + 1):
+        synchronize(device)
         start = time.perf_counter()
         logits = model.decode_step(tokens, state)
+        synchronize(device)
         times.append(time.perf_counter() - start)
         tokens = logits.argmax(-1)
     return statistics.median(times[1:])
 
 
-def kv_attention_seconds(cfg, context: int, steps: int) -> float:
+def kv_attention_seconds(cfg, context: int, steps: int, device) -> float:
     """One decode token's softmax attention over `context` cached keys/values, every layer."""
     H, D = cfg.n_heads, cfg.d_model // cfg.n_heads
     gen = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(1, H, context, D, generator=gen), torch.randn(1, H, context, D, generator=gen))
-              for _ in range(cfg.n_layers)]
-    q = torch.randn(1, H, 1, D, generator=gen)
+    caches = [(torch.randn(1, H, context, D, generator=gen).to(device),
+               torch.randn(1, H, context, D, generator=gen).to(device)) for _ in range(cfg.n_layers)]
+    q = torch.randn(1, H, 1, D, generator=gen).to(device)
     times = []
     for _ in range(steps + 1):
+        synchronize(device)
         start = time.perf_counter()
         for k, v in caches:
             F.scaled_dot_product_attention(q, k, v)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -84,11 +89,12 @@ def main(argv=None) -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per (context, width, round)")
     ap.add_argument("--rounds", type=int, default=3)
+    add_device_argument(ap)
     args = ap.parse_args(argv)
-    kept = keep_cpu_allocations()
+    device, kept = prepare_device(args.device)
     torch.manual_seed(0)
     cfg = preset_model_config(args.preset, vocab_size=VOCAB.get(args.preset, 16384), dtype="float32")
-    model = LaplaceLM(cfg).eval()
+    model = LaplaceLM(cfg).to(device).eval()
     with torch.inference_mode():
         prefill_s, states = {}, {}
         for c in args.contexts:
@@ -101,13 +107,13 @@ def main(argv=None) -> None:
                 for c in args.contexts:
                     samples[(c, w)].append(time_decode(model, widened(states[c], w), args.steps, seed=r))
         step_s = {key: statistics.median(v) for key, v in samples.items()}
-        kv_s = {c: kv_attention_seconds(cfg, c, args.steps) for c in args.contexts}
+        kv_s = {c: kv_attention_seconds(cfg, c, args.steps, device) for c in args.contexts}
 
     lo, hi = min(args.contexts), max(args.contexts)
     per_width_ratio = {w: step_s[(hi, w)] / step_s[(lo, w)] for w in args.widths}
     state_bytes = states[lo].bytes_per_sequence
     result = {
-        "machine": machine(), "kept_cpu_allocations": kept, "preset": args.preset,
+        "machine": machine(device), "kept_cpu_allocations": kept, "preset": args.preset,
         "params": sum(p.numel() for p in model.parameters()),
         "decode_s_per_step": {str(c): {str(w): step_s[(c, w)] for w in args.widths} for c in args.contexts},
         "decode_s_per_token": {str(c): {str(w): step_s[(c, w)] / w for w in args.widths} for c in args.contexts},
@@ -120,7 +126,7 @@ def main(argv=None) -> None:
         "kv_cache_bytes_bf16": {str(c): kv_cache_bytes(cfg, c) for c in args.contexts},
         "state_vs_kv": {str(c): kv_cache_bytes(cfg, c) / state_bytes for c in args.contexts},
     }
-    print(f"{args.preset}: {result['params'] / 1e6:.1f}M parameters, fp32, eager; seconds per decode step")
+    print(f"{args.preset} on {device}: {result['params'] / 1e6:.1f}M parameters, fp32, eager; seconds per decode step")
     rows = [[c, *(step_s[(c, w)] for w in args.widths), kv_s[c], state_bytes, kv_cache_bytes(cfg, c)]
             for c in args.contexts]
     print_table(["context", *(f"w={w}" for w in args.widths), "kv attn (w=1)", "state B", "kv B (bf16)"], rows)

@@ -8,7 +8,7 @@ At each sequence length (batch 1, fp32, the `small` preset's width: 6 heads, key
 and reports each form's achieved GFLOP/s against this machine's fp32 matmul peak,
 measured in the same run. Prints a table and one JSON object.
 
-    .venv/bin/python bench/gla_scaling.py [--lengths 512 1024 2048 4096 8192] [--repeats 5]
+    .venv/bin/python bench/gla_scaling.py [--lengths 512 1024 2048 4096 8192] [--repeats 5] [--device cuda]
 """
 
 from __future__ import annotations
@@ -21,28 +21,34 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, machine, matmul_peak_gflops, median_seconds, print_table  # noqa: E402
+from common import (  # noqa: E402
+    add_device_argument, emit, machine, matmul_peak_gflops, median_seconds, prepare_device, print_table,
+)
 
 from laplace.config import preset_model_config  # noqa: E402
 from laplace.model.gla import chunk_gla, gla_step  # noqa: E402
-from laplace.runtime import keep_cpu_allocations  # noqa: E402
 
 CHUNKS = (32, 64, 128)
 
 
-def gla_inputs(T: int, H: int, K: int, V: int, seed: int = 0):
+def gla_inputs(T: int, H: int, K: int, V: int, seed: int = 0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, T, H, K, generator=gen)
     k = torch.randn(1, T, H, K, generator=gen)
     v = torch.randn(1, T, H, V, generator=gen)
     g = F.logsigmoid(torch.randn(1, T, H, K, generator=gen)) / 16  # the model's gate
-    return [x.requires_grad_() for x in (q, k, v, g)]
+    return [x.to(device).requires_grad_() for x in (q, k, v, g)]
 
 
-def chunked(inputs, chunk: int, sub: int):
+def chunked(inputs, chunk: int, sub: int, compiled: bool = False):
+    def forward(q, k, v, g):
+        return chunk_gla(q, k, v, g, chunk_size=chunk, sub_chunk_size=sub)[0].sum()
+
+    if compiled:  # what Inductor makes of the same code (the training step compiles it this way)
+        forward = torch.compile(forward, fullgraph=True, dynamic=False)
+
     def run():
-        o, _ = chunk_gla(*inputs, chunk_size=chunk, sub_chunk_size=sub)
-        o.sum().backward()
+        forward(*inputs).backward()
     return run
 
 
@@ -60,9 +66,9 @@ def recurrent(inputs):
     return run
 
 
-def sdpa(T: int, H: int, D: int, seed: int = 0):
+def sdpa(T: int, H: int, D: int, seed: int = 0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, H, T, D, generator=gen).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(1, H, T, D, generator=gen).to(device).requires_grad_() for _ in range(3))
 
     def run():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
@@ -86,22 +92,31 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--recurrent-repeats", type=int, default=2, help="the slow form gets fewer runs")
     ap.add_argument("--default-malloc", action="store_true", help="skip keep_cpu_allocations (to compare)")
+    ap.add_argument("--compile-chunk", type=int, default=0,
+                    help="also time torch.compile of the chunked form at this chunk (one compile per length)")
+    add_device_argument(ap)
     args = ap.parse_args(argv)
-    kept = False if args.default_malloc else keep_cpu_allocations()
+    device, kept = prepare_device(args.device, keep_allocations=not args.default_malloc)
 
     cfg = preset_model_config("small", vocab_size=16384)
     H, K, V = cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim
-    peak = matmul_peak_gflops()
-    result = {"machine": machine(), "matmul_peak_gflops": peak, "heads": H, "head_k_dim": K,
+    peak = matmul_peak_gflops(device=device)
+    result = {"machine": machine(device), "matmul_peak_gflops": peak, "heads": H, "head_k_dim": K,
               "head_v_dim": V, "sub_chunk_size": cfg.sub_chunk_size, "lengths": args.lengths, "kept_cpu_allocations": kept,
               "gla_chunked_s": {}, "gla_recurrent_s": {}, "sdpa_s": {}, "gflops": {}}
     rows = []
     for T in args.lengths:
         torch.manual_seed(0)
-        inputs = gla_inputs(T, H, K, V)
-        per_chunk = {c: median_seconds(chunked(inputs, c, cfg.sub_chunk_size), args.repeats) for c in CHUNKS}
-        rec = median_seconds(recurrent(inputs), args.recurrent_repeats)
-        att = median_seconds(sdpa(T, H, V), args.repeats)
+        inputs = gla_inputs(T, H, K, V, device=device)
+        per_chunk = {c: median_seconds(chunked(inputs, c, cfg.sub_chunk_size), args.repeats, device=device)
+                     for c in CHUNKS}
+        rec = median_seconds(recurrent(inputs), args.recurrent_repeats, device=device)
+        att = median_seconds(sdpa(T, H, V, device=device), args.repeats, device=device)
+        if args.compile_chunk:
+            torch._dynamo.reset()
+            compiled = median_seconds(chunked(inputs, args.compile_chunk, cfg.sub_chunk_size, compiled=True),
+                                      args.repeats, warmup=2, device=device)
+            result.setdefault("gla_compiled_s", {})[str(T)] = compiled
         result["gla_chunked_s"][str(T)] = {str(c): s for c, s in per_chunk.items()}
         result["gla_recurrent_s"][str(T)] = rec
         result["sdpa_s"][str(T)] = att
@@ -110,8 +125,8 @@ def main(argv=None) -> None:
         rates["sdpa"] = flops("sdpa", T, H, H * K, H * V) / att / 1e9
         result["gflops"][str(T)] = rates
         best = min(per_chunk, key=per_chunk.get)
-        rows.append([T, *per_chunk.values(), rec, att, att / per_chunk[best], rec / per_chunk[best],
-                     rates[f"chunk{best}"] / peak, rates["sdpa"] / peak])
+        rows.append([T, *per_chunk.values(), *([compiled] if args.compile_chunk else []), rec, att,
+                     att / per_chunk[best], rec / per_chunk[best], rates[f"chunk{best}"] / peak, rates["sdpa"] / peak])
 
     # the best chunk: fastest summed over all lengths
     totals = {c: sum(result["gla_chunked_s"][str(T)][str(c)] for T in args.lengths) for c in CHUNKS}
@@ -127,8 +142,9 @@ def main(argv=None) -> None:
     result["gla_growth"] = result["gla_best_s"][last] / result["gla_best_s"][first]
     result["sdpa_growth"] = result["sdpa_s"][last] / result["sdpa_s"][first]
 
-    print(f"fp32 matmul peak {peak:.1f} GFLOP/s; seconds per forward+backward; best chunk {best}")
-    print_table(["T", *(f"chunk{c}" for c in CHUNKS), "recurrent", "sdpa", "sdpa/gla", "rec/gla",
+    print(f"{device}: fp32 matmul peak {peak:.1f} GFLOP/s; seconds per forward+backward; best chunk {best}")
+    compiled_header = [f"compiled{args.compile_chunk}"] if args.compile_chunk else []
+    print_table(["T", *(f"chunk{c}" for c in CHUNKS), *compiled_header, "recurrent", "sdpa", "sdpa/gla", "rec/gla",
                  "gla/peak", "sdpa/peak"], rows)
     emit(result)
 

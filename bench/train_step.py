@@ -9,7 +9,7 @@ token are counted from the modules (6 x matmul parameters + the GLA core and sho
 convolutions, forward + backward); MFU = model FLOP/s / the fp32 matmul peak measured
 in the same run. Prints a table and one JSON object.
 
-    .venv/bin/python bench/train_step.py [--presets tiny small] [--batch 8 --seq-len 256] [--steps 3]
+    .venv/bin/python bench/train_step.py [--presets tiny small] [--batch 8 --seq-len 256] [--steps 3] [--device cuda]
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, machine, matmul_peak_gflops, print_table  # noqa: E402
+from common import (  # noqa: E402
+    add_device_argument, emit, machine, matmul_peak_gflops, prepare_device, print_table, synchronize,
+)
 
 from laplace.config import AdamWSection, MuonSection, preset_model_config  # noqa: E402
 from laplace.model.lm import LaplaceLM  # noqa: E402
 from laplace.optim.muon import MuonAdamW  # noqa: E402
-from laplace.runtime import keep_cpu_allocations  # noqa: E402
 
 VOCAB = {"tiny": 4096, "small": 16384}  # the vocabularies the presets are sized for
 
@@ -46,18 +47,21 @@ def model_flops_per_token(model: LaplaceLM, seq_len: int) -> float:
     return 3 * (2 * linear + cfg.n_layers * (core + conv))
 
 
-def time_steps(model, optimizer, loss_fn, batches, steps: int) -> dict:
+def time_steps(model, optimizer, loss_fn, batches, steps: int, device) -> dict:
     """Full steps after one warm-up step (which also compiles); forward+backward and the
     optimizer step timed apart inside each step."""
     fwd_bwd, opt, total = [], [], []
     first = None
     for i, (x, y) in enumerate(batches[: steps + 1]):
+        synchronize(device)
         start = time.perf_counter()
         loss = loss_fn(x, y)
         loss.backward()
+        synchronize(device)
         mid = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
+        synchronize(device)
         end = time.perf_counter()
         if i == 0:
             first = end - start
@@ -70,15 +74,15 @@ def time_steps(model, optimizer, loss_fn, batches, steps: int) -> dict:
             "final_loss": float(loss.detach())}
 
 
-def bench_preset(preset: str, batch: int, seq_len: int, steps: int, peak: float) -> dict:
+def bench_preset(preset: str, batch: int, seq_len: int, steps: int, peak: float, device) -> dict:
     cfg = preset_model_config(preset, vocab_size=VOCAB.get(preset, 16384))
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen) for _ in range(steps + 1)]
-    batches = [(b[:, :-1], b[:, 1:]) for b in batches]
+    batches = [(b[:, :-1].to(device), b[:, 1:].to(device)) for b in batches]
     out = {}
     for mode in ("eager", "compiled"):
         torch.manual_seed(0)
-        model = LaplaceLM(cfg)
+        model = LaplaceLM(cfg).to(device)
         optimizer = MuonAdamW(model, 1e-3, AdamWSection(), MuonSection())
 
         def loss_fn(x, y, model=model):
@@ -88,7 +92,7 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, peak: float)
         if mode == "compiled":
             torch._dynamo.reset()
             loss_fn = torch.compile(loss_fn, fullgraph=True, dynamic=False)
-        out[mode] = time_steps(model, optimizer, loss_fn, batches, steps)
+        out[mode] = time_steps(model, optimizer, loss_fn, batches, steps, device)
     tokens = batch * seq_len
     flops = model_flops_per_token(model, seq_len)
     result = {
@@ -118,13 +122,14 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=8, help="params.yaml's train.batch_size")
     ap.add_argument("--seq-len", type=int, default=256, help="params.yaml's train.seq_len")
     ap.add_argument("--steps", type=int, default=3)
+    add_device_argument(ap)
     args = ap.parse_args(argv)
-    kept = keep_cpu_allocations()
-    peak = matmul_peak_gflops()
-    result = {"machine": machine(), "matmul_peak_gflops": peak, "kept_cpu_allocations": kept, "presets": {}}
+    device, kept = prepare_device(args.device)
+    peak = matmul_peak_gflops(device=device)
+    result = {"machine": machine(device), "matmul_peak_gflops": peak, "kept_cpu_allocations": kept, "presets": {}}
     rows = []
     for preset in args.presets:
-        r = bench_preset(preset, args.batch, args.seq_len, args.steps, peak)
+        r = bench_preset(preset, args.batch, args.seq_len, args.steps, peak, device)
         result["presets"][preset] = r
         rows.append([preset, r["params"], r["tokens_per_s_eager"], r["tokens_per_s_compiled"],
                      r["compiled_speedup"], r["compiled_speedup_fwd_bwd"], r["fwd_bwd_speedup_ceiling"],
@@ -134,7 +139,7 @@ def main(argv=None) -> None:
     main_preset = result["presets"].get("small") or r
     for key in ("tokens_per_s_eager", "tokens_per_s_compiled", "mfu_compiled", "mfu_eager", "compiled_speedup"):
         result[key] = main_preset[key]
-    print(f"fp32 matmul peak {peak:.1f} GFLOP/s; batch {args.batch} x {args.seq_len} tokens")
+    print(f"{device}: fp32 matmul peak {peak:.1f} GFLOP/s; batch {args.batch} x {args.seq_len} tokens")
     print_table(["preset", "params", "tok/s eager", "tok/s compiled", "speedup", "fwd+bwd speedup",
                  "ceiling", "MFU eager", "MFU compiled", "MFU fwd+bwd", "optimizer s", "compile s"], rows)
     emit(result)
