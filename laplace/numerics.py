@@ -14,13 +14,10 @@ Runs in a fresh worker process started from the warmup compile cache.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from laplace.config import Config, config_from_dict
+from laplace.config import Config
+from laplace.worker import run_worker_from_warmup_cache, worker_main
 
 
 class GateFailed(RuntimeError):
@@ -386,30 +384,14 @@ def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="numerics worker")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--export-dir", required=True)
-    parser.add_argument("--data-dir", required=True)
-    args = parser.parse_args(argv)
-    cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
-    result = run_numerics(cfg, Path(args.export_dir), Path(args.data_dir))
-    from laplace.fileio import atomic_write_json
-
-    atomic_write_json(args.out, result)
-    print(result["gate_table"], flush=True)
-    return 0
+    return worker_main("numerics worker", lambda cfg, args: run_numerics(cfg, args.export_dir, args.data_dir), argv,
+                       paths=("export-dir", "data-dir"), summary=lambda r: r["gate_table"])
 
 
 def numerics_stage(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path) -> dict:
     """Run the checks in a fresh process started from a copy of the warmup compile cache."""
-    from laplace.warmup import compile_env, run_worker
-
-    with tempfile.TemporaryDirectory(prefix="laplace-numerics-") as tmp:
-        cache = Path(tmp) / "cache"
-        shutil.copytree(warmup_cache, cache)
-        return run_worker("laplace.numerics", cfg, ["--export-dir", str(export_dir), "--data-dir", str(data_dir)],
-                          compile_env(cache), Path.cwd(), Path(tmp) / "numerics.json")
+    return run_worker_from_warmup_cache(
+        "laplace.numerics", cfg, ["--export-dir", str(export_dir), "--data-dir", str(data_dir)], warmup_cache)
 
 
 if __name__ == "__main__":

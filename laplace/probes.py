@@ -32,6 +32,7 @@ from laplace.config import (AdamWSection, Config, ModelConfig, MuonSection, Prob
 from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes, torch_dtype
 from laplace.optim.muon import MuonAdamW
 from laplace.serve import DecodeEngine, fit
+from laplace.worker import run_worker_from_warmup_cache, worker_main
 
 IGNORE = -100  # target of positions that are not scored (F.cross_entropy's ignore_index)
 
@@ -771,38 +772,17 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, plots_dir: Path, p
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-
-    from laplace.config import config_from_dict
-    from laplace.fileio import atomic_write_json
-
-    parser = argparse.ArgumentParser(description="probes worker")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--export-dir", required=True)
-    parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--plots-dir", required=True)
-    args = parser.parse_args(argv)
-    cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
-    result = run_probes(cfg, Path(args.export_dir), Path(args.data_dir), Path(args.plots_dir))
-    atomic_write_json(args.out, result)
-    return 0
+    return worker_main(
+        "probes worker", lambda cfg, args: run_probes(cfg, args.export_dir, args.data_dir, args.plots_dir), argv,
+        paths=("export-dir", "data-dir", "plots-dir"),
+    )
 
 
 def probes_stage(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path, plots_dir: Path) -> dict:
     """run_probes in a fresh process started from a copy of the warmup compile cache (the serving
     graphs are the ones warmup compiled)."""
-    import shutil
-    import tempfile
-
-    from laplace.warmup import compile_env, run_worker
-
-    with tempfile.TemporaryDirectory(prefix="laplace-probes-") as tmp:
-        cache = Path(tmp) / "cache"
-        shutil.copytree(warmup_cache, cache)
-        args = ["--export-dir", str(export_dir), "--data-dir", str(data_dir), "--plots-dir", str(plots_dir)]
-        return run_worker("laplace.probes", cfg, args, compile_env(cache), Path.cwd(), Path(tmp) / "probes.json")
+    args = ["--export-dir", str(export_dir), "--data-dir", str(data_dir), "--plots-dir", str(plots_dir)]
+    return run_worker_from_warmup_cache("laplace.probes", cfg, args, warmup_cache)
 
 
 if __name__ == "__main__":

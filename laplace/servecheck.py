@@ -16,8 +16,6 @@ time after a 2,048- and an 8,192-token prompt, and the state bytes, which must n
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -25,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from laplace.config import Config, config_from_dict
+from laplace.config import Config
 from laplace.serve import POLICIES, Completion, StepRecord, percentile
+from laplace.worker import compile_env, run_worker, worker_main
 
 
 class GateFailed(RuntimeError):
@@ -186,19 +185,11 @@ def _worker(cfg: Config, policy: str, export_dir: Path, data_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="serve-check worker: replay the workloads under one policy")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--policy", choices=POLICIES, required=True)
-    parser.add_argument("--export-dir", required=True)
-    parser.add_argument("--data-dir", required=True)
-    args = parser.parse_args(argv)
-    cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
-    result = _worker(cfg, args.policy, Path(args.export_dir), Path(args.data_dir))
-    from laplace.fileio import atomic_write_json
-
-    atomic_write_json(args.out, result)
-    return 0
+    return worker_main(
+        "serve-check worker: replay the workloads under one policy",
+        lambda cfg, args: _worker(cfg, args.policy, args.export_dir, args.data_dir), argv,
+        paths=("export-dir", "data-dir"), options={"policy": {"choices": POLICIES}},
+    )
 
 
 # --------------------------------------------------------------------------- the stage
@@ -208,8 +199,6 @@ def serve_check_stage(cfg: Config, export_dir: Path, data_dir: Path, warmup_cach
                       plots_dir: Path) -> tuple[dict, dict]:
     """Run the three policies; returns (metrics, traces). Raises GateFailed after writing nothing
     itself: the caller writes metrics and plots first."""
-    from laplace.warmup import compile_env, run_worker
-
     scratch.mkdir(parents=True, exist_ok=True)
     results = {}
     args = ["--export-dir", str(export_dir), "--data-dir", str(data_dir)]

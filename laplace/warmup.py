@@ -14,49 +14,14 @@ and needs only the tokenized data's vocabulary size: it runs before training.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from laplace.config import Config, config_from_dict
-
-CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "NEURON_COMPILE_CACHE_URL")
-
-
-def compile_env(cache_dir: Path | None) -> dict[str, str]:
-    """Environment of a worker process whose compile cache lives in `cache_dir` (None: no cache)."""
-    from laplace.repro import subprocess_env
-
-    env = subprocess_env()
-    for name in CACHE_ENV:
-        env.pop(name, None)
-    if cache_dir is not None:
-        for name in CACHE_ENV:
-            env[name] = str(cache_dir)
-    else:
-        env["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
-        env["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
-    return env
-
-
-def run_worker(module: str, cfg: Config, args: list[str], env: dict[str, str], cwd: Path, out: Path) -> dict:
-    """Run `python -m module` on the effective config; its result is the JSON it writes to `out`."""
-    from laplace.fileio import atomic_write_json
-    from laplace.repro import run_streaming
-
-    cfg_file = out.with_suffix(".config.json")
-    atomic_write_json(cfg_file, cfg.to_dict())
-    cmd = [sys.executable, "-m", module, "--config-json", str(cfg_file), "--out", str(out), *args]
-    status, tail = run_streaming(cmd, cwd, env, lambda line: print(f"  [{module.rsplit('.', 1)[-1]}] {line}",
-                                                                     flush=True))
-    if status != 0:
-        raise RuntimeError(f"{module} worker failed (exit {status}): {tail.splitlines()[-1] if tail else ''}")
-    return json.loads(out.read_text())
-
+from laplace.config import Config
+from laplace.worker import compile_env, run_worker, worker_main
 
 def dir_size(path: Path) -> tuple[int, int]:
     files = [p for p in Path(path).rglob("*") if p.is_file()]
@@ -123,19 +88,12 @@ def _worker(cfg: Config, vocab_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="warmup worker: compile every serving graph once")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--vocab-size", type=int, required=True)
-    args = parser.parse_args(argv)
-    cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
-    result = _worker(cfg, args.vocab_size)
-    from laplace.fileio import atomic_write_json
-
-    atomic_write_json(args.out, result)
-    print(f"compiled {result['graphs']} graphs in {result['seconds']['total_s']:.1f}s "
-          f"(process {result['process_s']:.1f}s)", flush=True)
-    return 0
+    return worker_main(
+        "warmup worker: compile every serving graph once", lambda cfg, args: _worker(cfg, args.vocab_size), argv,
+        options={"vocab-size": {"type": int}},
+        summary=lambda r: f"compiled {r['graphs']} graphs in {r['seconds']['total_s']:.1f}s "
+                          f"(process {r['process_s']:.1f}s)",
+    )
 
 
 if __name__ == "__main__":

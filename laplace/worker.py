@@ -1,0 +1,93 @@
+"""Stage workers: a stage runs its measurement in a fresh `python -m laplace.<module>` process.
+
+A fresh process is what a deployment pays (its own compile cache, no warm state left
+over from the parent). Both sides of that contract live here:
+- the parent: `run_worker` writes the effective config, runs the module, streams its
+  output and returns the JSON result it wrote; `compile_env` points the worker's compile
+  cache at a directory;
+- the child: `worker_main` parses the common arguments, runs the module's body and writes
+  its result atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from laplace.config import Config, config_from_dict
+
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "NEURON_COMPILE_CACHE_URL")
+
+
+def compile_env(cache_dir: Path | None) -> dict[str, str]:
+    """Environment of a worker process whose compile cache lives in `cache_dir` (None: no cache)."""
+    from laplace.repro import subprocess_env
+
+    env = subprocess_env()
+    for name in CACHE_ENV:
+        env.pop(name, None)
+    if cache_dir is not None:
+        for name in CACHE_ENV:
+            env[name] = str(cache_dir)
+    else:
+        env["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
+        env["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
+    return env
+
+
+def run_worker(module: str, cfg: Config, args: list[str], env: dict[str, str], cwd: Path, out: Path) -> dict:
+    """Run `python -m module` on the effective config; its result is the JSON it writes to `out`."""
+    from laplace.fileio import atomic_write_json
+    from laplace.repro import run_streaming
+
+    cfg_file = out.with_suffix(".config.json")
+    atomic_write_json(cfg_file, cfg.to_dict())
+    cmd = [sys.executable, "-m", module, "--config-json", str(cfg_file), "--out", str(out), *args]
+    status, tail = run_streaming(cmd, cwd, env, lambda line: print(f"  [{module.rsplit('.', 1)[-1]}] {line}",
+                                                                     flush=True))
+    if status != 0:
+        raise RuntimeError(f"{module} worker failed (exit {status}): {tail.splitlines()[-1] if tail else ''}")
+    return json.loads(out.read_text())
+
+
+def run_worker_from_warmup_cache(module: str, cfg: Config, args: list[str], warmup_cache: Path) -> dict:
+    """`run_worker` in a scratch directory, starting from a copy of the warmup stage's compile
+    cache: the worker uses the graphs warmup compiled, and the artifact itself stays untouched."""
+    name = module.rsplit(".", 1)[-1]
+    with tempfile.TemporaryDirectory(prefix=f"laplace-{name}-") as tmp:
+        cache = Path(tmp) / "cache"
+        shutil.copytree(warmup_cache, cache)
+        return run_worker(module, cfg, args, compile_env(cache), Path.cwd(), Path(tmp) / f"{name}.json")
+
+
+def worker_main(
+    description: str,
+    body: Callable[[Config, argparse.Namespace], dict],
+    argv: list[str] | None = None,
+    paths: tuple[str, ...] = (),
+    options: dict[str, dict] | None = None,
+    summary: Callable[[dict], str] | None = None,
+) -> int:
+    """The child side: `--config-json` and `--out`, plus required `paths` (as Path) and
+    `options` (argparse keywords); `body(cfg, args)` makes the result, written atomically."""
+    from laplace.fileio import atomic_write_json
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--out", required=True)
+    for name in paths:
+        parser.add_argument(f"--{name}", required=True, type=Path)
+    for name, keywords in (options or {}).items():
+        parser.add_argument(f"--{name}", required=True, **keywords)
+    args = parser.parse_args(argv)
+    cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
+    result = body(cfg, args)
+    atomic_write_json(args.out, result)
+    if summary is not None:
+        print(summary(result), flush=True)
+    return 0
