@@ -28,7 +28,7 @@ def worker(args) -> None:
     from laplace import distributed
     from laplace.config import AdamWSection, MuonSection, preset_model_config
     from laplace.model.lm import LaplaceLM
-    from laplace.optim.sharded import ShardedMuonAdamW
+    from laplace.optim.sharded import ShardedMuonAdamW, traffic_metrics
 
     group = distributed.join(torch.device("cpu"))
     out = {}
@@ -51,11 +51,10 @@ def worker(args) -> None:
             opt.zero_grad()
             if step == 0:
                 opt.meter.reset()
-        traffic = opt.meter.gather()
-        muon = [sum(v["sent"][r] + v["received"][r] for c, v in traffic.items() if c.startswith("muon_"))
-                / args.steps for r in range(group.world)]
-        out[comm] = {"step_seconds": statistics.median(times), "muon_bytes_per_rank_max": max(muon),
-                     "muon_bytes_per_rank_mean": sum(muon) / len(muon),
+        traffic = traffic_metrics(opt.meter.gather(), args.steps)
+        out[comm] = {"step_seconds": statistics.median(times),
+                     "muon_bytes_per_rank_max": traffic["muon_bytes_per_rank_per_step_max"],
+                     "muon_bytes_per_rank_mean": traffic["muon_bytes_per_rank_per_step_mean"],
                      "params": sum(p.numel() for p in model.parameters())}
     if group.is_main:
         Path(args.out).write_text(json.dumps(out))

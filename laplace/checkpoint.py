@@ -248,4 +248,4 @@ def latest_verified(root: Path) -> Path | None:
                 break
             log.warning("skipping damaged checkpoint %s: %s", path, reason)
     choice = broadcast_int(choice)
-    return None if choice < 0 else list_checkpoints(root)[choice][1]
+    return None if choice < 0 else found[choice][1]

@@ -85,8 +85,9 @@ def needs_torchrun(t: TrainSection) -> bool:
     return (t.nproc_per_node > 1 or t.nnodes > 1) and not launched_by_torchrun()
 
 
-def torchrun_command(t: TrainSection, module: str, args: list[str]) -> list[str]:
-    """`torchrun ... -m module args` from the train section (standalone unless a rendezvous endpoint is set)."""
+def torchrun_launcher(t: TrainSection) -> list[str]:
+    """`torchrun ...` from the train section (standalone unless a rendezvous endpoint is set); the
+    module and its arguments follow."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.nproc_per_node}",
            f"--max-restarts={t.max_restarts}"]
     if t.rdzv_endpoint:
@@ -94,4 +95,4 @@ def torchrun_command(t: TrainSection, module: str, args: list[str]) -> list[str]
                 f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={t.rdzv_id}"]
     else:
         cmd += ["--standalone"]
-    return cmd + ["-m", module, *args]
+    return cmd

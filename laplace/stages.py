@@ -149,20 +149,14 @@ def run_training(cfg: Config, paths: Paths, resume: bool = True, stop_at_step: i
         return result.metrics, result.history, result.checkpoint
     import tempfile
 
-    from laplace.fileio import atomic_write_json
-    from laplace.repro import run_streaming, subprocess_env
+    from laplace.repro import subprocess_env
+    from laplace.worker import run_worker
 
+    args = ["--data-dir", str(paths.data_dir), "--run-dir", str(paths.run_dir)] + \
+        (["--no-resume"] if not resume else []) + (["--stop-at-step", str(stop_at_step)] if stop_at_step else [])
     with tempfile.TemporaryDirectory(prefix="laplace-train-") as tmp:
-        cfg_file, out = Path(tmp) / "config.json", Path(tmp) / "result.json"
-        atomic_write_json(cfg_file, cfg.to_dict())
-        args = ["--config-json", str(cfg_file), "--data-dir", str(paths.data_dir), "--run-dir", str(paths.run_dir),
-                "--out", str(out)] + (["--no-resume"] if not resume else []) + \
-               (["--stop-at-step", str(stop_at_step)] if stop_at_step else [])
-        status, tail = run_streaming(distributed.torchrun_command(cfg.train, "laplace.train", args), paths.root,
-                                     subprocess_env(), lambda line: print(line, flush=True))
-        if status != 0:
-            raise RuntimeError(f"torchrun exited with status {status}: {tail.splitlines()[-1] if tail else ''}")
-        result = json.loads(out.read_text())
+        result = run_worker("laplace.train", cfg, args, subprocess_env(), paths.root, Path(tmp) / "result.json",
+                            launcher=distributed.torchrun_launcher(cfg.train))
     return result["metrics"], result["history"], Path(result["checkpoint"]) if result["checkpoint"] else None
 
 

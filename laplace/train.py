@@ -103,18 +103,6 @@ class TrainResult:
     checkpoint: Path | None = None
 
 
-def traffic_metrics(gathered: dict[str, dict[str, list[int]]], steps: int) -> dict:
-    """Per-rank bytes per optimizer step: by collective, and Muon's total (sent + received)."""
-    world = len(next(iter(gathered.values()))["sent"])
-    per_rank = {c: [(v["sent"][r] + v["received"][r]) / steps for r in range(world)] for c, v in gathered.items()}
-    muon = [sum(per_rank[c][r] for c in per_rank if c.startswith("muon_")) for r in range(world)]
-    out = {f"{c}_bytes_per_rank_per_step_max": max(v) for c, v in per_rank.items() if max(v) > 0}
-    out["muon_bytes_per_rank_per_step_max"] = max(muon)
-    out["muon_bytes_per_rank_per_step_mean"] = sum(muon) / world
-    out["by_rank"] = {c: v for c, v in per_rank.items() if max(v) > 0}
-    return out
-
-
 def train(
     cfg: Config,
     data_dir: Path,
@@ -170,7 +158,8 @@ def train(
 
 def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train_tokens, val_batches, run_dir,
           resume, stop_at_step, on_log, before_step, progress) -> TrainResult:
-    from laplace.distributed import all_mean
+    from laplace.distributed import all_mean, barrier
+    from laplace.optim.sharded import traffic_metrics
 
     t = cfg.train
     ckpt_root = run_dir / "checkpoints"
@@ -185,8 +174,6 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
             ckpt_root.rename(previous)
             log.warning("checkpoints in %s belong to another run (settings or data changed); moved to %s, "
                         "training from step 0", ckpt_root, previous)
-        from laplace.distributed import barrier
-
         barrier()
         found = None
     if found is not None:
@@ -286,30 +273,20 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The torchrun entry point: `torchrun ... -m laplace.train --config-json C --data-dir D --run-dir R --out O`.
-    Every rank trains; rank 0 writes the result (metrics and history) to --out."""
-    import argparse
-    import os
+    """The torchrun entry point: `torchrun ... -m laplace.train --config-json C --out O --data-dir D --run-dir R`.
+    Every rank trains; rank 0 writes the result (metrics, history, checkpoint) to --out."""
+    from laplace.worker import worker_main
 
-    from laplace.config import config_from_dict
-    from laplace.fileio import atomic_write_json
-
-    parser = argparse.ArgumentParser(description="distributed training worker (run by torchrun)")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--stop-at-step", type=int, default=None)
-    parser.add_argument("--no-resume", action="store_true")
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
-    result = train(cfg, Path(args.data_dir), Path(args.run_dir), resume=not args.no_resume,
-                   stop_at_step=args.stop_at_step)
-    if int(os.environ.get("RANK", "0")) == 0:
-        atomic_write_json(args.out, {"metrics": result.metrics, "history": result.history,
-                                     "checkpoint": str(result.checkpoint) if result.checkpoint else None})
-    return 0
+
+    def body(cfg: Config, args) -> dict:
+        result = train(cfg, args.data_dir, args.run_dir, resume=not args.no_resume, stop_at_step=args.stop_at_step)
+        return {"metrics": result.metrics, "history": result.history,
+                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
+
+    return worker_main("distributed training worker (run by torchrun)", body, argv, paths=("data-dir", "run-dir"),
+                       options={"stop-at-step": {"type": int, "default": None, "required": False},
+                                "no-resume": {"action": "store_true", "required": False}})
 
 
 if __name__ == "__main__":

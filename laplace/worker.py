@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -40,14 +41,16 @@ def compile_env(cache_dir: Path | None) -> dict[str, str]:
     return env
 
 
-def run_worker(module: str, cfg: Config, args: list[str], env: dict[str, str], cwd: Path, out: Path) -> dict:
-    """Run `python -m module` on the effective config; its result is the JSON it writes to `out`."""
+def run_worker(module: str, cfg: Config, args: list[str], env: dict[str, str], cwd: Path, out: Path,
+               launcher: list[str] | None = None) -> dict:
+    """Run `python -m module` on the effective config; its result is the JSON it writes to `out`.
+    `launcher` replaces `python` (e.g. torchrun's command line, from laplace.distributed)."""
     from laplace.fileio import atomic_write_json
     from laplace.repro import run_streaming
 
     cfg_file = out.with_suffix(".config.json")
     atomic_write_json(cfg_file, cfg.to_dict())
-    cmd = [sys.executable, "-m", module, "--config-json", str(cfg_file), "--out", str(out), *args]
+    cmd = [*(launcher or [sys.executable]), "-m", module, "--config-json", str(cfg_file), "--out", str(out), *args]
     status, tail = run_streaming(cmd, cwd, env, lambda line: print(f"  [{module.rsplit('.', 1)[-1]}] {line}",
                                                                      flush=True))
     if status != 0:
@@ -74,7 +77,9 @@ def worker_main(
     summary: Callable[[dict], str] | None = None,
 ) -> int:
     """The child side: `--config-json` and `--out`, plus required `paths` (as Path) and
-    `options` (argparse keywords); `body(cfg, args)` makes the result, written atomically."""
+    `options` (argparse keywords; required unless they say otherwise); `body(cfg, args)` makes
+    the result, written atomically. Under torchrun every rank runs the body and rank 0 alone
+    writes the result and prints the summary."""
     from laplace.fileio import atomic_write_json
 
     parser = argparse.ArgumentParser(description=description)
@@ -83,11 +88,12 @@ def worker_main(
     for name in paths:
         parser.add_argument(f"--{name}", required=True, type=Path)
     for name, keywords in (options or {}).items():
-        parser.add_argument(f"--{name}", required=True, **keywords)
+        parser.add_argument(f"--{name}", **{"required": True, **keywords})
     args = parser.parse_args(argv)
     cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
     result = body(cfg, args)
-    atomic_write_json(args.out, result)
-    if summary is not None:
-        print(summary(result), flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        atomic_write_json(args.out, result)
+        if summary is not None:
+            print(summary(result), flush=True)
     return 0

@@ -41,6 +41,13 @@ COLLECTIVES = ("grad_reduce_scatter", "grad_norm_allreduce", "muon_to_owner", "m
                "param_allgather")
 
 
+def flat_order(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(route, parameter) in the order of the flat space: Muon matrices, then AdamW with and
+    without weight decay. The optimizer and the analytic traffic both lay parameters out so."""
+    routes = route_parameters(model)
+    return [(route, p) for route in ("muon", "adamw_decay", "adamw_no_decay") for _, p in routes[route]]
+
+
 class TrafficMeter:
     """Bytes sent to and received from other ranks, per collective (self-copies excluded)."""
 
@@ -71,6 +78,18 @@ class TrafficMeter:
             parts = [mine]
         return {c: {"sent": [int(p[i, 0]) for p in parts], "received": [int(p[i, 1]) for p in parts]}
                 for i, c in enumerate(COLLECTIVES)}
+
+
+def traffic_metrics(gathered: dict[str, dict[str, list[int]]], steps: int) -> dict:
+    """Per-rank bytes per optimizer step: by collective, and Muon's total (sent + received)."""
+    world = len(next(iter(gathered.values()))["sent"])
+    per_rank = {c: [(v["sent"][r] + v["received"][r]) / steps for r in range(world)] for c, v in gathered.items()}
+    muon = [sum(per_rank[c][r] for c in per_rank if c.startswith("muon_")) for r in range(world)]
+    out = {f"{c}_bytes_per_rank_per_step_max": max(v) for c, v in per_rank.items() if max(v) > 0}
+    out["muon_bytes_per_rank_per_step_max"] = max(muon)
+    out["muon_bytes_per_rank_per_step_mean"] = sum(muon) / world
+    out["by_rank"] = {c: v for c, v in per_rank.items() if max(v) > 0}
+    return out
 
 
 def exchange(meter: TrafficMeter, name: str, send: Tensor, send_splits: list[int], recv_splits: list[int],
@@ -159,13 +178,9 @@ class ShardedMuonAdamW:
         self.lr_scale = 1.0
         self.meter = TrafficMeter()
 
-        routes = route_parameters(model)
-        self.kind: list[str] = []
-        self.params: list[nn.Parameter] = []
-        for route in ("muon", "adamw_decay", "adamw_no_decay"):
-            for _, p in routes[route]:
-                self.params.append(p)
-                self.kind.append(route)
+        ordered = flat_order(model)
+        self.kind: list[str] = [route for route, _ in ordered]
+        self.params: list[nn.Parameter] = [p for _, p in ordered]
         self.layout = FlatLayout([p.numel() for p in self.params], self.world)
         lo, hi = self.layout.shard_range(self.rank)
         self.shard = self._flat_params()[lo:hi].clone()  # this rank's fp32 master values
@@ -301,11 +316,9 @@ class ShardedMuonAdamW:
         done = {i: self._newton_schulz(i, full[i]) for i in mine}
         # 2nd all-to-all: each rank gets back the orthogonalised slices of its shard
         back = [done[i][s.param_lo:s.param_hi] for r in range(W) for i in mine for s in L.by_param[i] if s.rank == r]
-        back_splits = [sum(s.size for i in mine for s in L.by_param[i] if s.rank == r) for r in range(W)]
-        ret_splits = [sum(directions[i].numel() for i in self.muon_index if self.owner[i] == r and i in directions)
-                      for r in range(W)]
         flat_back = torch.cat(back) if back else torch.empty(0, dtype=torch.bfloat16)
-        returned = exchange(self.meter, "muon_from_owner", flat_back, back_splits, ret_splits, me, self.group)
+        # the way back mirrors the way there: what I received I return, what I sent comes back
+        returned = exchange(self.meter, "muon_from_owner", flat_back, recv_splits, send_splits, me, self.group)
         out, pos = {}, 0
         for r in range(W):
             for i in self.muon_index:
@@ -392,10 +405,6 @@ def muon_traffic(kinds: list[str], shapes: list[tuple[int, ...]], world: int, by
 
 def model_traffic(model: nn.Module, world: int, bytes_per_value: int = 2, ns_steps: int = 5) -> dict:
     """muon_traffic for a model (works on the meta device: only shapes are read)."""
-    routes = route_parameters(model)
-    kinds, shapes = [], []
-    for route in ("muon", "adamw_decay", "adamw_no_decay"):
-        for _, p in routes[route]:
-            kinds.append(route)
-            shapes.append(tuple(p.shape))
-    return muon_traffic(kinds, shapes, world, bytes_per_value, ns_steps)
+    ordered = flat_order(model)
+    return muon_traffic([route for route, _ in ordered], [tuple(p.shape) for _, p in ordered], world,
+                        bytes_per_value, ns_steps)
