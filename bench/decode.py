@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_device_argument, emit, machine, prepare_device, print_table, synchronize  # noqa: E402
-
-from laplace.config import preset_model_config  # noqa: E402
+from laplace.model.config import preset_model_config  # noqa: E402
 from laplace.model.lm import LaplaceLM, State, kv_cache_bytes  # noqa: E402
+
+from common import add_device_argument, emit, machine, prepare_device, print_table, synchronize  # noqa: E402
 
 VOCAB = {"tiny": 4096, "small": 16384, "laplace-3b": 50304}
 

@@ -21,12 +21,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    add_device_argument, emit, machine, matmul_peak_gflops, median_seconds, prepare_device, print_table,
-)
-
-from laplace.config import preset_model_config  # noqa: E402
+from laplace.model.config import preset_model_config  # noqa: E402
 from laplace.model.gla import chunk_gla, gla_step  # noqa: E402
+
+from common import (  # noqa: E402
+    add_device_argument,
+    emit,
+    machine,
+    matmul_peak_gflops,
+    median_seconds,
+    prepare_device,
+    print_table,
+)
 
 CHUNKS = (32, 64, 128)
 

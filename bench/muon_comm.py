@@ -25,10 +25,11 @@ import torch
 
 def worker(args) -> None:
     """One torchrun rank: time optimizer steps on synthetic gradients for both strategies."""
-    from laplace import distributed
-    from laplace.config import AdamWSection, MuonSection, preset_model_config
+    from laplace.config import AdamWSection, MuonSection
+    from laplace.model.config import preset_model_config
     from laplace.model.lm import LaplaceLM
     from laplace.optim.sharded import ShardedMuonAdamW, traffic_metrics
+    from laplace.training import distributed
 
     group = distributed.join(torch.device("cpu"))
     out = {}
@@ -76,7 +77,7 @@ def main() -> None:
         worker(args)
         return
 
-    from laplace.config import preset_model_config
+    from laplace.model.config import preset_model_config
     from laplace.model.lm import LaplaceLM
     from laplace.optim.sharded import model_traffic
 

@@ -25,13 +25,20 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    add_device_argument, emit, machine, matmul_peak_gflops, prepare_device, print_table, synchronize,
-)
-
-from laplace.config import AdamWSection, MuonSection, preset_model_config  # noqa: E402
+from laplace.config import AdamWSection, MuonSection  # noqa: E402
+from laplace.model.config import preset_model_config  # noqa: E402
 from laplace.model.lm import LaplaceLM  # noqa: E402
 from laplace.optim.muon import MuonAdamW  # noqa: E402
+
+from common import (  # noqa: E402
+    add_device_argument,
+    emit,
+    machine,
+    matmul_peak_gflops,
+    prepare_device,
+    print_table,
+    synchronize,
+)
 
 VOCAB = {"tiny": 4096, "small": 16384}  # the vocabularies the presets are sized for
 

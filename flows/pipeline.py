@@ -20,9 +20,11 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run
 
-from laplace import repro
-from laplace.config import load_config
-from laplace.stages import PIPELINE, Paths, summary
+from laplace.errors import INPUT_ERROR_EXIT
+from laplace.pipeline import repro, summary
+from laplace.pipeline.layout import Paths
+from laplace.pipeline.params import load_config, write_params
+from laplace.pipeline.stages import PIPELINE
 
 
 class StageFailed(RuntimeError):
@@ -46,7 +48,7 @@ def run_stage(stage: str, root: str, flow_run_id: str) -> dict:
     if status != 0:
         child = repro.stage_exit_status(status, tail)
         last = next((line for line in reversed(tail.splitlines()) if "error" in line.lower()), tail[-300:])
-        if child == repro.USER_ERROR_EXIT:
+        if child == INPUT_ERROR_EXIT:
             raise StageRejected(f"stage {stage} rejected its input: {last}")
         raise StageFailed(f"stage {stage} failed (exit status {child}): {last}")
     stage_metrics = Paths.at(root).metrics_file(stage)
@@ -62,46 +64,6 @@ def _mlflow_ui_url(info: dict) -> str | None:
     return f"{base}/#/experiments/{trk['experiment_id']}/runs/{trk['run_id']}"
 
 
-def _summary_markdown(info: dict, root: Path) -> str:
-    tok, tr, ex, trk = info["tokenize"], info["train"], info["export"], info["tracking"]
-    rows = []
-    if tok:
-        rows.append(("tokens (train / val)", f"{tok['tokens_train']:,} / {tok['tokens_val']:,}"))
-    if tr:
-        rows += [("validation loss (step 0 -> end)", f"{tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f}"),
-                 ("validation perplexity", f"{tr['val_ppl']:.2f}"),
-                 ("training tokens/s", f"{tr['tokens_per_s'] or 0:,.0f}")]
-    if ex:
-        rows.append(("model", f"`{root / ex['export_dir']}` ({ex['parameters']:,} parameters)"))
-    if wu := info.get("warmup"):
-        rows.append(("warmup compile seconds (cold / warm)",
-                     f"{wu['compile_seconds_total']:.1f} / {wu['warm_start_seconds_total']:.1f}"))
-    if sv := info.get("serve"):
-        for policy in ("padded", "exact", "eager"):
-            m = sv[policy]
-            rows.append((f"serving {policy}: tokens/s, TTFT p99, TPOT p99, compiles",
-                         f"{m['output_tokens_per_s']:.0f}, {m['ttft_p99_s']:.3f}s, {m['tpot_p99_s']:.4f}s, "
-                         f"{m['compile_events']}"))
-    if trk:
-        rows.append(("MLflow run", f"`{trk['run_id']}` ({trk['tracking_uri']})"))
-        if trk.get("model_version"):
-            alias = "champion" if trk.get("champion") else "candidate"
-            rows.append(("registered model", f"{trk['model_name']} v{trk['model_version']} @{alias}"))
-    if nm := info.get("numerics"):
-        rows += [("max abs logit diff compiled vs eager (fp32 / bf16)",
-                  f"{nm['max_abs_logit_diff_fp32']:.2e} / {nm['max_abs_logit_diff_bf16']:.2e}"),
-                 ("greedy agreement compiled vs eager (fp32 / bf16)",
-                  f"{nm['greedy_agreement_fp32']:.1%} / {nm['greedy_agreement_bf16']:.1%}"),
-                 ("numerics gates", "passed" if nm["passed"] else "MISSED")]
-    if pr := info.get("probes"):
-        rows += [("MQAR accuracy of the trained-on-MQAR GLA (context: pairs)",
-                  "; ".join(f"{c}: " + ", ".join(f"{k}p {v:.0%}" for k, v in sorted(g.items(), key=lambda x: int(x[0])))
-                            for c, g in sorted((pr.get("mqar_trained_accuracy") or {}).items(), key=lambda x: int(x[0])))),
-                 ("state bytes / KV bytes at 8192", f"{pr['state_bytes_measured']:,} / {pr['kv_bytes_8192']:,}")]
-    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    return f"# Laplace pipeline\n\n| figure | value |\n|---|---|\n{table}\n"
-
-
 @flow(name="laplace-pipeline")
 def pipeline(preset: str = "tiny", overrides: dict[str, Any] | None = None, root: str | None = None) -> dict:
     """Run every stage. `overrides` ({"train.lr": 0.01, ...}) and `preset` are written into
@@ -109,7 +71,7 @@ def pipeline(preset: str = "tiny", overrides: dict[str, Any] | None = None, root
     logger = get_run_logger()
     root_path = Path(root or os.getcwd()).resolve()
     params_file = root_path / "params.yaml"
-    changed = repro.write_params(params_file, {"model.preset": preset, **(overrides or {})})
+    changed = write_params(params_file, {"model.preset": preset, **(overrides or {})})
     cfg = load_config(params_file)  # already validated by write_params; nothing has run yet
     logger.info("params %s (%s)", cfg.digest(), "updated" if changed else "unchanged")
 
@@ -123,8 +85,8 @@ def pipeline(preset: str = "tiny", overrides: dict[str, Any] | None = None, root
             retry_condition_fn=retry_transient,
         )(stage, str(root_path), run_id)
 
-    info = summary(Paths.at(root_path))
-    create_markdown_artifact(_summary_markdown(info, root_path), key="laplace-summary",
+    info = summary.read(Paths.at(root_path))
+    create_markdown_artifact(summary.as_markdown(info, root_path), key="laplace-summary",
                              description="headline metrics of this pipeline run")
     if url := _mlflow_ui_url(info):
         create_link_artifact(url, link_text="MLflow run", key="laplace-mlflow-run",
@@ -142,7 +104,7 @@ if __name__ == "__main__":
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    from laplace.config import parse_override
+    from laplace.pipeline.params import parse_override
 
     overrides = {".".join(k): v for k, v in (parse_override(o) for o in args.overrides)}
     print(json.dumps(pipeline(preset=args.preset, overrides=overrides), indent=2, default=str))

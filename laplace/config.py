@@ -1,8 +1,9 @@
-"""Typed, validated configuration: params.yaml is the one place for every knob.
+"""Typed, validated configuration sections: every knob, with its default, check and doc.
 
-`load_config()` reads params.yaml, applies `section.key=value` overrides and
-builds frozen dataclasses. Any unknown key, wrong type or impossible value
-raises `ConfigError` with a one-line message naming the key.
+`config_from_dict()` builds frozen dataclasses from a params mapping; any unknown key,
+wrong type or impossible value raises `ConfigError` with a one-line message naming the
+key. This module knows nothing of files, stages or tracking, so the library may import
+it; reading params.yaml and applying `--set` overrides live in `laplace.pipeline.params`.
 """
 
 from __future__ import annotations
@@ -12,17 +13,16 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+from laplace.errors import ConfigError
+from laplace.model.config import PRESETS, ModelConfig, preset_model_config
 
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the offending key."""
+__all__ = ["Config", "ConfigError", "ModelConfig", "config_from_dict", "default_params", "knob"]
 
 
 # --------------------------------------------------------------------------- checks
@@ -55,111 +55,6 @@ def knob(default, check=None, doc: str = ""):
     return field(default=default, metadata={"check": check, "doc": doc})
 
 
-# --------------------------------------------------------------------------- model
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a GLA language model (fla conventions)."""
-
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    expand_k: float = 0.5
-    expand_v: float = 1.0
-    mlp_hidden: int = 0  # 0: fla's rule, 4 * d * 2/3 rounded up to a multiple of 256
-    gate_low_rank_dim: int = 16
-    gate_logit_normalizer: float = 16.0
-    gate_bias_init: float = 0.0  # > 0 starts the forget gates near 1 (long memory)
-    use_short_conv: bool = True
-    conv_size: int = 4
-    norm_eps: float = 1e-6
-    chunk_size: int = 64
-    sub_chunk_size: int = 16
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    dtype: str = "float32"  # dtype the model is served in (parameters, activations, conv cache)
-
-    @property
-    def key_dim(self) -> int:
-        return int(self.d_model * self.expand_k)
-
-    @property
-    def value_dim(self) -> int:
-        return int(self.d_model * self.expand_v)
-
-    @property
-    def head_k_dim(self) -> int:
-        return self.key_dim // self.n_heads
-
-    @property
-    def head_v_dim(self) -> int:
-        return self.value_dim // self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        if self.mlp_hidden:
-            return self.mlp_hidden
-        raw = int(self.d_model * 4 * 2 / 3)
-        return 256 * math.ceil(raw / 256)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # ~5.5M parameters with a 4k vocabulary: trains in minutes on 2 CPU cores.
-    "tiny": dict(vocab_size=0, d_model=256, n_layers=4, n_heads=4, chunk_size=64),
-    # ~110M parameters with a 16k vocabulary (GPT-2 small shape): benchmarks.
-    "small": dict(vocab_size=0, d_model=768, n_layers=12, n_heads=6, chunk_size=64),
-    # Laplace 3B: 24 layers, hidden 3072; see README "Reproducing the 3B figures".
-    "laplace-3b": dict(
-        vocab_size=50304, d_model=3072, n_layers=24, n_heads=16, chunk_size=128, dtype="bfloat16"
-    ),
-}
-
-MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
-    def bad(key: str, why: str):
-        raise ConfigError(f"{prefix}.{key}: {why}")
-
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "gate_low_rank_dim", "chunk_size",
-                "sub_chunk_size", "conv_size"):
-        if getattr(m, key) <= 0:
-            bad(key, f"must be > 0, got {getattr(m, key)}")
-    for key in ("expand_k", "expand_v", "gate_logit_normalizer", "norm_eps", "init_std"):
-        if not getattr(m, key) > 0:
-            bad(key, f"must be > 0, got {getattr(m, key)}")
-    if m.mlp_hidden < 0:
-        bad("mlp_hidden", f"must be >= 0 (0 = automatic), got {m.mlp_hidden}")
-    if m.key_dim % m.n_heads or m.key_dim == 0:
-        bad("n_heads", f"key dim d_model*expand_k={m.key_dim} is not divisible by n_heads={m.n_heads}")
-    if m.value_dim % m.n_heads or m.value_dim == 0:
-        bad("n_heads", f"value dim d_model*expand_v={m.value_dim} is not divisible by n_heads={m.n_heads}")
-    if m.chunk_size % m.sub_chunk_size:
-        bad("sub_chunk_size", f"{m.sub_chunk_size} does not divide chunk_size={m.chunk_size}")
-    if m.sub_chunk_size > 32:
-        bad("sub_chunk_size", f"must be <= 32, got {m.sub_chunk_size}: the gate floor that keeps the "
-                              "chunked form exact, -80/(sub/2) per token, would cut real decays")
-    if m.conv_size < 2 and m.use_short_conv:
-        bad("conv_size", "must be >= 2 when use_short_conv is true")
-    if m.dtype not in MODEL_DTYPES:
-        bad("dtype", f"must be one of {', '.join(MODEL_DTYPES)}, got {m.dtype!r}")
-    return m
-
-
-def preset_model_config(name: str, **overrides) -> ModelConfig:
-    """The named preset, with optional field overrides, validated."""
-    if name not in PRESETS:
-        raise ConfigError(f"model.preset: unknown preset {name!r} (choose from {', '.join(PRESETS)})")
-    values = dict(PRESETS[name])
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return validate_model_config(ModelConfig(**values))
-
-
 # --------------------------------------------------------------------------- sections
 
 
@@ -182,6 +77,7 @@ class ModelSection:
     conv_size: int | None = knob(None)
     chunk_size: int | None = knob(None)
     sub_chunk_size: int | None = knob(None)
+    segment_len: int | None = knob(None)
     tie_embeddings: bool | None = knob(None)
     init_std: float | None = knob(None)
     dtype: str | None = knob(None)
@@ -309,6 +205,7 @@ class NumericsSection:
     greedy_prompts: int = knob(4, _positive)
     greedy_tokens: int = knob(32, _positive)
     prompt_tokens: int = knob(32, _positive)
+    decode_tokens: int = knob(8, _positive, "tokens decoded after each prompt in the decode-step comparison")
     margin: float = knob(0.5, _non_negative, "top-1 agreement also counted on positions whose fp64 top-1/top-2 gap >= this")
     fp32_rel_rms_max: float = knob(1e-5, _positive, "gate: fp32 compiled vs fp64 relative RMS of logits")
     fp32_top1_min: float = knob(1.0, _unit_interval, "gate: fp32 compiled vs eager top-1 agreement")
@@ -325,6 +222,7 @@ class ProbesSection:
     mqar_contexts: list[int] = knob([64, 256, 1024], doc="MQAR sequence lengths")
     mqar_pairs: list[int] = knob([4, 8, 16], doc="key-value pairs per sequence")
     mqar_samples: int = knob(32, _positive, "sequences per (context, pairs) cell")
+    paths_agree_min: float = knob(0.99, _unit_interval, "gate: MQAR argmax agreement of the serving and eager paths")
     passkey_contexts: list[int] = knob([256, 1024, 4096])
     passkey_depths: list[float] = knob([0.1, 0.5, 0.9], doc="where the passkey sits, as a fraction of the context")
     passkey_samples: int = knob(2, _positive)
@@ -495,36 +393,6 @@ def _build(cls, raw: Any, prefix: str):
     return cls(**values)
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`train.lr=0.01` -> (['train', 'lr'], 0.01); the value is parsed as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.lr=0.01")
-    key, _, value = text.partition("=")
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: empty key")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value
-    return key.split("."), parsed
-
-
-def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
-    """Set `section.key` values in a raw params mapping (unknown keys are caught by the builder)."""
-    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
-    for path, value in items:
-        if isinstance(path, str):
-            path = path.split(".")
-        node = raw
-        for part in path[:-1]:
-            if not isinstance(node.get(part, {}), dict):
-                raise ConfigError(f"override {'.'.join(path)}: '{part}' is not a section")
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return raw
-
-
 def config_from_dict(raw: dict) -> Config:
     cfg = _build(Config, raw, "")
     cfg.model_config()  # validates preset and architecture overrides now, not at first use
@@ -552,8 +420,6 @@ def check_project_paths(cfg: Config) -> None:
     one that climbs out with '..' is a ConfigError naming the key. Absolute paths are the
     explicit way to read elsewhere. The check is lexical (symlinks inside the project are
     the project owner's), so it gives the same answer whatever the current directory."""
-    import os
-
     for key, value in project_path_knobs(cfg):
         if not value or os.path.isabs(value):
             continue
@@ -562,27 +428,6 @@ def check_project_paths(cfg: Config) -> None:
             levels = next((i for i, part in enumerate(parts) if part != os.pardir), len(parts))
             raise ConfigError(f"{key}: {value!r} resolves outside the project ({levels} level(s) above the project "
                               "directory, where relative paths are read); give an absolute path to read outside it")
-
-
-def read_params(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"{path}: no such params file")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    return raw or {}
-
-
-def load_config(path: str | Path = "params.yaml", overrides: list[str] | dict | None = None) -> Config:
-    """params.yaml + overrides -> validated Config. Raises ConfigError naming the bad key."""
-    raw = read_params(path)
-    if overrides:
-        raw = apply_overrides(raw, overrides)
-    return config_from_dict(raw)
 
 
 def default_params() -> dict:

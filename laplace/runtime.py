@@ -9,8 +9,10 @@ import sys
 
 import torch
 
+from laplace.errors import InputError
 
-class RuntimeErrorConfig(ValueError):
+
+class RuntimeErrorConfig(InputError):
     """A runtime choice this machine cannot honour (one-line message)."""
 
 

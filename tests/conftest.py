@@ -36,11 +36,11 @@ def seeded():
 @pytest.fixture(scope="session")
 def tiny_artifacts(tmp_path_factory):
     """A tokenized corpus and an exported, briefly trained 1-layer model: (data_dir, export_dir)."""
-    from laplace import checkpoint as ckpt
     from laplace.config import config_from_dict
-    from laplace.data import tokenize_corpus
-    from laplace.export import export_model
-    from laplace.train import train
+    from laplace.data.tokenize import tokenize_corpus
+    from laplace.model.export import export_model
+    from laplace.training import checkpoint as ckpt
+    from laplace.training.loop import train
 
     root = tmp_path_factory.mktemp("tiny-artifacts")
     cfg = config_from_dict({

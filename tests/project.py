@@ -97,7 +97,7 @@ def copy_project(dest: Path, params: dict | None = None) -> Path:
 
 def set_params(path: Path, values: dict) -> None:
     """Validated and written like `dvc exp run --set-param` (comments kept)."""
-    from laplace.repro import write_params
+    from laplace.pipeline.params import write_params
 
     write_params(path, values)
 

@@ -7,11 +7,12 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from laplace import distributed
-from laplace.config import AdamWSection, MuonSection, preset_model_config
+from laplace.config import AdamWSection, MuonSection
+from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM
 from laplace.optim.sharded import ShardedMuonAdamW
-from laplace.train import cross_entropy
+from laplace.training import distributed
+from laplace.training.loop import cross_entropy
 
 STEPS, VOCAB = 4, 300
 

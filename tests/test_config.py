@@ -5,8 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from laplace.cli import main
-from laplace.config import ConfigError, default_params, load_config, parse_override
+from laplace.config import default_params
+from laplace.errors import ConfigError
+from laplace.pipeline.cli import main
+from laplace.pipeline.params import load_config, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
 

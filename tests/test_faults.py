@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from laplace import checkpoint as ckpt
+from laplace.training import checkpoint as ckpt
+
 from project import BIN, TINY_PARAMS, copy_project, descendants, env, run
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def fresh(tokenized: Path, tmp_path: Path, name: str, **params) -> Path:
     root = tmp_path / name
     shutil.copytree(tokenized, root, ignore=shutil.ignore_patterns("runs", ".git"))
     if params:
-        from laplace.repro import write_params
+        from laplace.pipeline.params import write_params
 
         write_params(root / "params.yaml", params)
     return root
@@ -130,14 +131,14 @@ def test_kill_9_of_one_rank_under_torchrun_restarts_and_finishes_the_same(tokeni
 
 DIE_WRITING_MANIFEST = """
 import os, signal, sys
-from laplace import checkpoint
+from laplace.training import checkpoint
 write = checkpoint.write_manifest
 def die_at_step_6(directory, step):
     if step == 6:  # shards and trainer.json are written, the manifest is not: SIGKILL now
         os.kill(os.getpid(), signal.SIGKILL)
     write(directory, step)
 checkpoint.write_manifest = die_at_step_6
-from laplace.cli import main
+from laplace.pipeline.cli import main
 sys.exit(main(["train"]))
 """
 
@@ -166,16 +167,16 @@ def test_kill_during_a_checkpoint_write_and_a_truncated_checkpoint_are_never_loa
 
 DISK_FULL_AT_STEP_5 = """
 import resource, signal, sys
-from laplace import stages
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like ENOSPC
-train = stages.train
+from laplace.pipeline import stage_train
+train = stage_train.train
 def fill_the_disk(step, model):
     if step == 5:  # after checkpoint 4: no file may grow past 4 KiB any more
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 def train_with_a_full_disk(*args, **kwargs):
     return train(*args, before_step=fill_the_disk, **kwargs)
-stages.train = train_with_a_full_disk
-from laplace.cli import main
+stage_train.train = train_with_a_full_disk
+from laplace.pipeline.cli import main
 sys.exit(main(["train"]))
 """
 

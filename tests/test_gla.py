@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import rel_rms
+
 from laplace.model.gla import chunk_gla, gla_step, min_log_decay, naive_gla
 
 B, H, K, V = 2, 3, 16, 24
@@ -154,7 +154,7 @@ def test_exact_at_the_decay_floor(sub, device):
 
 
 def test_the_layer_clamps_its_gate_at_the_floor():
-    from laplace.config import preset_model_config
+    from laplace.model.config import preset_model_config
     from laplace.model.lm import GatedLinearAttention
 
     cfg = preset_model_config("tiny", vocab_size=64, d_model=32, n_heads=2)

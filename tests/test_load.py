@@ -13,11 +13,13 @@ from collections import Counter
 import pytest
 import torch
 
-from laplace.config import ConfigError, config_from_dict
-from laplace.data import open_split
-from laplace.export import load_export
-from laplace.serve import DecodeEngine, Request, replay
-from laplace.workload import build_requests
+from laplace.config import config_from_dict
+from laplace.data.shards import open_split
+from laplace.errors import ConfigError
+from laplace.model.export import load_export
+from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.replay import replay
+from laplace.serving.workload import build_requests
 
 MAX_SLOTS = 4
 MAX_QUEUE = 64

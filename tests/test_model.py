@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-
 from conftest import rel_rms
-from laplace.config import preset_model_config
+
+from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes
 
 
@@ -78,8 +78,8 @@ def test_state_bytes_measured_equals_analytic(preset, over):
 
 
 def test_laplace_3b_reproduces_the_article_figures():
-    from laplace.cli import model_facts
     from laplace.config import Config
+    from laplace.pipeline.cli import model_facts
 
     facts = model_facts("laplace-3b", Config())
     assert abs(facts["params"] / 3.028e9 - 1) <= 0.01

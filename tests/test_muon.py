@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from laplace.config import AdamWSection, MuonSection, preset_model_config
+from laplace.config import AdamWSection, MuonSection
+from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM
 from laplace.optim.muon import Muon, MuonAdamW, route_parameters, zeropower_via_newtonschulz
 

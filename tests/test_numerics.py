@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from laplace.config import config_from_dict
-from laplace.numerics import check_dtype, compare_logits, dtype_gates, gate_table, reference, rel_rms
+from laplace.evals.numerics import check_dtype, compare_logits, dtype_gates, gate_table, reference, rel_rms
 
 SMALL = {"serve": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32},
          "numerics": {"batch_size": 2, "seq_len": 32, "prompt_tokens": 16, "greedy_prompts": 2, "greedy_tokens": 8}}
@@ -31,7 +31,7 @@ def test_compare_logits_figures():
 
 
 def held_out(data_dir, rows=2, length=40):
-    from laplace.data import open_split
+    from laplace.data.shards import open_split
 
     val = open_split(data_dir, "val")
     return torch.as_tensor(val[: rows * length].astype("int64")).view(rows, length)
@@ -39,7 +39,7 @@ def held_out(data_dir, rows=2, length=40):
 
 @pytest.mark.slow
 def test_a_broken_compiled_path_fails_the_gates_and_the_healthy_one_passes(tiny_artifacts):
-    from laplace.export import load_export
+    from laplace.model.export import load_export
     from laplace.runtime import configure_compiler
 
     data_dir, export_dir = tiny_artifacts
@@ -71,8 +71,8 @@ def fingerprint_in_subprocess(export_dir, data_dir) -> dict:
     code = (
         "import json, sys, torch\n"
         "from pathlib import Path\n"
-        "from laplace.data import open_split\n"
-        "from laplace.numerics import eager_fingerprint\n"
+        "from laplace.data.shards import open_split\n"
+        "from laplace.evals.numerics import eager_fingerprint\n"
         "val = open_split(Path(sys.argv[2]), 'val')\n"
         "tokens = torch.as_tensor(val[:128].astype('int64')).view(2, 64)\n"
         "f = eager_fingerprint(Path(sys.argv[1]), tokens, 12, seed=0)\n"

@@ -5,9 +5,12 @@ before any stage runs; params overrides keep the file's comments; retries skip b
 import pytest
 import yaml
 
-from laplace import repro
-from laplace.config import ConfigError, Config
-from laplace.stages import PIPELINE, STAGES
+from laplace.config import Config
+from laplace.errors import ConfigError
+from laplace.pipeline import repro
+from laplace.pipeline.params import write_params
+from laplace.pipeline.stages import PIPELINE, STAGES
+
 from project import ROOT, TINY_PARAMS, copy_project, run
 
 ORDER = ["tokenize", "warmup", "train", "export", "serve-check", "numerics", "probes", "track"]
@@ -33,13 +36,13 @@ def test_write_params_validates_first_and_keeps_comments(tmp_path):
     params.write_text((ROOT / "params.yaml").read_text())
     before = params.read_text()
     with pytest.raises(ConfigError, match="unknown key 'train.lrr'"):
-        repro.write_params(params, ["train.lrr=0.1"])
+        write_params(params, ["train.lrr=0.1"])
     assert params.read_text() == before  # nothing written
-    assert repro.write_params(params, {"train.lr": 0.01, "model.preset": "tiny"}) is True
+    assert write_params(params, {"train.lr": 0.01, "model.preset": "tiny"}) is True
     text = params.read_text()
     assert "# Laplace pipeline parameters" in text and "lr: 0.01" in text
     assert yaml.safe_load(text)["train"]["lr"] == 0.01
-    assert repro.write_params(params, {"train.lr": 0.01}) is False
+    assert write_params(params, {"train.lr": 0.01}) is False
 
 
 def test_stage_exit_status_is_read_from_dvc_output():

@@ -10,20 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from laplace import checkpoint as ckpt
-from laplace.config import ProbesSection, config_from_dict, preset_model_config
-from laplace.data import tokenize_corpus
-from laplace.export import export_model
-from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes
-from laplace.probes import (
+from laplace.config import ProbesSection, config_from_dict
+from laplace.data.tokenize import tokenize_corpus
+from laplace.evals.memory import decode_rss, memory_report
+from laplace.evals.mqar import (
     IGNORE,
     RandomGuesser,
     RecallOracle,
-    accuracy_plot,
     argmax_agreement,
-    decode_rss,
-    memory_plot,
-    memory_report,
     mqar_accuracy_eager,
     mqar_accuracy_serving,
     mqar_batch,
@@ -31,17 +25,19 @@ from laplace.probes import (
     mqar_predictions_eager,
     mqar_predictions_serving,
     mqar_ranges,
-    passkey_found,
-    passkey_probe,
-    passkey_prompt,
-    prefill_long,
-    run_probes,
     score,
     train_mqar,
 )
+from laplace.evals.passkey import passkey_found, passkey_probe, passkey_prompt, prefill_long
+from laplace.model.config import preset_model_config
+from laplace.model.export import export_model
+from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes
+from laplace.pipeline.plots import accuracy_plot, memory_plot
+from laplace.pipeline.stage_probes import probe_and_plot
 from laplace.runtime import configure_compiler
-from laplace.serve import DecodeEngine, width_ladder
-from laplace.train import train
+from laplace.serving.engine import DecodeEngine, width_ladder
+from laplace.training import checkpoint as ckpt
+from laplace.training.loop import train
 
 # The values proposed for params.yaml's probes section (train_mqar reaches ~0.97-1.0 on 4 pairs);
 # once they are the defaults, ProbesSection() alone will do.
@@ -333,7 +329,8 @@ def test_default_mqar_training_recalls_few_pairs_and_degrades_with_more():
     assert easiest >= 0.9, acc  # seeds 0-3 gave 0.96-1.0
     assert hardest_same_context < easiest - 0.1, acc
     assert hardest < easiest - 0.1, acc
-    assert result["train_seconds"] + result["eval_seconds"] < 150  # ~45 s on 2 idle cores
+    # what was learned, not how fast: the loss left the plateau at ln(32 values) = 3.47
+    assert result["final_loss"] < 0.5 * math.log(32), result["final_loss"]
 
 
 @pytest.mark.slow
@@ -357,7 +354,7 @@ def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
     trained = train(cfg, data, tmp_path / "run", progress=False)
     export_model(ckpt.load_checkpoint(trained.checkpoint), data / "tokenizer.json", tmp_path / "export")
 
-    metrics = run_probes(cfg, tmp_path / "export", data, tmp_path / "plots", progress=False)
+    metrics = probe_and_plot(cfg, tmp_path / "export", data, tmp_path / "plots")  # run_probes + the plots
     json.dumps(metrics)  # JSON-ready: string keys all the way down
     assert metrics["passed"] and metrics["mqar_paths_agree"] and metrics["state_bytes_match"]
     assert metrics["mqar_serving_vs_eager_agreement"] >= 0.99

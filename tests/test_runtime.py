@@ -3,8 +3,14 @@
 import pytest
 import torch
 
-from laplace.runtime import (RuntimeErrorConfig, compile_static, compiled_graph_count, configure_compiler,
-                             neuron_available, resolve_device)
+from laplace.runtime import (
+    RuntimeErrorConfig,
+    compile_static,
+    compiled_graph_count,
+    configure_compiler,
+    neuron_available,
+    resolve_device,
+)
 
 
 def test_devices():

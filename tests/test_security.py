@@ -14,12 +14,14 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from laplace import stages
-from laplace.cli import main
-from laplace.config import ConfigError, load_config
-from laplace.data import load_corpus
-from laplace.repro import write_params
-from laplace.tracking import redact, secret_values
+from laplace.data.readers import load_corpus
+from laplace.errors import ConfigError
+from laplace.pipeline import stage_track
+from laplace.pipeline.cli import main
+from laplace.pipeline.layout import Paths
+from laplace.pipeline.params import load_config, write_params
+from laplace.pipeline.redact import redact, secret_values
+
 from project import ROOT
 from test_tracking_outage import write_stage_results
 
@@ -54,7 +56,7 @@ def tracked(tiny_artifacts, tmp_path_factory):
             "data.hub_name": f"https://reader:{URL_PASSWORD}@corpus.example.com/dump",
             "tracking.retry_seconds": 0,
         })
-        summary = stages.track(cfg, stages.Paths.at(project))
+        summary = stage_track.run(cfg, Paths.at(project))
     return project, summary
 
 

@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from laplace.config import ServeSection, preset_model_config
-from laplace.generation import generate_ids
+from laplace.config import ServeSection
+from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import configure_compiler
-from laplace.serve import DecodeEngine, Request, StepRecord, fit, replay, width_ladder
-from laplace.servecheck import summarize
-from laplace.workload import arrival_times, build_requests
+from laplace.serving.engine import DecodeEngine, Request, StepRecord, fit, width_ladder
+from laplace.serving.replay import replay, summarize
+from laplace.serving.sampling import generate_ids
+from laplace.serving.workload import arrival_times, build_requests
 
 VOCAB = 97
 
@@ -138,7 +139,7 @@ def test_summarize_counts_compile_stalls_and_padding():
     steps = [StepRecord("prefill", 0, 0.5, 16, 1, True), StepRecord("decode", 0.5, 9.0, 2, 2, True),
              StepRecord("decode", 9.5, 0.01, 4, 3, False), StepRecord("decode", 9.51, 0.01, 4, 3, False),
              StepRecord("decode", 9.52, 0.02, 2, 1, False)]
-    from laplace.serve import Completion
+    from laplace.serving.engine import Completion
 
     done = [Completion(0, "done", output_ids=[1, 2, 3], arrival_s=0.0, token_times=[0.5, 9.5, 9.51], finished_s=9.51)]
     m = summarize(steps, done, ttft_slo=1.0, tpot_slo=0.1)

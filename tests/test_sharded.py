@@ -12,12 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from laplace import checkpoint as ckpt
 from laplace.config import AdamWSection, MuonSection, config_from_dict
 from laplace.optim.muon import MuonAdamW
 from laplace.optim.sharded import FlatLayout, assign_owners, muon_traffic
-from laplace.stages import Paths, run_training
-from laplace.train import cross_entropy
+from laplace.pipeline.layout import Paths
+from laplace.pipeline.stage_train import run_training
+from laplace.training import checkpoint as ckpt
+from laplace.training.loop import cross_entropy
+
 from sharded_worker import STEPS, batch, small_model
 
 pytestmark = pytest.mark.slow

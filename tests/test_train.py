@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from laplace import checkpoint as ckpt
-from laplace.config import Config, TrainSection, config_from_dict
-from laplace.data import DataSection, TokenizerSection, tokenize_corpus
-from laplace.export import ExportError, export_model, load_export
-from laplace.generation import generate_ids, sample_next
-from laplace.train import TrainingDiverged, lr_scale, train
+from laplace.config import Config, DataSection, TokenizerSection, TrainSection, config_from_dict
+from laplace.data.tokenize import tokenize_corpus
+from laplace.model.export import ExportError, export_model, load_export
+from laplace.serving.sampling import generate_ids, sample_next
+from laplace.training import checkpoint as ckpt
+from laplace.training.loop import TrainingDiverged, lr_scale, train
 
 
 def small_config(**train_over) -> Config:

@@ -1,5 +1,2 @@
-"""GLA model: math forms (gla.py) and the language model with its decode State (lm.py)."""
-
-from laplace.model.lm import LaplaceLM, State
-
-__all__ = ["LaplaceLM", "State"]
+"""The GLA model: its configuration and presets (config.py), the math in three forms (gla.py),
+the language model with its decode State (lm.py), and the exported model format (export.py)."""

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from laplace.config import ModelConfig
+from laplace.model.config import ModelConfig
 from laplace.model.gla import chunk_gla, gla_step, min_log_decay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -52,7 +52,7 @@ class State:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         state_dtype: torch.dtype | None = None,
-    ) -> "State":
+    ) -> State:
         dtype = dtype or torch_dtype(cfg.dtype)
         state_dtype = state_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)
         rec = torch.zeros(
@@ -80,7 +80,7 @@ class State:
     def bytes_per_sequence(self) -> int:
         return self.nbytes // self.batch_size
 
-    def zero_(self, rows: Tensor | None = None) -> "State":
+    def zero_(self, rows: Tensor | None = None) -> State:
         for t in self._tensors():
             if rows is None:
                 t.zero_()
@@ -88,12 +88,12 @@ class State:
                 t.index_fill_(1, rows, 0)
         return self
 
-    def select(self, rows: Tensor) -> "State":
+    def select(self, rows: Tensor) -> State:
         """A copy of the given rows (a batch of sequences)."""
         conv = None if self.conv is None else self.conv.index_select(1, rows)
         return State(self.recurrent.index_select(1, rows), conv)
 
-    def clone(self) -> "State":
+    def clone(self) -> State:
         return State(self.recurrent.clone(), None if self.conv is None else self.conv.clone())
 
     def _tensors(self):
@@ -216,7 +216,7 @@ class GatedLinearAttention(nn.Module):
         q, k, v, gk, new_conv = self._qkvg(x, conv, lengths)
         o, S = chunk_gla(
             q, k, v, gk, initial_state=recurrent, lengths=lengths,
-            chunk_size=self.cfg.chunk_size, sub_chunk_size=self.cfg.sub_chunk_size,
+            chunk_size=self.cfg.chunk_size, sub_chunk_size=self.cfg.sub_chunk_size, segment_len=self.cfg.segment_len,
         )
         return self._output(x, o), S, new_conv
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace.config import AdamWSection, MuonSection
+from laplace.errors import ConfigError
 
 
 def zeropower_via_newtonschulz(
@@ -49,7 +50,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> 
         return lr * math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"muon.adjust_lr_fn: unknown value {adjust_lr_fn!r}")
+    raise ConfigError(f"muon.adjust_lr_fn: unknown value {adjust_lr_fn!r}")
 
 
 def momentum_direction(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:

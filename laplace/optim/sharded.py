@@ -33,8 +33,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from laplace.config import AdamWSection, MuonSection
-from laplace.optim.muon import (adjusted_lr, apply_update_, momentum_direction, newtonschulz_flops,
-                                route_parameters, zeropower_via_newtonschulz)
+from laplace.errors import ConfigError
+from laplace.optim.muon import (
+    adjusted_lr,
+    apply_update_,
+    momentum_direction,
+    newtonschulz_flops,
+    route_parameters,
+    zeropower_via_newtonschulz,
+)
 
 COMMS = ("alltoall", "allgather")
 COLLECTIVES = ("grad_reduce_scatter", "grad_norm_allreduce", "muon_to_owner", "muon_from_owner", "muon_allgather",
@@ -168,7 +175,7 @@ class ShardedMuonAdamW:
     def __init__(self, model: nn.Module, adamw_lr: float, adamw: AdamWSection, muon: MuonSection,
                  comm: str = "alltoall", group=None):
         if comm not in COMMS:
-            raise ValueError(f"muon.comm: unknown strategy {comm!r} (choose from {', '.join(COMMS)})")
+            raise ConfigError(f"muon.comm: unknown strategy {comm!r} (choose from {', '.join(COMMS)})")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)

@@ -17,43 +17,28 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from laplace import checkpoint as ckpt
-from laplace.config import Config, TrainSection
-from laplace.data import open_split, read_manifest, sample_batch, validation_batches
+from laplace.config import Config
+from laplace.data.sampler import sample_batch, validation_batches
+from laplace.data.shards import open_split, read_manifest
+from laplace.errors import ConfigError, InputError
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import keep_cpu_allocations, resolve_device
+from laplace.training import checkpoint as ckpt
+from laplace.training.schedule import lr_scale
 
 log = logging.getLogger(__name__)
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(InputError):
     """The loss became NaN or inf; the last good checkpoint is kept and nothing is exported."""
-
-
-def lr_scale(step: int, t: TrainSection) -> float:
-    """Multiplier on the base learning rates: linear warmup, then cosine, WSD or constant."""
-    if t.warmup_steps and step < t.warmup_steps:
-        return (step + 1) / t.warmup_steps
-    if t.schedule == "constant":
-        return 1.0
-    if t.schedule == "cosine":
-        span = max(1, t.steps - t.warmup_steps)
-        progress = min(1.0, (step - t.warmup_steps) / span)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    # wsd: warmup, stable, then a linear decay over the last decay_fraction of the steps
-    decay_steps = max(1, int(round(t.steps * t.decay_fraction)))
-    decay_start = t.steps - decay_steps
-    if step < decay_start:
-        return 1.0
-    return 1.0 - (1 - t.min_lr_ratio) * min(1.0, (step - decay_start + 1) / decay_steps)
 
 
 # Train knobs that change what is logged or saved, never the weights.
@@ -125,8 +110,8 @@ def train(
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    from laplace import distributed
     from laplace.optim.sharded import ShardedMuonAdamW
+    from laplace.training import distributed
 
     t = cfg.train
     device = resolve_device(t.device)
@@ -135,13 +120,13 @@ def train(
     manifest = read_manifest(data_dir)
     model_cfg = cfg.model_config(vocab_size=manifest["vocab_size"])
     if manifest["vocab_size"] > model_cfg.vocab_size:
-        raise ValueError(
-            f"tokenizer vocab {manifest['vocab_size']} is larger than model.vocab_size {model_cfg.vocab_size}"
+        raise ConfigError(
+            f"model.vocab_size: tokenizer vocab {manifest['vocab_size']} is larger than model.vocab_size {model_cfg.vocab_size}"
         )
     group = distributed.join(device)
     try:
         if t.batch_size % group.world:
-            raise ValueError(f"train.batch_size {t.batch_size} is not divisible by the world size {group.world}")
+            raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by the world size {group.world}")
         mesh = init_device_mesh(device.type, (group.world,))
         train_tokens = open_split(data_dir, "train", verify=True)
         val_tokens = open_split(data_dir, "val", verify=True)
@@ -158,8 +143,8 @@ def train(
 
 def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train_tokens, val_batches, run_dir,
           resume, stop_at_step, on_log, before_step, progress) -> TrainResult:
-    from laplace.distributed import all_mean, barrier
     from laplace.optim.sharded import traffic_metrics
+    from laplace.training.distributed import all_mean, barrier
 
     t = cfg.train
     ckpt_root = run_dir / "checkpoints"
@@ -270,26 +255,3 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
     if last_path is None and (latest := ckpt.list_checkpoints(ckpt_root)):
         last_path = latest[0][1]
     return TrainResult(metrics=metrics, history=history, checkpoint=last_path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The torchrun entry point: `torchrun ... -m laplace.train --config-json C --out O --data-dir D --run-dir R`.
-    Every rank trains; rank 0 writes the result (metrics, history, checkpoint) to --out."""
-    from laplace.worker import worker_main
-
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-
-    def body(cfg: Config, args) -> dict:
-        result = train(cfg, args.data_dir, args.run_dir, resume=not args.no_resume, stop_at_step=args.stop_at_step)
-        return {"metrics": result.metrics, "history": result.history,
-                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
-
-    return worker_main("distributed training worker (run by torchrun)", body, argv, paths=("data-dir", "run-dir"),
-                       options={"stop-at-step": {"type": int, "default": None, "required": False},
-                                "no-resume": {"action": "store_true", "required": False}})
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

@@ -3,6 +3,6 @@ logged model holds no pickled Python object (its weights are the safetensors exp
 
 import mlflow.models
 
-from laplace.tracking import LaplaceGenerator
+from laplace.pipeline.tracking import LaplaceGenerator
 
 mlflow.models.set_model(LaplaceGenerator())

@@ -1,4 +1,4 @@
-"""The numerics stage: compiled vs eager vs an fp64 eager reference of the same weights.
+"""Numerics checks: compiled vs eager vs an fp64 eager reference of the same weights.
 
 On the exported model and held-out text, for fp32 and bf16, on the three graphs that
 matter: prefill (the chunked form, every position), the decode step at every warmed
@@ -9,7 +9,7 @@ precision: fp32 compiled must sit within ~1e-5 of fp64; bf16 compiled must be no
 than 1.5x eager's error against fp64, and agree on top-1 where the reference has a
 clear margin. `numerics.mode: eager` adds a bitwise-reproducibility check of eager mode.
 
-Runs in a fresh worker process started from the warmup compile cache.
+The numerics stage runs `run_numerics` in a fresh process started from the warmup compile cache.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -26,12 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from laplace.config import Config
-from laplace.worker import run_worker_from_warmup_cache, worker_main
-
-
-class GateFailed(RuntimeError):
-    """A numerics gate was missed (the metrics and a readable table are written first)."""
-
 
 # --------------------------------------------------------------------------- comparisons
 
@@ -106,7 +99,7 @@ def decode_logits(engine, prompts: Tensor, continuation: Tensor, width: int, rea
 
 def train_step(model, tokens: Tensor, autocast_bf16: bool) -> tuple[float, Tensor]:
     """Loss and the concatenated gradients of one training step (no optimizer update)."""
-    from laplace.train import cross_entropy
+    from laplace.training.loop import cross_entropy
 
     model.zero_grad(set_to_none=True)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
@@ -120,7 +113,8 @@ def train_step(model, tokens: Tensor, autocast_bf16: bool) -> tuple[float, Tenso
 @torch.inference_mode()
 def greedy_tokens(engine, prompt: list[int], n: int) -> tuple[list[int], list[Tensor]]:
     """Greedy continuation through an engine at width 1, with the logits of each step."""
-    from laplace.serve import Request, replay
+    from laplace.serving.engine import Request
+    from laplace.serving.replay import replay
 
     engine.reset()
     logits_seen: list[Tensor] = []
@@ -165,11 +159,11 @@ def compiled_model(model, scope: str, backend: str):
 
 def reference(cfg: Config, ref_model, held_out: Tensor) -> dict:
     """The fp64 eager figures every candidate is compared with (computed once)."""
-    from laplace.serve import DecodeEngine
+    from laplace.serving.engine import DecodeEngine
 
     n = cfg.numerics
     engine = DecodeEngine.for_policy(ref_model, cfg.serve, "eager")
-    prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens: n.prompt_tokens + 8]
+    prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens: n.prompt_tokens + n.decode_tokens]
     ref = {"prefill": prefill_logits(ref_model, held_out[: n.batch_size, : n.seq_len]), "decode": {}}
     for width in engine.ladder:
         ref["decode"][width] = decode_logits(engine, prompts, cont, width, max(1, width // 2))
@@ -183,9 +177,9 @@ def check_dtype(cfg: Config, export_dir: Path, dtype: torch.dtype, held_out: Ten
                 corrupt_compiled=None) -> dict:
     """Every comparison for one serving dtype against the fp64 `ref`. `corrupt_compiled(model)`
     (tests) breaks the compiled side only, to prove the gates can fail."""
-    from laplace.export import load_export
+    from laplace.model.export import load_export
     from laplace.runtime import compile_backend
-    from laplace.serve import DecodeEngine
+    from laplace.serving.engine import DecodeEngine
 
     n = cfg.numerics
     backend = compile_backend(torch.device("cpu"))
@@ -206,7 +200,7 @@ def check_dtype(cfg: Config, export_dir: Path, dtype: torch.dtype, held_out: Ten
     seconds["prefill"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens: n.prompt_tokens + 8]
+    prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens: n.prompt_tokens + n.decode_tokens]
     out["decode"] = {}
     for width in comp_engine.ladder:
         real = max(1, width // 2)  # half the rows are padding (dummy slot)
@@ -307,9 +301,9 @@ def gate_table(g: dict[str, tuple[bool, float, str]]) -> str:
 
 def eager_fingerprint(export_dir: Path, tokens: Tensor, n_tokens: int, seed: int) -> dict:
     """Logits and greedy tokens of eager fp32 at a fixed batch width, under deterministic algorithms."""
-    from laplace.export import load_export
-    from laplace.generation import generate_ids
+    from laplace.model.export import load_export
     from laplace.runtime import set_determinism
+    from laplace.serving.sampling import generate_ids
 
     set_determinism(seed)
     model, _, _ = load_export(export_dir, dtype=torch.float32)
@@ -335,22 +329,22 @@ def reproducibility(export_dir: Path, held_out: Tensor, seed: int) -> dict:
     }
 
 
-# --------------------------------------------------------------------------- worker and stage
+# --------------------------------------------------------------------------- all checks
 
 
 def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled=None) -> dict:
     import numpy as np
 
-    from laplace.data import open_split
-    from laplace.export import load_export
+    from laplace.data.shards import open_split
+    from laplace.model.export import load_export
     from laplace.runtime import configure_compiler
-    from laplace.serve import width_ladder
+    from laplace.serving.engine import width_ladder
 
     n = cfg.numerics
     torch.manual_seed(n.seed)
     configure_compiler(4 * (len(width_ladder(cfg.serve.max_slots, cfg.serve.widths)) + 4))
     val = open_split(data_dir, "val")
-    need = max(n.seq_len + 1, n.prompt_tokens + 8)
+    need = max(n.seq_len + 1, n.prompt_tokens + n.decode_tokens)
     rows = max(n.batch_size, max(width_ladder(cfg.serve.max_slots, cfg.serve.widths)))
     rng = np.random.default_rng(n.seed)
     starts = rng.integers(0, len(val) - need, size=rows)
@@ -381,18 +375,3 @@ def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled
     result["rel_rms_bf16_compiled_vs_fp64"] = result["bf16"]["prefill"]["rel_rms_compiled_vs_fp64"]
     result["rel_rms_bf16_eager_vs_fp64"] = result["bf16"]["prefill"]["rel_rms_eager_vs_fp64"]
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_main("numerics worker", lambda cfg, args: run_numerics(cfg, args.export_dir, args.data_dir), argv,
-                       paths=("export-dir", "data-dir"), summary=lambda r: r["gate_table"])
-
-
-def numerics_stage(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path) -> dict:
-    """Run the checks in a fresh process started from a copy of the warmup compile cache."""
-    return run_worker_from_warmup_cache(
-        "laplace.numerics", cfg, ["--export-dir", str(export_dir), "--data-dir", str(data_dir)], warmup_cache)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

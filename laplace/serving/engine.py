@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from laplace.config import ServeSection
-from laplace.generation import sample_next
+from laplace.errors import ConfigError
 from laplace.model.lm import LaplaceLM, State
 from laplace.runtime import compile_static, compiled_graph_count, synchronize
-
+from laplace.serving.sampling import sample_next
 
 POLICIES = ("padded", "exact", "eager")
 
@@ -107,9 +107,9 @@ def width_ladder(max_slots: int, widths: list[int] | None = None) -> list[int]:
     if widths:
         ladder = sorted(set(widths))
         if ladder[0] < 1:
-            raise ValueError(f"serve.widths: widths must be >= 1, got {ladder}")
+            raise ConfigError(f"serve.widths: widths must be >= 1, got {ladder}")
         if ladder[-1] < max_slots:
-            raise ValueError(f"serve.widths: the largest width {ladder[-1]} cannot hold max_slots={max_slots}")
+            raise ConfigError(f"serve.widths: the largest width {ladder[-1]} cannot hold max_slots={max_slots}")
         return ladder
     ladder = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots]
     return ladder + [max_slots]
@@ -179,9 +179,9 @@ class DecodeEngine:
         or "block" (one GLA block is compiled per shape and reused by every layer).
         max_queue: requests that may wait for a slot; one arriving at a full queue is rejected."""
         if max_queue < 1:
-            raise ValueError(f"serve.max_queue: must be >= 1, got {max_queue}")
+            raise ConfigError(f"serve.max_queue: must be >= 1, got {max_queue}")
         if max(prefill_buckets) < max_prompt_tokens:
-            raise ValueError(f"serve.prefill_buckets: the largest bucket {max(prefill_buckets)} is shorter than "
+            raise ConfigError(f"serve.prefill_buckets: the largest bucket {max(prefill_buckets)} is shorter than "
                              f"serve.max_prompt_tokens={max_prompt_tokens}")
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -204,10 +204,10 @@ class DecodeEngine:
             for block in model.blocks:
                 compile_static(block, backend)
         elif compile_scope is not None:
-            raise ValueError(f"serve.compile_scope: unknown scope {compile_scope!r} (block or model)")
+            raise ConfigError(f"serve.compile_scope: unknown scope {compile_scope!r} (block or model)")
 
     @classmethod
-    def for_policy(cls, model: LaplaceLM, serve, policy: str, backend: str = "inductor") -> "DecodeEngine":
+    def for_policy(cls, model: LaplaceLM, serve, policy: str, backend: str = "inductor") -> DecodeEngine:
         """The engine of a serve-check policy from the `serve:` params: `padded` (ladder widths,
         compiled), `exact` (live-count widths, compiled) or `eager` (live-count widths, no compiler)."""
         if policy not in POLICIES:
@@ -407,25 +407,3 @@ class DecodeEngine:
             self.live.remove(row)
             self.pool.release(row.slot)  # free at once: the next admission reuses it
             self.finished.append(c)
-
-
-def replay(engine: DecodeEngine, requests: list[Request]) -> list[Completion]:
-    """Serve requests arriving at their arrival_s on the engine's virtual clock."""
-    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
-    while pending or engine.has_work():
-        while pending and pending[0].arrival_s <= engine.now:
-            engine.submit(pending.popleft())
-        if not engine.has_work():
-            engine.now = max(engine.now, pending[0].arrival_s)  # idle until the next arrival
-            continue
-        engine.step()
-    return sorted(engine.finished, key=lambda c: c.request_id)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)

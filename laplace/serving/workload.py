@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from laplace.config import ServeSection
-from laplace.serve import Request
+from laplace.errors import ConfigError
+from laplace.serving.engine import Request
 
 ARRIVALS = ("batch", "poisson", "bursty")
 
@@ -27,14 +28,14 @@ def arrival_times(kind: str, n: int, rate: float, burst_cv: float, rng: np.rando
         shape = 1.0 / burst_cv**2
         gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
     else:
-        raise ValueError(f"serve.workloads: unknown arrival process {kind!r} (choose from {', '.join(ARRIVALS)})")
+        raise ConfigError(f"serve.workloads: unknown arrival process {kind!r} (choose from {', '.join(ARRIVALS)})")
     gaps[0] = 0.0
     return np.cumsum(gaps)
 
 
 def log_uniform(lo: int, hi: int, n: int, rng: np.random.Generator) -> np.ndarray:
     if not 1 <= lo <= hi:
-        raise ValueError(f"length range must satisfy 1 <= min <= max, got [{lo}, {hi}]")
+        raise ConfigError(f"serve.prompt_tokens/output_tokens: length range must satisfy 1 <= min <= max, got [{lo}, {hi}]")
     return np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), size=n))).astype(int).clip(lo, hi)
 
 

@@ -1,35 +1,50 @@
-"""The serve-check stage: replay seeded workloads through the decode engine, policy by policy.
+"""Replaying seeded workloads through the decode engine on a virtual clock, and their figures.
 
-Each policy runs in its own fresh process, so compile caches cannot leak between them:
+`replay` serves requests at their arrival times on the engine's clock (advanced by the
+measured duration of each step), so latencies are those a live server would see without
+sleeping through the gaps. `replay_policy` runs every workload under one policy:
 
-- exact:  decode at exactly the live count, compiling each new width on first sight,
-          with an empty compile cache (a fresh deployment with no warmup);
-- padded: decode at the smallest ladder width that holds the live rows, started from
-          the warmup stage's compile cache; serving runs under
-          torch.compiler.set_stance("fail_on_recompile"), so any compilation after warmup
-          is an error that fails the stage;
+- exact:  decode at exactly the live count, compiling each new width on first sight;
+- padded: decode at the smallest ladder width that holds the live rows, under
+          torch.compiler.set_stance("fail_on_recompile") after warmup;
 - eager:  no compiler at all.
 
-The padded process also measures decode cost against context: the per-token decode
-time after a 2,048- and an 8,192-token prompt, and the state bytes, which must not grow.
+The padded policy also measures decode cost against context: the per-token decode time
+after a 2,048- and an 8,192-token prompt, and the state bytes, which must not grow.
 """
 
 from __future__ import annotations
 
-import shutil
+import math
 import statistics
-import sys
-import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 from laplace.config import Config
-from laplace.serve import POLICIES, Completion, StepRecord, percentile
-from laplace.worker import compile_env, run_worker, worker_main
+from laplace.serving.engine import Completion, DecodeEngine, Request, StepRecord
 
 
-class GateFailed(RuntimeError):
-    """A serving gate was missed (the metrics are still written)."""
+def replay(engine: DecodeEngine, requests: list[Request]) -> list[Completion]:
+    """Serve requests arriving at their arrival_s on the engine's virtual clock."""
+    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
+    while pending or engine.has_work():
+        while pending and pending[0].arrival_s <= engine.now:
+            engine.submit(pending.popleft())
+        if not engine.has_work():
+            engine.now = max(engine.now, pending[0].arrival_s)  # idle until the next arrival
+            continue
+        engine.step()
+    return sorted(engine.finished, key=lambda c: c.request_id)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 # --------------------------------------------------------------------------- metrics
@@ -91,7 +106,7 @@ def summarize(steps: list[StepRecord], done: list[Completion], ttft_slo: float, 
     }
 
 
-def _trace(steps: list[StepRecord], done: list[Completion]) -> dict:
+def trace(steps: list[StepRecord], done: list[Completion]) -> dict:
     """Raw timeline and latencies, for plots."""
     return {
         "steps": [[s.kind, round(s.start_s, 6), round(s.seconds, 6), s.width, s.live, s.compiled] for s in steps],
@@ -100,10 +115,10 @@ def _trace(steps: list[StepRecord], done: list[Completion]) -> dict:
     }
 
 
-# --------------------------------------------------------------------------- worker process
+# --------------------------------------------------------------------------- one policy
 
 
-def _decode_cost(engine, contexts: list[int], steps: int, text) -> dict:
+def decode_cost(engine, contexts: list[int], steps: int, text) -> dict:
     """Per-token decode time at width 1 after a prompt of each context length.
 
     Each context is prefilled into its own slot; the timed decode steps then alternate
@@ -140,16 +155,17 @@ def _decode_cost(engine, contexts: list[int], steps: int, text) -> dict:
     return out
 
 
-def _worker(cfg: Config, policy: str, export_dir: Path, data_dir: Path) -> dict:
+def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) -> dict:
+    """Replay every workload of `cfg.serve` under one policy in this process (the serve-check
+    worker): figures, traces and, for `padded`, the decode cost against context."""
     import contextlib
 
     import torch
 
-    from laplace.data import open_split
-    from laplace.export import load_export
+    from laplace.data.shards import open_split
+    from laplace.model.export import load_export
     from laplace.runtime import compile_backend, configure_compiler, resolve_device
-    from laplace.serve import DecodeEngine, replay
-    from laplace.workload import build_requests
+    from laplace.serving.workload import build_requests
 
     device = resolve_device(cfg.serve.device)
     model, _, _ = load_export(export_dir, device=device)
@@ -173,86 +189,12 @@ def _worker(cfg: Config, policy: str, export_dir: Path, data_dir: Path) -> dict:
         if leaked:
             raise RuntimeError(f"slots still owned after {kind}: {leaked}")
         result["workloads"][kind] = summarize(engine.steps, done, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s)
-        result["traces"][kind] = _trace(engine.steps, done)
+        result["traces"][kind] = trace(engine.steps, done)
         result["workloads"][kind]["outputs_digest"] = hash(tuple(tuple(c.output_ids) for c in done)) & 0xFFFFFFFF
         print(f"{policy}/{kind}: {result['workloads'][kind]['output_tokens_per_s']:.0f} tokens/s, "
               f"{result['workloads'][kind]['compile_events']} compile events", flush=True)
     if policy == "padded":
         with stance:
-            result["decode_cost"] = _decode_cost(engine, cfg.serve.decode_contexts, cfg.serve.decode_timing_steps,
+            result["decode_cost"] = decode_cost(engine, cfg.serve.decode_contexts, cfg.serve.decode_timing_steps,
                                                  text[: max(cfg.serve.decode_contexts)])
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_main(
-        "serve-check worker: replay the workloads under one policy",
-        lambda cfg, args: _worker(cfg, args.policy, args.export_dir, args.data_dir), argv,
-        paths=("export-dir", "data-dir"), options={"policy": {"choices": POLICIES}},
-    )
-
-
-# --------------------------------------------------------------------------- the stage
-
-
-def serve_check_stage(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path, scratch: Path,
-                      plots_dir: Path) -> tuple[dict, dict]:
-    """Run the three policies; returns (metrics, traces). Raises GateFailed after writing nothing
-    itself: the caller writes metrics and plots first."""
-    scratch.mkdir(parents=True, exist_ok=True)
-    results = {}
-    args = ["--export-dir", str(export_dir), "--data-dir", str(data_dir)]
-    for policy in ("exact", "padded", "eager"):
-        with tempfile.TemporaryDirectory(prefix=f"laplace-{policy}-cache-") as tmp:
-            cache = None
-            if policy == "exact":
-                cache = Path(tmp)  # empty: a fresh deployment
-            elif policy == "padded":
-                cache = Path(tmp) / "cache"
-                shutil.copytree(warmup_cache, cache)  # the warmup artifact stays untouched
-            results[policy] = run_worker("laplace.servecheck", cfg, args + ["--policy", policy],
-                                         compile_env(cache), Path.cwd(), scratch / f"serve-{policy}.json")
-    return combine(cfg, results)
-
-
-def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
-    headline = "poisson" if "poisson" in cfg.serve.exact_workloads else cfg.serve.exact_workloads[0]
-    metrics: dict = {"headline_workload": headline}
-    for policy in POLICIES:
-        wl = results[policy]["workloads"]
-        metrics[policy] = dict(wl.get(headline) or next(iter(wl.values())))
-    metrics["by_workload"] = {
-        kind: {p: results[p]["workloads"][kind] for p in POLICIES if kind in results[p]["workloads"]}
-        for kind in cfg.serve.workloads
-    }
-    cost = results["padded"]["decode_cost"]
-    metrics["decode_s_per_token"] = cost["decode_s_per_token"]
-    metrics["state_bytes_per_sequence"] = cost["state_bytes_per_sequence"]
-    metrics["decode_rss_bytes"] = cost["rss_bytes"]
-    lo, hi = min(cfg.serve.decode_contexts), max(cfg.serve.decode_contexts)
-    metrics[f"decode_cost_ratio_{hi}_vs_{lo}"] = cost["ratio"]
-    metrics["warm_start_s"] = results["padded"]["warm_start_s"]
-    exact_tps = metrics["exact"]["output_tokens_per_s"]
-    metrics["padded_speedup_vs_exact"] = metrics["padded"]["output_tokens_per_s"] / exact_tps if exact_tps else None
-    padded_compiles = sum(w["compile_events"] for w in results["padded"]["workloads"].values())
-    same_outputs = all(
-        results["padded"]["workloads"][k]["outputs_digest"] == results[p]["workloads"][k]["outputs_digest"]
-        for p in ("exact", "eager") for k in results[p]["workloads"] if k in results["padded"]["workloads"]
-    )
-    states = set(cost["state_bytes_per_sequence"].values())
-    gates = {
-        "padded_zero_compiles": padded_compiles == 0,
-        "decode_cost_ratio": cost["ratio"] <= cfg.serve.max_decode_cost_ratio,
-        "state_bytes_constant": len(states) == 1,
-        "every_request_served": all(w["served"] == w["requests"] for r in results.values()
-                                    for w in r["workloads"].values()),
-    }
-    metrics["gates"] = gates
-    metrics["greedy_outputs_identical_across_policies"] = same_outputs
-    metrics["passed"] = all(gates.values())
-    traces = {p: results[p]["traces"] for p in POLICIES}
-    return metrics, traces
-
-
-if __name__ == "__main__":
-    sys.exit(main())

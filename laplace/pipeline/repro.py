@@ -1,7 +1,7 @@
-"""Driving DVC from Python: params overrides written like `dvc exp run --set-param`, and
-`dvc repro` run as a subprocess whose output is streamed line by line.
+"""Driving DVC from Python: `dvc repro` run as a subprocess whose output is streamed line by line.
 
-The CLI's `laplace run` and the Prefect flow both go through here, so whichever front
+The CLI's `laplace run` and the Prefect flow both go through here (after writing their
+overrides into params.yaml, `laplace.pipeline.params.write_params`), so whichever front
 door launched the pipeline, dvc.lock records exactly the params that produced the
 outputs and `dvc status` is clean afterwards.
 """
@@ -12,13 +12,9 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from laplace.config import ConfigError, apply_overrides, config_from_dict, parse_override, read_params
-
-# Exit status of `laplace <command>` for bad input (config, data): never worth a retry.
-USER_ERROR_EXIT = 2
 _DVC_CHILD_EXIT = re.compile(r"exited with (\d+)")
 
 
@@ -79,42 +75,3 @@ def repro(root: Path, stage: str | None = None, on_line: Callable[[str], None] =
     """`dvc repro` (or `dvc repro --single-item STAGE`) in `root`."""
     args = ["repro"] + (["--single-item", stage] if stage else [])
     return run_streaming(dvc_command(*args), Path(root), subprocess_env(env_extra), on_line)
-
-
-def write_params(path: Path, overrides: list[str] | dict) -> bool:
-    """Validate overrides against the params file, then write them into it, keeping its
-    comments and layout (what `dvc exp run --set-param` does). Returns True if the file changed.
-    Raises ConfigError naming the key before anything is written."""
-    path = Path(path)
-    raw = read_params(path)
-    config_from_dict(apply_overrides(raw, overrides))  # one-line error on a bad key or value
-    from ruamel.yaml import YAML  # comes with dvc
-
-    yaml = YAML()
-    yaml.preserve_quotes = True
-    doc = yaml.load(path.read_text(encoding="utf-8"))
-    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
-    changed = False
-    for key, value in items:
-        keys = key.split(".") if isinstance(key, str) else list(key)
-        node = doc
-        for part in keys[:-1]:
-            if part not in node:
-                node[part] = {}
-            node = node[part]
-        if node.get(keys[-1], object()) != value:
-            node[keys[-1]] = value
-            changed = True
-    if changed:
-        from io import StringIO
-
-        from laplace.fileio import atomic_write_bytes
-
-        out = StringIO()
-        yaml.dump(doc, out)
-        atomic_write_bytes(path, out.getvalue().encode("utf-8"))
-    return changed
-
-
-__all__ = ["ConfigError", "USER_ERROR_EXIT", "repro", "run_streaming", "stage_exit_status", "subprocess_env",
-           "write_params", "dvc_command"]

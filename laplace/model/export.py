@@ -14,20 +14,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from laplace.checkpoint import Checkpoint
-from laplace.config import ModelConfig, validate_model_config
-from laplace.data import load_tokenizer, tokenizer_sha256
+from laplace.data.tokenizer import load_tokenizer, tokenizer_sha256
+from laplace.errors import InputError
 from laplace.fileio import atomic_write_json, replace_dir, sha256_file, staging_dir
+from laplace.model.config import ModelConfig, validate_model_config
 from laplace.model.lm import LaplaceLM, torch_dtype
 
 FORMAT = 1
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     pass
 
 
-def export_model(checkpoint: Checkpoint, tokenizer_path: Path, out_dir: Path) -> dict:
+def export_model(checkpoint, tokenizer_path: Path, out_dir: Path) -> dict:
     """Write the export directory from a training checkpoint. Returns a summary dict."""
     model_cfg = validate_model_config(ModelConfig(**checkpoint.trainer["model_config"]))
     tokenizer = load_tokenizer(tokenizer_path)

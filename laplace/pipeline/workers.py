@@ -1,4 +1,4 @@
-"""Stage workers: a stage runs its measurement in a fresh `python -m laplace.<module>` process.
+"""Stage workers: a stage runs its measurement in a fresh `python -m laplace.pipeline.<stage>` process.
 
 A fresh process is what a deployment pays (its own compile cache, no warm state left
 over from the parent). Both sides of that contract live here:
@@ -7,6 +7,11 @@ over from the parent). Both sides of that contract live here:
   cache at a directory;
 - the child: `worker_main` parses the common arguments, runs the module's body and writes
   its result atomically.
+
+Exit statuses carry the verdict across the process boundary: a worker that rejects its
+input (an InputError: bad params or data, a missed gate) exits 2 and the parent raises an
+InputError with the worker's one line; any other failure (a crash, a kill) is a
+WorkerFailed, which the front doors treat as transient (Prefect retries it).
 """
 
 from __future__ import annotations
@@ -21,13 +26,23 @@ from collections.abc import Callable
 from pathlib import Path
 
 from laplace.config import Config, config_from_dict
+from laplace.errors import INPUT_ERROR_EXIT, InputError
+
+
+class WorkerFailed(RuntimeError):
+    """A stage worker crashed or was killed (not bad input): worth a retry."""
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status
+
 
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "NEURON_COMPILE_CACHE_URL")
 
 
 def compile_env(cache_dir: Path | None) -> dict[str, str]:
     """Environment of a worker process whose compile cache lives in `cache_dir` (None: no cache)."""
-    from laplace.repro import subprocess_env
+    from laplace.pipeline.repro import subprocess_env
 
     env = subprocess_env()
     for name in CACHE_ENV:
@@ -46,7 +61,7 @@ def run_worker(module: str, cfg: Config, args: list[str], env: dict[str, str], c
     """Run `python -m module` on the effective config; its result is the JSON it writes to `out`.
     `launcher` replaces `python` (e.g. torchrun's command line, from laplace.distributed)."""
     from laplace.fileio import atomic_write_json
-    from laplace.repro import run_streaming
+    from laplace.pipeline.repro import run_streaming
 
     cfg_file = out.with_suffix(".config.json")
     atomic_write_json(cfg_file, cfg.to_dict())
@@ -54,7 +69,11 @@ def run_worker(module: str, cfg: Config, args: list[str], env: dict[str, str], c
     status, tail = run_streaming(cmd, cwd, env, lambda line: print(f"  [{module.rsplit('.', 1)[-1]}] {line}",
                                                                      flush=True))
     if status != 0:
-        raise RuntimeError(f"{module} worker failed (exit {status}): {tail.splitlines()[-1] if tail else ''}")
+        last = tail.splitlines()[-1] if tail else ""
+        if status == INPUT_ERROR_EXIT:
+            raise InputError(last.split(": error: ", 1)[-1])
+        how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+        raise WorkerFailed(f"{module} worker failed ({how}): {last}", status)
     return json.loads(out.read_text())
 
 
@@ -90,8 +109,12 @@ def worker_main(
     for name, keywords in (options or {}).items():
         parser.add_argument(f"--{name}", **{"required": True, **keywords})
     args = parser.parse_args(argv)
-    cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
-    result = body(cfg, args)
+    try:
+        cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
+        result = body(cfg, args)
+    except InputError as exc:  # the parent turns exit status 2 back into an InputError with this line
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
+        return INPUT_ERROR_EXIT
     if int(os.environ.get("RANK", "0")) == 0:
         atomic_write_json(args.out, result)
         if summary is not None:

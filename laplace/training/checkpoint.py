@@ -181,7 +181,7 @@ def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    from laplace.distributed import broadcast_int
+    from laplace.training.distributed import broadcast_int
 
     root = Path(root)
     final = root / f"step_{step:06d}"
@@ -236,7 +236,7 @@ def latest_verified(root: Path) -> Path | None:
     every rank gets the same answer."""
     import torch.distributed as dist
 
-    from laplace.distributed import broadcast_int
+    from laplace.training.distributed import broadcast_int
 
     choice = -1
     found = list_checkpoints(root)

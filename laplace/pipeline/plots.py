@@ -10,6 +10,8 @@ matplotlib.use("Agg")  # no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from laplace.fileio import atomic_open, atomic_write_json  # noqa: E402
+from laplace.model.config import ModelConfig  # noqa: E402
+from laplace.model.lm import kv_cache_bytes  # noqa: E402
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
@@ -102,4 +104,73 @@ def width_histogram(traces: dict, workload: str, path: Path) -> None:
     ax.set_ylabel("steps")
     ax.set_title(f"decode widths ({workload})")
     ax.legend()
+    save_figure(fig, path)
+
+
+def memory_plot(report: dict, path: Path) -> None:
+    """Bytes per sequence vs context: the GLA state (flat) and a same-size transformer's KV cache
+    (linear), for the probed model and for Laplace 3B (log axes); next to it, measured RSS
+    while decoding after each context."""
+    measured = {int(c): v for c, v in (report.get("decode_rss_bytes") or {}).items()}
+    kv_ctx = [int(c) for c in report.get("kv_bytes", {})]
+    top = max(kv_ctx + list(measured) + [32768])
+    contexts = [2 ** i for i in range(7, top.bit_length()) if 2 ** i <= top] + [top]
+    contexts = sorted(set(contexts))
+    fig, (ax, ax_rss) = plt.subplots(1, 2, figsize=(11, 4.0))
+    for key, label, color in (("model_config", "probed model", "tab:blue"),
+                              ("laplace_3b_config", "Laplace 3B", "tab:red")):
+        cfg = ModelConfig(**report[key])
+        state = report["state_bytes_measured"] if key == "model_config" else report["laplace_3b_state_bytes"]
+        ax.plot(contexts, [state] * len(contexts), "-", color=color, label=f"{label}: GLA state")
+        ax.plot(contexts, [kv_cache_bytes(cfg, c) for c in contexts], "--", color=color,
+                label=f"{label}: transformer KV (bf16)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("bytes per sequence")
+    ax.set_title(f"3B: KV at 8,192 = {report['laplace_3b_state_vs_kv_8192']:.0f}x the state")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    if measured:
+        xs = sorted(measured)
+        ax_rss.plot(xs, [measured[c] / 2**20 for c in xs], "o-", color="tab:blue")
+        ax_rss.set_ylim(0, max(measured.values()) / 2**20 * 1.2)
+    ax_rss.set_xscale("log", base=2)
+    ax_rss.set_xlabel("context before decoding (tokens)")
+    ax_rss.set_ylabel("process RSS while decoding (MiB)")
+    ratio = report.get("decode_rss_flat_ratio")
+    ax_rss.set_title(f"decode memory vs context (max/min {ratio:.3f})" if ratio else "decode memory vs context")
+    ax_rss.grid(alpha=0.3)
+    save_figure(fig, path)
+
+
+def accuracy_plot(result: dict, path: Path) -> None:
+    """The trained MQAR model: accuracy vs context (a line per pair count) and vs pairs (a line
+    per context), chance dashed."""
+    grid = {int(c): {int(p): a for p, a in row.items()} for c, row in result["accuracy"].items()}
+    contexts = sorted(grid)
+    pairs = sorted({p for row in grid.values() for p in row})
+    fig, (ax_ctx, ax_pairs) = plt.subplots(1, 2, figsize=(11, 4.0), sharey=True)
+    for p in pairs:
+        xs = [c for c in contexts if p in grid[c]]
+        ax_ctx.plot(xs, [grid[c][p] for c in xs], "o-", label=f"{p} pairs")
+    for c in contexts:
+        xs = sorted(grid[c])
+        ax_pairs.plot(xs, [grid[c][p] for p in xs], "o-", label=f"context {c}")
+    for ax in (ax_ctx, ax_pairs):
+        if result.get("chance"):
+            ax.axhline(result["chance"], color="gray", ls="--", lw=1, label="chance")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_ctx.set_xlabel("context length (tokens)")
+    ax_ctx.set_ylabel("MQAR accuracy")
+    ax_pairs.set_xlabel("key-value pairs")
+    if result.get("state_floats"):
+        title = (f"MQAR, a GLA trained here on <= {result['train_pairs']} pairs at {result['train_seq_len']} "
+                 f"tokens (state {result['state_floats']:,} floats per sequence)")
+    else:
+        title = "MQAR"
+    fig.suptitle(title)
     save_figure(fig, path)

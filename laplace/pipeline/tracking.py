@@ -25,73 +25,29 @@ import json
 import logging
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
 import mlflow.pyfunc
-import yaml
+
+from laplace.config import GenerateSection
+from laplace.pipeline.redact import redact, secret_values
+from laplace.pipeline.store import (
+    DEFAULT_RETRY_SECONDS,
+    TrackingUnavailable,
+    _connection_lost,
+    _retrying,
+    _short_reason,
+    tracking_store,
+    tracking_uri,
+    unavailable_message,
+    wait_for_tracking,
+)
 
 log = logging.getLogger(__name__)
 
 # Stages whose metrics carry a `passed` gate; all must pass for the champion alias.
-VALIDATION_STAGES = ("serve", "numerics")
-
-
-# --------------------------------------------------------------------------- where
-
-
-def project_root(start: str | Path = ".") -> Path:
-    """The project directory. Queued DVC experiments run in a copy under
-    <project>/.dvc/tmp/exps/...; their tracking store is still the project's."""
-    path = Path(start).resolve()
-    parts = path.parts
-    for i in range(len(parts) - 3):
-        if parts[i:i + 3] == (".dvc", "tmp", "exps"):
-            return Path(*parts[:i])
-    return path
-
-
-def tracking_store(root: str | Path = ".") -> tuple[str, str | None]:
-    """(tracking URI, artifact location for new experiments).
-
-    MLFLOW_TRACKING_URI if set (its server or default decides where artifacts go), else a
-    sqlite database at an absolute path in the project with artifacts in mlartifacts/.
-    Read this before mlflow.set_tracking_uri, which exports MLFLOW_TRACKING_URI itself."""
-    if uri := os.environ.get("MLFLOW_TRACKING_URI"):
-        return uri, None
-    root = project_root(root)
-    return f"sqlite:///{root / 'mlflow.db'}", (root / "mlartifacts").as_uri()
-
-
-def tracking_uri(root: str | Path = ".") -> str:
-    return tracking_store(root)[0]
-
-
-# --------------------------------------------------------------------------- provenance
-
-
-def git_info(root: Path) -> dict:
-    def git(*args):
-        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"commit": commit or "unknown", "dirty": dirty}
-
-
-def dvc_out_hash(root: Path, out_path: str) -> str | None:
-    """The md5 DVC recorded in dvc.lock for one output (a directory hash ends in .dir)."""
-    lock = Path(root) / "dvc.lock"
-    if not lock.exists():
-        return None
-    data = yaml.safe_load(lock.read_text()) or {}
-    for stage in (data.get("stages") or {}).values():
-        for out in stage.get("outs") or []:
-            if out.get("path") == out_path:
-                return out.get("md5") or out.get("hash")
-    return None
+VALIDATION_STAGES = ("serve", "numerics", "probes")
 
 
 # --------------------------------------------------------------------------- metrics
@@ -140,14 +96,14 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
     _skip_type_hint_validation = True
 
     def load_context(self, context):
-        from laplace.export import load_export
+        from laplace.model.export import load_export
 
         self.model, self.tokenizer, self.config = load_export(context.artifacts["export"])
 
     def predict(self, context, model_input, params=None):
         import torch
 
-        from laplace.generation import generate_ids
+        from laplace.serving.sampling import generate_ids
 
         params = params or {}
         if hasattr(model_input, "columns"):
@@ -160,161 +116,22 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
                 else [model_input["prompt"]]
         else:
             prompts = [str(p) for p in model_input]
+        # MLflow fills missing params from the signature's defaults (the run's generate: section);
+        # a direct call without params gets the typed defaults
+        defaults = GenerateSection()
         eos = self.config.get("eos_id")
         out = []
         with torch.inference_mode():
             for prompt in prompts:
                 ids = generate_ids(
                     self.model, self.tokenizer.encode(prompt).ids,
-                    int(params.get("max_new_tokens", 48)), float(params.get("temperature", 0.0)),
-                    float(params.get("top_p", 1.0)), int(params.get("seed", 0)),
+                    int(params.get("max_new_tokens", defaults.max_new_tokens)),
+                    float(params.get("temperature", 0.0)), float(params.get("top_p", 1.0)),
+                    int(params.get("seed", defaults.seed)),
                     stop_ids=(eos,) if eos is not None else (),
                 )
                 out.append(self.tokenizer.decode(ids))
         return out
-
-
-# --------------------------------------------------------------------------- secrets
-
-
-# An environment variable whose name matches this holds a secret: its value is never logged.
-SECRET_ENV_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-# Shorter values ("1", "true", "false": TOKENIZERS_PARALLELISM=false) are flags, not secrets,
-# and masking them would mangle every param that happens to contain them.
-MIN_SECRET_CHARS = 8
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^/@:\s]*):(?P<password>[^/@\s]+)@", re.IGNORECASE)
-REDACTED = "***"
-
-
-def secret_values(environ: dict[str, str] | None = None) -> list[str]:
-    """Values of the environment variables named like secrets, longest first."""
-    env = os.environ if environ is None else environ
-    found = {v for k, v in env.items() if SECRET_ENV_NAME.search(k) and len(v.strip()) >= MIN_SECRET_CHARS}
-    return sorted(found, key=len, reverse=True)
-
-
-def redact(text: str, secrets: list[str] | None = None) -> str:
-    """`text` with every secret environment value and every URL password replaced by ***."""
-    text = str(text)
-    for secret in secret_values() if secrets is None else secrets:
-        text = text.replace(secret, REDACTED)
-    return _URL_PASSWORD.sub(lambda m: f"{m['head']}:{REDACTED}@", text)
-
-
-# --------------------------------------------------------------------------- reaching the store
-
-
-class TrackingUnavailable(RuntimeError):
-    """The tracking server did not answer within tracking.retry_seconds. Transient: the CLI
-    exits with `exit_status` (75, EX_TEMPFAIL), which the Prefect flow retries; the stage
-    results stay on disk and a rerun of the track stage logs them."""
-
-    exit_status = 75
-
-
-DEFAULT_RETRY_SECONDS = 60.0
-_MAX_BACKOFF_S = 10.0
-
-
-def _is_http(uri: str) -> bool:
-    return uri.lower().startswith(("http://", "https://"))
-
-
-def unavailable_message(uri: str, reason: str, retry_seconds: float, during: str = "") -> str:
-    what = "server" if _is_http(uri) else "store"
-    return (f"MLflow tracking {what} {redact(uri)} unreachable{during} ({reason}; retried for "
-            f"{retry_seconds:g}s, tracking.retry_seconds): nothing was lost, the stage results stay in "
-            "metrics/ and plots/; rerun `laplace track` (or `dvc repro`) once it is back to log them")
-
-
-def _short_reason(exc: BaseException) -> str:
-    """One short line for a connection failure ("Connection refused", "timed out", ...)."""
-    text = " ".join(str(exc).split())
-    if found := re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text):
-        return found.group(1).strip().rstrip(".")
-    if "timed out" in text.lower() or "timeout" in type(exc).__name__.lower():
-        return "timed out"
-    return redact(text[:160]) or type(exc).__name__
-
-
-def _probe(uri: str, timeout: float) -> str | None:
-    """None when the tracking server answers, else why not. Stores that are not HTTP servers
-    (sqlite, file) are not probed here: their first call is retried instead."""
-    if not _is_http(uri):
-        return None
-    import requests
-
-    insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true")
-    verify = False if insecure else os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
-    try:  # one plain request, no urllib3 retries: MLflow's own client would retry for minutes
-        response = requests.get(uri.rstrip("/") + "/health", timeout=timeout, verify=verify,
-                                allow_redirects=False)
-    except requests.RequestException as exc:
-        return _short_reason(exc)
-    return None if response.status_code < 500 else f"HTTP {response.status_code}"
-
-
-def wait_for_tracking(uri: str, retry_seconds: float) -> float:
-    """Block until the tracking server answers, probing with backoff (0.5 s, 1 s, 2 s, ...
-    at most 10 s apart) for at most `retry_seconds`. Returns the deadline (time.monotonic)
-    for the retries that follow; raises TrackingUnavailable when the time is up."""
-    deadline = time.monotonic() + retry_seconds
-    delay, warned = 0.5, False
-    while True:
-        reason = _probe(uri, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
-        if reason is None:
-            if warned:
-                log.info("MLflow tracking server %s is back", redact(uri))
-            return deadline
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TrackingUnavailable(unavailable_message(uri, reason, retry_seconds))
-        if not warned:
-            log.warning("MLflow tracking server %s unreachable (%s); retrying for up to %gs (tracking.retry_seconds)",
-                        redact(uri), reason, retry_seconds)
-            warned = True
-        time.sleep(min(delay, remaining))
-        delay = min(2 * delay, _MAX_BACKOFF_S)
-
-
-def _transient(exc: BaseException) -> bool:
-    """A failure worth retrying: the server unreachable or erroring, the sqlite store locked."""
-    return _connection_lost(exc) or "locked" in str(exc).lower() or type(exc).__name__ == "OperationalError"
-
-
-def _retrying(fn, uri: str, deadline: float, retry_seconds: float):
-    """fn() retried with backoff until `deadline` (a sqlite store may be locked, a server restarting).
-    Any other failure (a permission denied, say) is one line at once: retrying cannot help."""
-    delay = 0.5
-    while True:
-        try:
-            return fn()
-        except Exception as exc:
-            if not _transient(exc):
-                raise RuntimeError(f"MLflow tracking store {redact(uri)} refused the request: "
-                                   f"{redact(' '.join(str(exc).split()))[:300]}") from exc
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TrackingUnavailable(unavailable_message(uri, _short_reason(exc), retry_seconds)) from exc
-            log.warning("MLflow tracking store %s failed (%s); retrying in %.1fs", redact(uri), _short_reason(exc),
-                        min(delay, remaining))
-            time.sleep(min(delay, remaining))
-            delay = min(2 * delay, _MAX_BACKOFF_S)
-
-
-def _connection_lost(exc: BaseException) -> bool:
-    """True when `exc` (or what caused it) says the server could not be reached."""
-    import requests
-
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, (requests.ConnectionError, requests.Timeout, ConnectionError)):
-            return True
-        if any(s in str(exc) for s in ("Max retries exceeded", "Connection refused", "Failed to establish")):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 # --------------------------------------------------------------------------- logging a run
@@ -454,11 +271,12 @@ def _log_run_contents(client, run_id: str, *, params, secrets, metrics_by_stage,
     signature = infer_signature(
         model_input=pd.DataFrame({"prompt": ["The function"]}),
         model_output=["text"],
-        params={"max_new_tokens": 48, "temperature": 0.0, "top_p": 1.0, "seed": 0},
+        params={"max_new_tokens": int(params.get("generate.max_new_tokens", GenerateSection().max_new_tokens)),
+                "temperature": 0.0, "top_p": 1.0, "seed": int(params.get("generate.seed", GenerateSection().seed))},
     )
     info = mlflow.pyfunc.log_model(
         name="model",
-        python_model=str(Path(laplace.__file__).parent / "mlflow_model.py"),  # from code: no pickle
+        python_model=str(Path(laplace.__file__).parent / "pipeline" / "mlflow_model.py"),  # from code: no pickle
         artifacts={"export": str(export_dir)},
         signature=signature,
         input_example=pd.DataFrame({"prompt": ["The function"]}),

@@ -1,0 +1,119 @@
+"""Passkey retrieval: a 5-digit number hidden at some depth of real text, asked for at the end,
+read back greedily through the serving engine (long prompts prefilled in bucket chunks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from laplace.errors import ConfigError
+from laplace.serving.engine import DecodeEngine, fit
+
+
+@torch.inference_mode()
+def prefill_long(engine: DecodeEngine, prompt_ids, slot: int) -> Tensor:
+    """Prefill a prompt of any length into a clean `slot`; returns the last token's logits [1, V].
+
+    Prompts longer than the largest prefill bucket go in chunks: full chunks of the largest
+    bucket, then the rest right-padded to the smallest bucket that holds it. Each chunk
+    continues the slot's state (prefill reads and writes it; padding is an exact no-op), so
+    only the warmed-up bucket graphs run, whatever the context length, and the result equals
+    one prefill of the whole prompt."""
+    ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))
+    if ids.numel() == 0:
+        raise ValueError("prompt is empty: at least one token is needed")
+    device = engine.device
+    slots = torch.tensor([slot], device=device)
+    engine.state.zero_(slots)
+    largest = max(engine.buckets)
+    logits = None
+    for start in range(0, ids.numel(), largest):
+        chunk = ids[start:start + largest]
+        n = chunk.numel()
+        bucket = fit(n, engine.buckets)
+        padded = torch.full((1, bucket), engine.pad_id, dtype=torch.long)
+        padded[0, :n] = chunk
+        logits = engine.prefill_rows(padded.to(device), slots, torch.tensor([n], device=device))
+    return logits
+
+
+@torch.inference_mode()
+def greedy_continue(engine: DecodeEngine, logits: Tensor, slot: int, new_tokens: int) -> list[int]:
+    """Greedy tokens after a prefill of `slot`, one decode step at a time at the smallest
+    ladder width (pad rows, if that width is > 1, run on the dummy slot)."""
+    width = fit(1, engine.ladder)
+    slots = torch.tensor([slot] + [engine.pool.dummy] * (width - 1), device=engine.device)
+    out = [int(logits[0].argmax())]
+    while len(out) < new_tokens:
+        tokens = torch.tensor([out[-1]] + [engine.pad_id] * (width - 1), device=engine.device)
+        out.append(int(engine.decode_rows(tokens, slots)[0].argmax()))
+    return out
+
+
+# --------------------------------------------------------------------------- passkey
+
+PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = " What is the pass key? The pass key is"
+
+
+def passkey_prompt(tokenizer, haystack: np.ndarray, context: int, depth: float, key: int,
+                   rng: np.random.Generator) -> list[int]:
+    """About `context` tokens: real text with the needle sentence inserted at `depth` (a
+    fraction of the filler), then the question. The filler is a random window of the haystack
+    (repeated if the haystack is shorter)."""
+    needle = tokenizer.encode(PASSKEY_NEEDLE.format(key=key)).ids
+    question = tokenizer.encode(PASSKEY_QUESTION).ids
+    filler_len = context - len(needle) - len(question)
+    if filler_len < 0:
+        raise ConfigError(f"probes.passkey_contexts: passkey context {context} is shorter than the needle and question "
+                         f"({len(needle) + len(question)} tokens)")
+    start = int(rng.integers(0, max(1, len(haystack) - filler_len)))
+    filler = np.resize(np.asarray(haystack[start:start + filler_len], dtype=np.int64), filler_len).tolist()
+    at = int(round(depth * filler_len))
+    return filler[:at] + needle + filler[at:] + question
+
+
+def passkey_found(text: str, key: int) -> bool:
+    """The key's digits appear in the generated text (spaces between digit tokens ignored)."""
+    return str(key) in text.replace(" ", "")
+
+
+def passkey_probe(engine: DecodeEngine, tokenizer, haystack_tokens, contexts: list[int], depths: list[float],
+                  samples: int, seed: int, new_tokens: int = 8, progress: bool = True) -> dict:
+    """Greedy passkey retrieval through the engine: found when the 5 digits appear in the
+    first `new_tokens` generated tokens. Each prompt gets a pool slot, is prefilled through the
+    bucket graphs (in chunks when longer than the largest bucket: see prefill_long, so a
+    4,096-token context needs no new shape) and decoded at the smallest ladder width.
+    Returns accuracy per context, per depth, per (context, depth), overall, and the table."""
+    rng = np.random.default_rng(seed)
+    haystack = np.asarray(haystack_tokens)
+    if len(haystack) == 0:
+        raise ValueError("passkey haystack is empty")
+    rows = []
+    cells = [(c, d, s) for c in contexts for d in depths for s in range(samples)]
+    for ctx, depth, _ in tqdm(cells, desc="passkey", unit="prompt", disable=not progress, dynamic_ncols=True):
+        key = int(rng.integers(10000, 100000))
+        prompt = passkey_prompt(tokenizer, haystack, ctx, depth, key, rng)
+        slot = engine.pool.acquire(-1)
+        try:
+            output = greedy_continue(engine, prefill_long(engine, prompt, slot), slot, new_tokens)
+        finally:
+            engine.pool.release(slot)
+        text = tokenizer.decode(output)
+        rows.append({"context": ctx, "depth": depth, "key": key, "prompt_tokens": len(prompt),
+                     "found": passkey_found(text, key), "output": text})
+
+    def share(select):
+        hits = [r["found"] for r in rows if select(r)]
+        return sum(hits) / len(hits) if hits else float("nan")
+
+    return {
+        "accuracy": {c: share(lambda r, c=c: r["context"] == c) for c in contexts},
+        "accuracy_by_depth": {d: share(lambda r, d=d: r["depth"] == d) for d in depths},
+        "accuracy_grid": {c: {d: share(lambda r, c=c, d=d: (r["context"], r["depth"]) == (c, d)) for d in depths}
+                          for c in contexts},
+        "accuracy_overall": share(lambda r: True),
+        "table": rows,
+    }

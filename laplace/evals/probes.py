@@ -1,0 +1,126 @@
+"""The probes: what a fixed state recalls and what it costs.
+
+A GLA keeps a fixed-size recurrent state, so its history is compressed: "fits in memory"
+is not "recalls accurately", and retrieval has to be measured per workload. `run_probes`
+measures MQAR (evals.mqar) and passkey (evals.passkey) on an exported model and puts the
+memory figures (evals.memory) next to them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from laplace.config import Config
+from laplace.evals.memory import memory_report
+from laplace.evals.mqar import mqar_both_paths, mqar_chance, train_mqar
+from laplace.evals.passkey import passkey_probe
+from laplace.serving.engine import DecodeEngine
+
+
+def _str_keys(obj):
+    """JSON-friendly: dict keys as strings, all the way down."""
+    if isinstance(obj, dict):
+        return {str(k): _str_keys(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_str_keys(v) for v in obj]
+    return obj
+
+
+def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = True) -> tuple[dict, dict]:
+    """MQAR (serving vs eager) and passkey on the exported model, memory accounting, and MQAR on
+    a GLA trained here. Returns (metrics, figures): `figures` holds what the plots are drawn from
+    (`mqar`: the accuracy grid, `memory`: the memory report, `passkey`: one row per prompt).
+
+    `passed` is true when the serving and eager MQAR paths agree (argmax agreement at least
+    probes.paths_agree_min) and the measured state bytes equal the formula; retrieval quality
+    is reported, not gated on."""
+    from laplace.data.shards import open_split
+    from laplace.model.export import load_export
+    from laplace.runtime import compile_backend, configure_compiler, resolve_device
+
+    p = cfg.probes
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    device = resolve_device(cfg.serve.device)
+    model, tokenizer, _ = load_export(export_dir, device=device)
+    engine = DecodeEngine.for_policy(model, cfg.serve, "padded", compile_backend(device))
+    configure_compiler(engine.graphs_needed())
+    engine.warmup()
+    # Pad rows read and write the dummy slot: NaN there makes any leak into a real row visible.
+    dummy = engine.pool.dummy
+    engine.state.recurrent[:, dummy] = float("nan")
+    if engine.state.conv is not None:
+        engine.state.conv[:, dummy] = float("nan")
+    seconds["load_and_warmup"] = time.perf_counter() - start
+
+    # The exported model is probed at the easiest pair count only (it is a text model: if it cannot
+    # recall 4 pairs it cannot recall 16); decoding every context token one step at a time is the
+    # costly part. The trained MQAR model below covers the whole (context, pairs) grid.
+    t = time.perf_counter()
+    exported_pairs = [min(p.mqar_pairs)]
+    with torch.compiler.set_stance("fail_on_recompile"):  # serving runs the warmed-up graphs only
+        mqar = mqar_both_paths(model, engine, p.mqar_contexts, exported_pairs, p.mqar_samples, p.seed, progress)
+    seconds["mqar_exported"] = time.perf_counter() - t
+    served_cells = [(c, q) for c in mqar["serving"] for q in mqar["serving"][c]]
+    max_gap = max((abs(mqar["serving"][c][q] - mqar["eager"][c][q]) for c, q in served_cells), default=0.0)
+    paths_agree = bool(served_cells) and mqar["agreement"] >= p.paths_agree_min and max_gap <= 1 - p.paths_agree_min
+
+    t = time.perf_counter()
+    haystack = np.asarray(open_split(data_dir, "val"))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        passkey = passkey_probe(engine, tokenizer, haystack, p.passkey_contexts, p.passkey_depths,
+                                p.passkey_samples, p.seed, progress=progress)
+    seconds["passkey"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        memory = memory_report(model, engine, p.memory_contexts, p.kv_contexts,
+                               text=haystack[: max(p.memory_contexts, default=0)], progress=progress)
+    seconds["memory"] = time.perf_counter() - t
+    if engine.pool.owners:
+        raise RuntimeError(f"probe slots still owned after the probes: {engine.pool.owners}")
+
+    q = exported_pairs[0]
+    best_path = {c: mqar["serving"].get(c, grid) for c, grid in mqar["eager"].items()}  # serving where it ran
+    metrics: dict = {
+        "mqar_accuracy": {c: grid[q] for c, grid in best_path.items()},
+        "mqar_accuracy_eager": {c: grid[q] for c, grid in mqar["eager"].items()},
+        "mqar_exported_pairs": exported_pairs[0],
+        "mqar_chance": mqar_chance(model.cfg.vocab_size),
+        "mqar_serving_vs_eager_agreement": mqar["agreement"],
+        "mqar_positions_compared": mqar["positions_compared"],
+        "mqar_paths_agree": paths_agree,
+        "passkey_accuracy": passkey["accuracy"],
+        "passkey_accuracy_by_depth": passkey["accuracy_by_depth"],
+        "passkey_accuracy_overall": passkey["accuracy_overall"],
+        **{k: v for k, v in memory.items() if not k.endswith("config")},
+        "state_bytes_match": memory["state_bytes_measured"] == memory["state_bytes_analytic"],
+        "notes": list(mqar["notes"]),
+    }
+
+    if p.train_mqar:
+        t = time.perf_counter()
+        trained = train_mqar(p, p.seed, progress=progress)
+        seconds["mqar_train_and_eval"] = time.perf_counter() - t
+        metrics.update({
+            "mqar_trained_accuracy": trained["accuracy"],
+            "mqar_trained_chance": trained["chance"],
+            "mqar_trained_state_floats": trained["state_floats"],
+            "mqar_trained_state_bytes": trained["state_bytes"],
+            "mqar_trained_train_seconds": trained["train_seconds"],
+            "mqar_trained_final_loss": trained["final_loss"],
+        })
+        mqar_figure = trained
+    else:  # the accuracy plot is still drawn, for the exported model
+        metrics["notes"].append("probes.train_mqar is false: the MQAR plot shows the exported model")
+        mqar_figure = {"accuracy": best_path, "chance": metrics["mqar_chance"]}
+
+    metrics["passed"] = bool(paths_agree and metrics["state_bytes_match"])
+    seconds["total"] = time.perf_counter() - start
+    metrics["seconds"] = seconds
+    figures = {"mqar": mqar_figure, "memory": memory, "passkey": passkey["table"]}
+    return _str_keys(metrics), figures

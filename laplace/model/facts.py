@@ -1,0 +1,28 @@
+"""Facts of a model configuration measured from the real modules and State tensors on the meta
+device (nothing is allocated): parameters, state bytes per sequence, the KV-cache comparison."""
+
+from __future__ import annotations
+
+import torch
+
+from laplace.model.config import ModelConfig
+from laplace.model.lm import LaplaceLM, State, kv_cache_bytes, torch_dtype
+
+
+def model_facts(model_cfg: ModelConfig) -> dict:
+    with torch.device("meta"):  # count real modules without allocating 3B parameters
+        model = LaplaceLM(model_cfg)
+    state = State.allocate(model_cfg, batch=1, device="meta", dtype=torch_dtype(model_cfg.dtype))
+    params = model.num_parameters()
+    embedding = model.embed.weight.numel() + (0 if model_cfg.tie_embeddings else model.lm_head.weight.numel())
+    kv = kv_cache_bytes(model_cfg, 8192, bytes_per_value=2)
+    return {
+        "params": params,
+        "params_non_embedding": params - embedding,
+        "state_bytes_per_sequence": state.bytes_per_sequence,
+        "state_recurrent_bytes": state.recurrent.numel() * state.recurrent.element_size(),
+        "state_conv_bytes": 0 if state.conv is None else state.conv.numel() * state.conv.element_size(),
+        "kv_cache_bytes_8192": kv,
+        "state_vs_kv_8192": kv / state.bytes_per_sequence,
+        "config": model_cfg.to_dict(),
+    }

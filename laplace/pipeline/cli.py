@@ -1,0 +1,145 @@
+"""`laplace <command>`: the pipeline stages, the whole pipeline, generation and model facts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from laplace.errors import INPUT_ERROR_EXIT, InputError
+from laplace.model.config import preset_model_config
+from laplace.pipeline import stages, summary
+from laplace.pipeline.layout import Paths
+from laplace.pipeline.params import load_config
+
+
+def model_facts(preset: str | None, cfg) -> dict:
+    """`laplace info`: facts of a preset (or of params.yaml's model) from the real modules on meta."""
+    from laplace.model.facts import model_facts as facts
+
+    model_cfg = preset_model_config(preset, vocab_size=None if preset == "laplace-3b" else cfg.tokenizer.vocab_size) \
+        if preset else cfg.model_config()
+    return {"preset": preset or cfg.model.preset, **facts(model_cfg)}
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a param, e.g. --set train.lr=0.01 (repeatable)")
+    p.add_argument("--root", default=".", help="project root holding data/, runs/, artifacts/, metrics/")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="laplace", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="parameter count, state bytes and KV-cache comparison of a preset")
+    _add_config_args(p)
+    p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    for name, stage in stages.STAGES.items():
+        p = sub.add_parser(name, help=f"stage: {stage.help}")
+        _add_config_args(p)
+        if name == "train":
+            p.add_argument("--no-resume", action="store_true", help="start from step 0 even if checkpoints exist")
+
+    p = sub.add_parser("run", help="the whole pipeline through `dvc repro`; --set values are written to "
+                                   "params.yaml first (like dvc exp run --set-param)")
+    _add_config_args(p)
+
+    p = sub.add_parser("summary", help="headline figures of the last pipeline run")
+    _add_config_args(p)
+
+    p = sub.add_parser("generate", help="generate text from an exported model")
+    _add_config_args(p)
+    p.add_argument("--model", default=None, help="export directory (default: artifacts/export)")
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    return parser
+
+
+def _print_info(facts: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(facts, indent=2))
+        return
+    c = facts["config"]
+    print(f"preset {facts['preset']}: {c['n_layers']} layers, hidden {c['d_model']}, {c['n_heads']} heads, "
+          f"vocab {c['vocab_size']}")
+    print(f"  parameters              {facts['params']:,} ({facts['params'] / 1e9:.3f} B)")
+    print(f"  state per sequence      {facts['state_bytes_per_sequence']:,} bytes "
+          f"({facts['state_bytes_per_sequence'] / 1e6:.2f} MB)")
+    print(f"  KV cache at 8,192 (bf16) {facts['kv_cache_bytes_8192']:,} bytes "
+          f"({facts['kv_cache_bytes_8192'] / 1e9:.2f} GB)")
+    print(f"  KV / state              {facts['state_vs_kv_8192']:.1f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from laplace.pipeline.store import TrackingUnavailable
+    from laplace.pipeline.workers import WorkerFailed
+
+    try:
+        return _run(args)
+    except InputError as exc:  # bad params or data, a missed gate: exit 2, never retried
+        print(f"laplace {args.command}: error: {exc}", file=sys.stderr)
+        return INPUT_ERROR_EXIT
+    except (TrackingUnavailable, WorkerFailed) as exc:  # transient: Prefect retries a non-2 status
+        print(f"laplace {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_status if exc.exit_status > 0 else 1
+
+
+def _run(args) -> int:
+    if args.command == "run":
+        from laplace.pipeline import repro
+        from laplace.pipeline.params import write_params
+
+        root = Path(args.root).resolve()
+        if args.overrides:
+            write_params(root / args.params, args.overrides)
+        else:
+            load_config(root / args.params)  # fail on bad params before DVC starts anything
+        status, _ = repro.repro(root)
+        if status != 0:
+            print(f"laplace run: dvc repro failed with exit status {status}", file=sys.stderr)
+            return status
+        print(summary.as_text(summary.read(Paths.at(root)), root))
+        return 0
+
+    cfg = load_config(args.params, args.overrides)
+    if args.command == "info":
+        _print_info(model_facts(args.preset, cfg), args.json)
+        return 0
+    paths = Paths.at(args.root)
+    if args.command == "summary":
+        print(summary.as_text(summary.read(paths), paths.root))
+    elif args.command == "generate":
+        from laplace.serving.sampling import generate_text
+
+        g = cfg.generate
+        result = generate_text(
+            Path(args.model) if args.model else paths.export_dir,
+            args.prompt if args.prompt is not None else g.prompt,
+            args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens,
+            args.temperature if args.temperature is not None else g.temperature,
+            args.top_p if args.top_p is not None else g.top_p,
+            args.seed if args.seed is not None else g.seed,
+        )
+        print(result["prompt"] + result["completion"])
+    elif args.command == "train":
+        from laplace.pipeline.stage_train import run as train_stage
+
+        print(json.dumps(train_stage(cfg, paths, resume=not args.no_resume), indent=2))
+    else:
+        print(json.dumps(stages.STAGES[args.command].run(cfg, paths), indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""params.yaml: reading it, `--set section.key=value` overrides, and writing overrides back
+into the file with its comments kept (what `dvc exp run --set-param` does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from laplace.config import Config, config_from_dict
+from laplace.errors import ConfigError
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=0.01` -> (['train', 'lr'], 0.01); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.lr=0.01")
+    key, _, value = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any]) -> dict:
+    """Set `section.key` values in a raw params mapping (unknown keys are caught by the builder)."""
+    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
+    for path, value in items:
+        if isinstance(path, str):
+            path = path.split(".")
+        node = raw
+        for part in path[:-1]:
+            if not isinstance(node.get(part, {}), dict):
+                raise ConfigError(f"override {'.'.join(path)}: '{part}' is not a section")
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return raw
+
+
+def read_params(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such params file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    return raw or {}
+
+
+def load_config(path: str | Path = "params.yaml", overrides: list[str] | dict | None = None) -> Config:
+    """params.yaml + overrides -> validated Config. Raises ConfigError naming the bad key."""
+    raw = read_params(path)
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+    return config_from_dict(raw)
+
+
+def write_params(path: Path, overrides: list[str] | dict) -> bool:
+    """Validate overrides against the params file, then write them into it, keeping its
+    comments and layout (what `dvc exp run --set-param` does). Returns True if the file changed.
+    Raises ConfigError naming the key before anything is written."""
+    path = Path(path)
+    raw = read_params(path)
+    config_from_dict(apply_overrides(raw, overrides))  # one-line error on a bad key or value
+    from ruamel.yaml import YAML  # comes with dvc
+
+    yaml = YAML()
+    yaml.preserve_quotes = True
+    doc = yaml.load(path.read_text(encoding="utf-8"))
+    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
+    changed = False
+    for key, value in items:
+        keys = key.split(".") if isinstance(key, str) else list(key)
+        node = doc
+        for part in keys[:-1]:
+            if part not in node:
+                node[part] = {}
+            node = node[part]
+        if node.get(keys[-1], object()) != value:
+            node[keys[-1]] = value
+            changed = True
+    if changed:
+        from io import StringIO
+
+        from laplace.fileio import atomic_write_bytes
+
+        out = StringIO()
+        yaml.dump(doc, out)
+        atomic_write_bytes(path, out.getvalue().encode("utf-8"))
+    return changed

@@ -1,0 +1,69 @@
+"""The train stage: in this process, or under torchrun when train.nproc_per_node / nnodes ask for
+more ranks (this module is then torchrun's worker: every rank trains, rank 0 writes the result)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+from laplace.config import Config
+from laplace.pipeline.layout import Paths, write_metrics
+from laplace.training import distributed
+from laplace.training.loop import train
+
+
+def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
+    from laplace.pipeline.plots import training_curve, write_rows  # matplotlib: only when plotting
+
+    metrics, history, checkpoint = run_training(cfg, paths, resume=resume)
+    metrics = dict(metrics)
+    metrics["checkpoint"] = str(checkpoint.relative_to(paths.root)) if checkpoint else None
+    write_rows(paths.plots_dir / "train_loss.json",
+               [{"step": h["step"], "loss": h["loss"], "tokens_per_s": h.get("tokens_per_s")}
+                for h in history if "loss" in h])
+    write_rows(paths.plots_dir / "val_loss.json",
+               [{"step": h["step"], "val_loss": h["val_loss"]} for h in history if "val_loss" in h])
+    training_curve(history, paths.plots_dir / "train_curve.png")
+    write_metrics(paths, "train", metrics)
+    return metrics
+
+
+def run_training(cfg: Config, paths: Paths, resume: bool = True, stop_at_step: int | None = None):
+    """Train in this process, or under torchrun when train.nproc_per_node / nnodes ask for more ranks.
+    Returns (metrics, history, checkpoint path)."""
+    if not distributed.needs_torchrun(cfg.train):
+        result = train(cfg, paths.data_dir, paths.run_dir, resume=resume, stop_at_step=stop_at_step)
+        return result.metrics, result.history, result.checkpoint
+    from laplace.pipeline.repro import subprocess_env
+    from laplace.pipeline.workers import run_worker
+
+    args = ["--data-dir", str(paths.data_dir), "--run-dir", str(paths.run_dir)] + \
+        (["--no-resume"] if not resume else []) + (["--stop-at-step", str(stop_at_step)] if stop_at_step else [])
+    with tempfile.TemporaryDirectory(prefix="laplace-train-") as tmp:
+        result = run_worker(__name__, cfg, args, subprocess_env(), paths.root, Path(tmp) / "result.json",
+                            launcher=distributed.torchrun_launcher(cfg.train))
+    return result["metrics"], result["history"], Path(result["checkpoint"]) if result["checkpoint"] else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The torchrun entry point: `torchrun ... -m laplace.pipeline.stage_train --config-json C --out O
+    --data-dir D --run-dir R`. Every rank trains; rank 0 writes the result (metrics, history,
+    checkpoint) to --out."""
+    from laplace.pipeline.workers import worker_main
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    def body(cfg: Config, args) -> dict:
+        result = train(cfg, args.data_dir, args.run_dir, resume=not args.no_resume, stop_at_step=args.stop_at_step)
+        return {"metrics": result.metrics, "history": result.history,
+                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
+
+    return worker_main("distributed training worker (run by torchrun)", body, argv, paths=("data-dir", "run-dir"),
+                       options={"stop-at-step": {"type": int, "default": None, "required": False},
+                                "no-resume": {"action": "store_true", "required": False}})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

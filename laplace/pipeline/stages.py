@@ -1,0 +1,44 @@
+"""The stage registry: the name, module, metrics file and help of every pipeline stage.
+
+Each stage is one small module (`laplace.pipeline.stage_<name>`, as DVC's
+example-get-started has one script per stage) with `run(cfg, paths) -> metrics`. Every
+front door goes through here: the CLI (`laplace <stage>`), dvc.yaml (whose `cmd`s are the
+CLI) and the Prefect flow (one task per stage, each running `dvc repro --single-item
+<stage>`). Adding a stage = one module, one entry below, one dvc.yaml entry; the CLI
+command and the Prefect task come from here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from laplace.config import Config
+from laplace.pipeline.layout import Paths
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # the CLI command and dvc.yaml stage
+    module: str  # laplace.pipeline.<module> holds run(cfg, paths)
+    metrics: str | None  # metrics/<metrics>.json, None for the tracking stage
+    help: str
+
+    def run(self, cfg: Config, paths: Paths) -> dict:
+        return importlib.import_module(f"laplace.pipeline.{self.module}").run(cfg, paths)
+
+
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        Stage("tokenize", "stage_tokenize", "tokenize", "tokenize the corpus into packed shards"),
+        Stage("warmup", "stage_warmup", "warmup", "compile every decode width and prefill bucket into a cache artifact"),
+        Stage("train", "stage_train", "train", "train (resumes from the last complete checkpoint)"),
+        Stage("export", "stage_export", "export", "export the final checkpoint"),
+        Stage("serve-check", "stage_servecheck", "serve", "replay workloads: exact vs padded vs eager serving"),
+        Stage("numerics", "stage_numerics", "numerics", "compiled vs eager vs fp64 on prefill, decode and a training step"),
+        Stage("probes", "stage_probes", "probes", "MQAR and passkey retrieval, state vs KV-cache memory"),
+        Stage("track", "stage_track", None, "log the pipeline run to MLflow and register the model"),
+    )
+}
+PIPELINE: tuple[str, ...] = tuple(STAGES)
