@@ -1,6 +1,8 @@
 # Front doors for a fresh machine (Python 3.11+, no GPU needed):
 #   make run    set everything up, then run the main job: the DVC pipeline on the tiny preset (CPU, offline)
-#   make test   set everything up, then run the test suite
+#   make test   set everything up, then run the whole test suite (what CI runs, with make lint)
+#   make test-fast  the unit tests only (no end-to-end runs of DVC, Prefect, MLflow servers, torchrun)
+#   make lint   ruff check and ruff format --check
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,7 +12,7 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 export PREFECT_HOME ?= $(abspath .prefect)
 
-.PHONY: setup run test clean prefect-server prefect-worker prefect-deploy mlflow-ui
+.PHONY: setup run test test-fast lint format clean prefect-server prefect-worker prefect-deploy mlflow-ui
 
 setup: $(VENV)/.installed
 
@@ -27,6 +29,17 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # Prefect: a local server, a process work pool with its worker, and the deployments of prefect.yaml.
 prefect-server: setup

@@ -56,8 +56,9 @@ def median_seconds(fn, repeats: int, warmup: int = 1, device: torch.device | str
     return statistics.median(times)
 
 
-def matmul_peak_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu") -> float:
+def matmul_peak_gflops(
+    n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> float:
     """This machine's fp32 matmul rate, measured now: the ceiling every MFU here is a fraction of."""
     if torch.device(device).type == "cuda":
         n = max(n, 8192)  # a 2048 product does not fill a GPU

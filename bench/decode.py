@@ -9,7 +9,8 @@ length for a transformer of the same layers and width (`scaled_dot_product_atten
 all layers), the cost our state avoids. Also the state bytes per sequence (the real
 State tensors) vs the KV cache a transformer keeps. Prints a table and one JSON object.
 
-    .venv/bin/python bench/decode.py [--preset small] [--contexts 512 2048 8192] [--widths 1 2 4 8 16 32] [--device cuda]
+    .venv/bin/python bench/decode.py [--preset small] [--contexts 512 2048 8192]
+        [--widths 1 2 4 8 16 32] [--device cuda]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def state_after(model: LaplaceLM, context: int, seed: int, prefill_chunk: int = 
     tokens = torch.randint(0, model.cfg.vocab_size, (1, context), generator=gen).to(device)
     state = model.allocate_state(1)
     for start in range(0, context, prefill_chunk):
-        model.prefill(tokens[:, start:start + prefill_chunk], state)
+        model.prefill(tokens[:, start : start + prefill_chunk], state)
     return state
 
 
@@ -68,8 +69,13 @@ def kv_attention_seconds(cfg, context: int, steps: int, device) -> float:
     """One decode token's softmax attention over `context` cached keys/values, every layer."""
     H, D = cfg.n_heads, cfg.d_model // cfg.n_heads
     gen = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(1, H, context, D, generator=gen).to(device),
-               torch.randn(1, H, context, D, generator=gen).to(device)) for _ in range(cfg.n_layers)]
+    caches = [
+        (
+            torch.randn(1, H, context, D, generator=gen).to(device),
+            torch.randn(1, H, context, D, generator=gen).to(device),
+        )
+        for _ in range(cfg.n_layers)
+    ]
     q = torch.randn(1, H, 1, D, generator=gen).to(device)
     times = []
     for _ in range(steps + 1):
@@ -113,7 +119,9 @@ def main(argv=None) -> None:
     per_width_ratio = {w: step_s[(hi, w)] / step_s[(lo, w)] for w in args.widths}
     state_bytes = states[lo].bytes_per_sequence
     result = {
-        "machine": machine(device), "kept_cpu_allocations": kept, "preset": args.preset,
+        "machine": machine(device),
+        "kept_cpu_allocations": kept,
+        "preset": args.preset,
         "params": sum(p.numel() for p in model.parameters()),
         "decode_s_per_step": {str(c): {str(w): step_s[(c, w)] for w in args.widths} for c in args.contexts},
         "decode_s_per_token": {str(c): {str(w): step_s[(c, w)] / w for w in args.widths} for c in args.contexts},
@@ -127,11 +135,15 @@ def main(argv=None) -> None:
         "state_vs_kv": {str(c): kv_cache_bytes(cfg, c) / state_bytes for c in args.contexts},
     }
     print(f"{args.preset} on {device}: {result['params'] / 1e6:.1f}M parameters, fp32, eager; seconds per decode step")
-    rows = [[c, *(step_s[(c, w)] for w in args.widths), kv_s[c], state_bytes, kv_cache_bytes(cfg, c)]
-            for c in args.contexts]
+    rows = [
+        [c, *(step_s[(c, w)] for w in args.widths), kv_s[c], state_bytes, kv_cache_bytes(cfg, c)] for c in args.contexts
+    ]
     print_table(["context", *(f"w={w}" for w in args.widths), "kv attn (w=1)", "state B", "kv B (bf16)"], rows)
-    print(f"decode {hi} vs {lo}: {result[f'ratio_{hi}_vs_{lo}']:.3f} (per width "
-          + ", ".join(f"{w}: {r:.3f}" for w, r in per_width_ratio.items()) + ")")
+    print(
+        f"decode {hi} vs {lo}: {result[f'ratio_{hi}_vs_{lo}']:.3f} (per width "
+        + ", ".join(f"{w}: {r:.3f}" for w, r in per_width_ratio.items())
+        + ")"
+    )
     emit(result)
 
 

@@ -55,6 +55,7 @@ def chunked(inputs, chunk: int, sub: int, compiled: bool = False):
 
     def run():
         forward(*inputs).backward()
+
     return run
 
 
@@ -69,6 +70,7 @@ def recurrent(inputs):
             o, S = gla_step(q[:, t], k[:, t], v[:, t], g[:, t], S)
             outs.append(o)
         torch.stack(outs, 1).sum().backward()
+
     return run
 
 
@@ -78,6 +80,7 @@ def sdpa(T: int, H: int, D: int, seed: int = 0, device="cpu"):
 
     def run():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
     return run
 
 
@@ -98,8 +101,12 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--recurrent-repeats", type=int, default=2, help="the slow form gets fewer runs")
     ap.add_argument("--default-malloc", action="store_true", help="skip keep_cpu_allocations (to compare)")
-    ap.add_argument("--compile-chunk", type=int, default=0,
-                    help="also time torch.compile of the chunked form at this chunk (one compile per length)")
+    ap.add_argument(
+        "--compile-chunk",
+        type=int,
+        default=0,
+        help="also time torch.compile of the chunked form at this chunk (one compile per length)",
+    )
     add_device_argument(ap)
     args = ap.parse_args(argv)
     device, kept = prepare_device(args.device, keep_allocations=not args.default_malloc)
@@ -107,21 +114,37 @@ def main(argv=None) -> None:
     cfg = preset_model_config("small", vocab_size=16384)
     H, K, V = cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim
     peak = matmul_peak_gflops(device=device)
-    result = {"machine": machine(device), "matmul_peak_gflops": peak, "heads": H, "head_k_dim": K,
-              "head_v_dim": V, "sub_chunk_size": cfg.sub_chunk_size, "lengths": args.lengths, "kept_cpu_allocations": kept,
-              "gla_chunked_s": {}, "gla_recurrent_s": {}, "sdpa_s": {}, "gflops": {}}
+    result = {
+        "machine": machine(device),
+        "matmul_peak_gflops": peak,
+        "heads": H,
+        "head_k_dim": K,
+        "head_v_dim": V,
+        "sub_chunk_size": cfg.sub_chunk_size,
+        "lengths": args.lengths,
+        "kept_cpu_allocations": kept,
+        "gla_chunked_s": {},
+        "gla_recurrent_s": {},
+        "sdpa_s": {},
+        "gflops": {},
+    }
     rows = []
     for T in args.lengths:
         torch.manual_seed(0)
         inputs = gla_inputs(T, H, K, V, device=device)
-        per_chunk = {c: median_seconds(chunked(inputs, c, cfg.sub_chunk_size), args.repeats, device=device)
-                     for c in CHUNKS}
+        per_chunk = {
+            c: median_seconds(chunked(inputs, c, cfg.sub_chunk_size), args.repeats, device=device) for c in CHUNKS
+        }
         rec = median_seconds(recurrent(inputs), args.recurrent_repeats, device=device)
         att = median_seconds(sdpa(T, H, V, device=device), args.repeats, device=device)
         if args.compile_chunk:
             torch._dynamo.reset()
-            compiled = median_seconds(chunked(inputs, args.compile_chunk, cfg.sub_chunk_size, compiled=True),
-                                      args.repeats, warmup=2, device=device)
+            compiled = median_seconds(
+                chunked(inputs, args.compile_chunk, cfg.sub_chunk_size, compiled=True),
+                args.repeats,
+                warmup=2,
+                device=device,
+            )
             result.setdefault("gla_compiled_s", {})[str(T)] = compiled
         result["gla_chunked_s"][str(T)] = {str(c): s for c, s in per_chunk.items()}
         result["gla_recurrent_s"][str(T)] = rec
@@ -131,8 +154,19 @@ def main(argv=None) -> None:
         rates["sdpa"] = flops("sdpa", T, H, H * K, H * V) / att / 1e9
         result["gflops"][str(T)] = rates
         best = min(per_chunk, key=per_chunk.get)
-        rows.append([T, *per_chunk.values(), *([compiled] if args.compile_chunk else []), rec, att,
-                     att / per_chunk[best], rec / per_chunk[best], rates[f"chunk{best}"] / peak, rates["sdpa"] / peak])
+        rows.append(
+            [
+                T,
+                *per_chunk.values(),
+                *([compiled] if args.compile_chunk else []),
+                rec,
+                att,
+                att / per_chunk[best],
+                rec / per_chunk[best],
+                rates[f"chunk{best}"] / peak,
+                rates["sdpa"] / peak,
+            ]
+        )
 
     # the best chunk: fastest summed over all lengths
     totals = {c: sum(result["gla_chunked_s"][str(T)][str(c)] for T in args.lengths) for c in CHUNKS}
@@ -150,8 +184,20 @@ def main(argv=None) -> None:
 
     print(f"{device}: fp32 matmul peak {peak:.1f} GFLOP/s; seconds per forward+backward; best chunk {best}")
     compiled_header = [f"compiled{args.compile_chunk}"] if args.compile_chunk else []
-    print_table(["T", *(f"chunk{c}" for c in CHUNKS), *compiled_header, "recurrent", "sdpa", "sdpa/gla", "rec/gla",
-                 "gla/peak", "sdpa/peak"], rows)
+    print_table(
+        [
+            "T",
+            *(f"chunk{c}" for c in CHUNKS),
+            *compiled_header,
+            "recurrent",
+            "sdpa",
+            "sdpa/gla",
+            "rec/gla",
+            "gla/peak",
+            "sdpa/peak",
+        ],
+        rows,
+    )
     emit(result)
 
 

@@ -35,8 +35,11 @@ def worker(args) -> None:
     out = {}
     for comm in ("allgather", "alltoall"):
         torch.manual_seed(0)
-        model = LaplaceLM(preset_model_config("tiny", vocab_size=args.vocab, d_model=args.d_model,
-                                              n_layers=args.layers, n_heads=args.heads))
+        model = LaplaceLM(
+            preset_model_config(
+                "tiny", vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads
+            )
+        )
         opt = ShardedMuonAdamW(model, 1e-3, AdamWSection(), MuonSection(), comm=comm)
         gen = torch.Generator().manual_seed(1)
         times = []
@@ -53,10 +56,12 @@ def worker(args) -> None:
             if step == 0:
                 opt.meter.reset()
         traffic = traffic_metrics(opt.meter.gather(), args.steps)
-        out[comm] = {"step_seconds": statistics.median(times),
-                     "muon_bytes_per_rank_max": traffic["muon_bytes_per_rank_per_step_max"],
-                     "muon_bytes_per_rank_mean": traffic["muon_bytes_per_rank_per_step_mean"],
-                     "params": sum(p.numel() for p in model.parameters())}
+        out[comm] = {
+            "step_seconds": statistics.median(times),
+            "muon_bytes_per_rank_max": traffic["muon_bytes_per_rank_per_step_max"],
+            "muon_bytes_per_rank_mean": traffic["muon_bytes_per_rank_per_step_mean"],
+            "params": sum(p.numel() for p in model.parameters()),
+        }
     if group.is_main:
         Path(args.out).write_text(json.dumps(out))
     distributed.leave(group)
@@ -85,36 +90,65 @@ def main() -> None:
     for n in args.worlds:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   __file__, "--worker", "--out", str(out), "--steps", str(args.steps), "--d-model", str(args.d_model),
-                   "--layers", str(args.layers), "--heads", str(args.heads), "--vocab", str(args.vocab)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                __file__,
+                "--worker",
+                "--out",
+                str(out),
+                "--steps",
+                str(args.steps),
+                "--d-model",
+                str(args.d_model),
+                "--layers",
+                str(args.layers),
+                "--heads",
+                str(args.heads),
+                "--vocab",
+                str(args.vocab),
+            ]
             subprocess.run(cmd, check=True, capture_output=True)
             r = json.loads(out.read_text())
-        results["runs"].append({
-            "world_size": n,
-            "params": r["alltoall"]["params"],
-            "bytes_per_rank_allgather": r["allgather"]["muon_bytes_per_rank_max"],
-            "bytes_per_rank_alltoall": r["alltoall"]["muon_bytes_per_rank_max"],
-            "bytes_ratio": r["allgather"]["muon_bytes_per_rank_max"] / r["alltoall"]["muon_bytes_per_rank_max"],
-            "ideal_ratio": n / 2,
-            "step_seconds_allgather": r["allgather"]["step_seconds"],
-            "step_seconds_alltoall": r["alltoall"]["step_seconds"],
-            "speedup": r["allgather"]["step_seconds"] / r["alltoall"]["step_seconds"],
-        })
+        results["runs"].append(
+            {
+                "world_size": n,
+                "params": r["alltoall"]["params"],
+                "bytes_per_rank_allgather": r["allgather"]["muon_bytes_per_rank_max"],
+                "bytes_per_rank_alltoall": r["alltoall"]["muon_bytes_per_rank_max"],
+                "bytes_ratio": r["allgather"]["muon_bytes_per_rank_max"] / r["alltoall"]["muon_bytes_per_rank_max"],
+                "ideal_ratio": n / 2,
+                "step_seconds_allgather": r["allgather"]["step_seconds"],
+                "step_seconds_alltoall": r["alltoall"]["step_seconds"],
+                "speedup": r["allgather"]["step_seconds"] / r["alltoall"]["step_seconds"],
+            }
+        )
     with torch.device("meta"):
         big = LaplaceLM(preset_model_config("laplace-3b"))
-    results["laplace_3b_at_64_ranks"] = {**model_traffic(big, 64),
-                                         "article_allgather_bytes": 10.87e9, "article_alltoall_bytes": 0.45e9}
-    print(f"{'N':>3} {'bytes/rank allgather':>21} {'bytes/rank alltoall':>20} {'ratio':>6} {'ideal':>6} "
-          f"{'step s allgather':>17} {'step s alltoall':>16} {'speedup':>8}")
+    results["laplace_3b_at_64_ranks"] = {
+        **model_traffic(big, 64),
+        "article_allgather_bytes": 10.87e9,
+        "article_alltoall_bytes": 0.45e9,
+    }
+    print(
+        f"{'N':>3} {'bytes/rank allgather':>21} {'bytes/rank alltoall':>20} {'ratio':>6} {'ideal':>6} "
+        f"{'step s allgather':>17} {'step s alltoall':>16} {'speedup':>8}"
+    )
     for r in results["runs"]:
-        print(f"{r['world_size']:>3} {r['bytes_per_rank_allgather']:>21,.0f} {r['bytes_per_rank_alltoall']:>20,.0f} "
-              f"{r['bytes_ratio']:>6.2f} {r['ideal_ratio']:>6.1f} {r['step_seconds_allgather']:>17.3f} "
-              f"{r['step_seconds_alltoall']:>16.3f} {r['speedup']:>8.2f}")
+        print(
+            f"{r['world_size']:>3} {r['bytes_per_rank_allgather']:>21,.0f} {r['bytes_per_rank_alltoall']:>20,.0f} "
+            f"{r['bytes_ratio']:>6.2f} {r['ideal_ratio']:>6.1f} {r['step_seconds_allgather']:>17.3f} "
+            f"{r['step_seconds_alltoall']:>16.3f} {r['speedup']:>8.2f}"
+        )
     a = results["laplace_3b_at_64_ranks"]
-    print(f"Laplace 3B, 64 ranks, bf16: allgather {a['allgather_bytes_per_rank_mean'] / 1e9:.2f} GB/rank "
-          f"(article 10.87), alltoall {a['alltoall_bytes_per_rank_mean'] / 1e9:.3f} GB/rank mean, "
-          f"{a['alltoall_bytes_per_rank_max'] / 1e9:.3f} max (article 0.45)")
+    print(
+        f"Laplace 3B, 64 ranks, bf16: allgather {a['allgather_bytes_per_rank_mean'] / 1e9:.2f} GB/rank "
+        f"(article 10.87), alltoall {a['alltoall_bytes_per_rank_mean'] / 1e9:.3f} GB/rank mean, "
+        f"{a['alltoall_bytes_per_rank_max'] / 1e9:.3f} max (article 0.45)"
+    )
     flat = dict(results["runs"][-1])
     flat.update({"runs": results["runs"], "laplace_3b_at_64_ranks": a, "machine": results["machine"]})
     print(json.dumps(flat))

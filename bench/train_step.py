@@ -76,9 +76,13 @@ def time_steps(model, optimizer, loss_fn, batches, steps: int, device) -> dict:
         fwd_bwd.append(mid - start)
         opt.append(end - mid)
         total.append(end - start)
-    return {"first_step_s": first, "step_s": statistics.median(total),
-            "fwd_bwd_s": statistics.median(fwd_bwd), "optimizer_s": statistics.median(opt),
-            "final_loss": float(loss.detach())}
+    return {
+        "first_step_s": first,
+        "step_s": statistics.median(total),
+        "fwd_bwd_s": statistics.median(fwd_bwd),
+        "optimizer_s": statistics.median(opt),
+        "final_loss": float(loss.detach()),
+    }
 
 
 def bench_preset(preset: str, batch: int, seq_len: int, steps: int, peak: float, device) -> dict:
@@ -104,10 +108,13 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, peak: float,
     flops = model_flops_per_token(model, seq_len)
     result = {
         "params": sum(p.numel() for p in model.parameters()),
-        "batch": batch, "seq_len": seq_len, "tokens_per_step": tokens,
+        "batch": batch,
+        "seq_len": seq_len,
+        "tokens_per_step": tokens,
         "model_flops_per_token": flops,
         "compile_s": out["compiled"]["first_step_s"] - out["eager"]["first_step_s"],
-        "eager": out["eager"], "compiled": out["compiled"],
+        "eager": out["eager"],
+        "compiled": out["compiled"],
     }
     for mode in ("eager", "compiled"):
         r = out[mode]
@@ -138,17 +145,44 @@ def main(argv=None) -> None:
     for preset in args.presets:
         r = bench_preset(preset, args.batch, args.seq_len, args.steps, peak, device)
         result["presets"][preset] = r
-        rows.append([preset, r["params"], r["tokens_per_s_eager"], r["tokens_per_s_compiled"],
-                     r["compiled_speedup"], r["compiled_speedup_fwd_bwd"], r["fwd_bwd_speedup_ceiling"],
-                     r["mfu_eager"], r["mfu_compiled"], r["mfu_fwd_bwd_compiled"],
-                     r["compiled"]["optimizer_s"], r["compile_s"]])
+        rows.append(
+            [
+                preset,
+                r["params"],
+                r["tokens_per_s_eager"],
+                r["tokens_per_s_compiled"],
+                r["compiled_speedup"],
+                r["compiled_speedup_fwd_bwd"],
+                r["fwd_bwd_speedup_ceiling"],
+                r["mfu_eager"],
+                r["mfu_compiled"],
+                r["mfu_fwd_bwd_compiled"],
+                r["compiled"]["optimizer_s"],
+                r["compile_s"],
+            ]
+        )
     # the keys the issue names, for the `small` preset when it ran (else the last one)
     main_preset = result["presets"].get("small") or r
     for key in ("tokens_per_s_eager", "tokens_per_s_compiled", "mfu_compiled", "mfu_eager", "compiled_speedup"):
         result[key] = main_preset[key]
     print(f"{device}: fp32 matmul peak {peak:.1f} GFLOP/s; batch {args.batch} x {args.seq_len} tokens")
-    print_table(["preset", "params", "tok/s eager", "tok/s compiled", "speedup", "fwd+bwd speedup",
-                 "ceiling", "MFU eager", "MFU compiled", "MFU fwd+bwd", "optimizer s", "compile s"], rows)
+    print_table(
+        [
+            "preset",
+            "params",
+            "tok/s eager",
+            "tok/s compiled",
+            "speedup",
+            "fwd+bwd speedup",
+            "ceiling",
+            "MFU eager",
+            "MFU compiled",
+            "MFU fwd+bwd",
+            "optimizer s",
+            "compile s",
+        ],
+        rows,
+    )
     emit(result)
 
 

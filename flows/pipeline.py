@@ -86,14 +86,22 @@ def pipeline(preset: str = "tiny", overrides: dict[str, Any] | None = None, root
         )(stage, str(root_path), run_id)
 
     info = summary.read(Paths.at(root_path))
-    create_markdown_artifact(summary.as_markdown(info, root_path), key="laplace-summary",
-                             description="headline metrics of this pipeline run")
+    create_markdown_artifact(
+        summary.as_markdown(info, root_path), key="laplace-summary", description="headline metrics of this pipeline run"
+    )
     if url := _mlflow_ui_url(info):
-        create_link_artifact(url, link_text="MLflow run", key="laplace-mlflow-run",
-                             description="open with `mlflow ui` on the project's store (README)")
+        create_link_artifact(
+            url,
+            link_text="MLflow run",
+            key="laplace-mlflow-run",
+            description="open with `mlflow ui` on the project's store (README)",
+        )
     status, tail = repro.run_streaming(repro.dvc_command("status"), root_path, repro.subprocess_env(), logger.info)
-    return {"params_hash": cfg.digest(), "dvc_status_clean": status == 0 and "up to date" in tail,
-            "tracking": info.get("tracking")}
+    return {
+        "params_hash": cfg.digest(),
+        "dvc_status_clean": status == 0 and "up to date" in tail,
+        "tracking": info.get("tracking"),
+    }
 
 
 if __name__ == "__main__":

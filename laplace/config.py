@@ -153,7 +153,8 @@ class MuonSection:
     weight_decay: float = knob(0.0, _non_negative)
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = knob("original")
     comm: Literal["alltoall", "allgather"] = knob(
-        "alltoall", doc="sharded Newton-Schulz: whole matrices on owner ranks (two all-to-alls) or everywhere")
+        "alltoall", doc="sharded Newton-Schulz: whole matrices on owner ranks (two all-to-alls) or everywhere"
+    )
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,8 @@ class ServeSection:
 
     device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto")
     compile_scope: Literal["block", "model"] = knob(
-        "block", doc="block: compile one GLA block, reused by every layer; model: the whole step as one graph")
+        "block", doc="block: compile one GLA block, reused by every layer; model: the whole step as one graph"
+    )
     max_slots: int = knob(8, _positive, "concurrent sequences (state slots); one more dummy slot pads")
     widths: list[int] = knob([], doc="decode width ladder; empty = powers of two up to max_slots")
     prefill_buckets: list[int] = knob([64, 256], doc="prompt lengths are padded up to one of these")
@@ -199,14 +201,17 @@ class NumericsSection:
     """Eager vs compiled vs fp64 checks on the exported model (the numerics stage)."""
 
     mode: Literal["compare", "eager"] = knob(
-        "compare", doc="compare: compiled vs eager vs fp64 gates; eager: also prove bitwise eager reproducibility")
+        "compare", doc="compare: compiled vs eager vs fp64 gates; eager: also prove bitwise eager reproducibility"
+    )
     batch_size: int = knob(4, _positive, "held-out sequences per check")
     seq_len: int = knob(128, _positive, "prefill / training-step length")
     greedy_prompts: int = knob(4, _positive)
     greedy_tokens: int = knob(32, _positive)
     prompt_tokens: int = knob(32, _positive)
     decode_tokens: int = knob(8, _positive, "tokens decoded after each prompt in the decode-step comparison")
-    margin: float = knob(0.5, _non_negative, "top-1 agreement also counted on positions whose fp64 top-1/top-2 gap >= this")
+    margin: float = knob(
+        0.5, _non_negative, "top-1 agreement also counted on positions whose fp64 top-1/top-2 gap >= this"
+    )
     fp32_rel_rms_max: float = knob(1e-5, _positive, "gate: fp32 compiled vs fp64 relative RMS of logits")
     fp32_top1_min: float = knob(1.0, _unit_interval, "gate: fp32 compiled vs eager top-1 agreement")
     bf16_error_ratio_max: float = knob(1.5, _positive, "gate: bf16 compiled error vs fp64 <= this x eager's")
@@ -249,8 +254,12 @@ class TrackingSection:
     experiment: str = knob("laplace", doc="MLflow experiment")
     model_name: str = knob("laplace-gla", doc="MLflow registered model name")
     register: bool = knob(True, doc="register the exported model (alias candidate; champion when gates pass)")
-    retry_seconds: float = knob(60.0, _non_negative, "how long track waits, with backoff, for an unreachable "
-                                "tracking server before failing (0 = one try); nothing is lost either way")
+    retry_seconds: float = knob(
+        60.0,
+        _non_negative,
+        "how long track waits, with backoff, for an unreachable "
+        "tracking server before failing (0 = one try); nothing is lost either way",
+    )
 
 
 @dataclass(frozen=True)
@@ -402,8 +411,10 @@ def config_from_dict(raw: dict) -> Config:
     if t.node_rank >= t.nnodes:
         raise ConfigError(f"train.node_rank: must be < train.nnodes={t.nnodes}, got {t.node_rank}")
     if t.batch_size % (t.nproc_per_node * t.nnodes):
-        raise ConfigError(f"train.batch_size: {t.batch_size} is not divisible by the "
-                          f"{t.nproc_per_node * t.nnodes} ranks (nproc_per_node x nnodes)")
+        raise ConfigError(
+            f"train.batch_size: {t.batch_size} is not divisible by the "
+            f"{t.nproc_per_node * t.nnodes} ranks (nproc_per_node x nnodes)"
+        )
     check_project_paths(cfg)
     return cfg
 
@@ -411,8 +422,10 @@ def config_from_dict(raw: dict) -> Config:
 def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:
     """(key, value) of every knob naming a file or directory to read. data.hub_path is a hub
     id or a local directory; hub ids never contain a '..' component, so the check is safe for both."""
-    return ([(f"data.files[{i}]", f) for i, f in enumerate(cfg.data.files)]
-            + [("tokenizer.path", cfg.tokenizer.path), ("data.hub_path", cfg.data.hub_path)])
+    return [(f"data.files[{i}]", f) for i, f in enumerate(cfg.data.files)] + [
+        ("tokenizer.path", cfg.tokenizer.path),
+        ("data.hub_path", cfg.data.hub_path),
+    ]
 
 
 def check_project_paths(cfg: Config) -> None:
@@ -426,8 +439,10 @@ def check_project_paths(cfg: Config) -> None:
         parts = os.path.normpath(value).split(os.sep)
         if parts[0] == os.pardir:
             levels = next((i for i, part in enumerate(parts) if part != os.pardir), len(parts))
-            raise ConfigError(f"{key}: {value!r} resolves outside the project ({levels} level(s) above the project "
-                              "directory, where relative paths are read); give an absolute path to read outside it")
+            raise ConfigError(
+                f"{key}: {value!r} resolves outside the project ({levels} level(s) above the project "
+                "directory, where relative paths are read); give an absolute path to read outside it"
+            )
 
 
 def default_params() -> dict:

@@ -35,7 +35,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "neuron":
         if not neuron_available():
             raise RuntimeErrorConfig(
-                "device 'neuron' requested but torch-neuronx is not installed (pip install 'laplace[neuron]' on Trainium)"
+                "device 'neuron' requested but torch-neuronx is not installed "
+                "(pip install 'laplace[neuron]' on Trainium)"
             )
         import torch_neuronx  # noqa: F401  (registers the neuron device)
 
@@ -66,12 +67,15 @@ def keep_cpu_allocations() -> bool:
     except OSError:
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)  # the largest glibc accepts
-                and libc.mallopt(m_trim_threshold, 1 << 30)
-                and libc.mallopt(m_top_pad, 64 << 20))
+    return bool(
+        libc.mallopt(m_mmap_threshold, 32 << 20)  # the largest glibc accepts
+        and libc.mallopt(m_trim_threshold, 1 << 30)
+        and libc.mallopt(m_top_pad, 64 << 20)
+    )
 
 
 # --------------------------------------------------------------------------- compilation
+
 
 def compile_backend(device: torch.device) -> str:
     """Inductor on CPU/CUDA, the Neuron backend on Trainium."""

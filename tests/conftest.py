@@ -43,14 +43,29 @@ def tiny_artifacts(tmp_path_factory):
     from laplace.training.loop import train
 
     root = tmp_path_factory.mktemp("tiny-artifacts")
-    cfg = config_from_dict({
-        "data": {"max_documents": 300, "num_proc": 1},
-        "tokenizer": {"vocab_size": 400},
-        "model": {"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "chunk_size": 16,
-                  "sub_chunk_size": 8},
-        "train": {"steps": 20, "batch_size": 4, "seq_len": 32, "eval_every": 20, "eval_batches": 1,
-                  "checkpoint_every": 20, "warmup_steps": 2},
-    })
+    cfg = config_from_dict(
+        {
+            "data": {"max_documents": 300, "num_proc": 1},
+            "tokenizer": {"vocab_size": 400},
+            "model": {
+                "preset": "tiny",
+                "d_model": 32,
+                "n_layers": 1,
+                "n_heads": 2,
+                "chunk_size": 16,
+                "sub_chunk_size": 8,
+            },
+            "train": {
+                "steps": 20,
+                "batch_size": 4,
+                "seq_len": 32,
+                "eval_every": 20,
+                "eval_batches": 1,
+                "checkpoint_every": 20,
+                "warmup_steps": 2,
+            },
+        }
+    )
     data_dir, export_dir = root / "tokenized", root / "export"
     tokenize_corpus(cfg.data, cfg.tokenizer, data_dir, cfg.seed)
     result = train(cfg, data_dir, root / "run", progress=False)

@@ -71,14 +71,24 @@ def env(**extra: str) -> dict[str, str]:
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 900, **kw) -> subprocess.CompletedProcess:
     out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), **kw)
     if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} exited {out.returncode}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} exited {out.returncode}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+        )
     return out
 
 
 def copy_project(dest: Path, params: dict | None = None) -> Path:
     """Copy the working tree (tracked + untracked, not ignored) into `dest`, set params, commit."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = ROOT / rel
         if src.is_file():

@@ -19,8 +19,11 @@ STEPS, VOCAB = 4, 300
 
 def small_model() -> LaplaceLM:
     torch.manual_seed(0)
-    return LaplaceLM(preset_model_config("tiny", vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=2,
-                                         chunk_size=16, sub_chunk_size=8))
+    return LaplaceLM(
+        preset_model_config(
+            "tiny", vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=2, chunk_size=16, sub_chunk_size=8
+        )
+    )
 
 
 def batch(step: int):
@@ -44,8 +47,9 @@ def main(out_prefix: str) -> None:
             opt.zero_grad()
         traffic = opt.meter.gather()
         if group.is_main:
-            save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
-                      f"{out_prefix}-{comm}.safetensors")
+            save_file(
+                {k: v.detach().contiguous() for k, v in model.state_dict().items()}, f"{out_prefix}-{comm}.safetensors"
+            )
             results[comm] = traffic
     if group.is_main:
         with open(f"{out_prefix}-traffic.json", "w") as f:

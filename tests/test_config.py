@@ -17,21 +17,24 @@ def test_params_yaml_mirrors_the_defaults_in_code():
     assert yaml.safe_load((ROOT / "params.yaml").read_text()) == default_params()
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.lrr=0.1", "unknown key 'train.lrr' (did you mean 'lr'?)"),
-    ("trian.lr=0.1", "unknown key 'trian' (did you mean 'train'?)"),
-    ("train.lr=fast", "train.lr: expected a number, got str 'fast'"),
-    ("train.steps=0", "train.steps: must be > 0, got 0"),
-    ("train.batch_size=-4", "train.batch_size: must be > 0, got -4"),
-    ("train.steps=2.5", "train.steps: expected an integer, got float 2.5"),
-    ("train.compile=maybe", "train.compile: expected true or false, got 'maybe'"),
-    ("train.schedule=linear", "train.schedule: must be one of cosine, wsd, constant, got 'linear'"),
-    ("model.preset=huge", "model.preset: unknown preset 'huge'"),
-    ("model.n_heads=3", "model.n_heads: key dim d_model*expand_k=128 is not divisible by n_heads=3"),
-    ("model.sub_chunk_size=48", "model.sub_chunk_size: 48 does not divide chunk_size=64"),
-    ("data.val_fraction=1.5", "data.val_fraction: must be in [0, 1), got 1.5"),
-    ("tokenizer.vocab_size=100", "tokenizer.vocab_size: must be >= 260"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.lrr=0.1", "unknown key 'train.lrr' (did you mean 'lr'?)"),
+        ("trian.lr=0.1", "unknown key 'trian' (did you mean 'train'?)"),
+        ("train.lr=fast", "train.lr: expected a number, got str 'fast'"),
+        ("train.steps=0", "train.steps: must be > 0, got 0"),
+        ("train.batch_size=-4", "train.batch_size: must be > 0, got -4"),
+        ("train.steps=2.5", "train.steps: expected an integer, got float 2.5"),
+        ("train.compile=maybe", "train.compile: expected true or false, got 'maybe'"),
+        ("train.schedule=linear", "train.schedule: must be one of cosine, wsd, constant, got 'linear'"),
+        ("model.preset=huge", "model.preset: unknown preset 'huge'"),
+        ("model.n_heads=3", "model.n_heads: key dim d_model*expand_k=128 is not divisible by n_heads=3"),
+        ("model.sub_chunk_size=48", "model.sub_chunk_size: 48 does not divide chunk_size=64"),
+        ("data.val_fraction=1.5", "data.val_fraction: must be in [0, 1), got 1.5"),
+        ("tokenizer.vocab_size=100", "tokenizer.vocab_size: must be >= 260"),
+    ],
+)
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "params.yaml", [override])

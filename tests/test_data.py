@@ -61,9 +61,7 @@ def write_txt_corpus(root: Path, texts: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def python_docs_shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("python-docs")
-    metrics = tokenize_corpus(
-        DataSection(num_proc=2), TokenizerSection(vocab_size=1024), out, seed=1234
-    )
+    metrics = tokenize_corpus(DataSection(num_proc=2), TokenizerSection(vocab_size=1024), out, seed=1234)
     return out, metrics
 
 
@@ -266,8 +264,9 @@ def test_hub_source_from_local_directory(tmp_path):
     hub_dir.mkdir()
     docs = distinct_documents(10)
     datasets.Dataset.from_dict({"content": docs}).to_json(hub_dir / "part-0.jsonl", lines=True)
-    data = DataSection(source="hub", hub_path=str(hub_dir), hub_name="", text_field="content",
-                       hub_streaming=True, max_documents=4)
+    data = DataSection(
+        source="hub", hub_path=str(hub_dir), hub_name="", text_field="content", hub_streaming=True, max_documents=4
+    )
     streamed = load_corpus(data)
     assert isinstance(streamed, datasets.Dataset)
     assert streamed.column_names == ["text"] and list(streamed["text"]) == docs[:4]

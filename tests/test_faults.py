@@ -22,9 +22,18 @@ from project import BIN, TINY_PARAMS, copy_project, descendants, env, run
 pytestmark = pytest.mark.slow
 
 STEPS = 24
-FAULT_PARAMS = {**TINY_PARAMS, "model.d_model": 64, "model.n_layers": 2, "train.steps": STEPS,
-                "train.batch_size": 8, "train.seq_len": 64, "train.checkpoint_every": 2,
-                "train.keep_checkpoints": 3, "train.eval_every": 12, "train.log_every": 1}
+FAULT_PARAMS = {
+    **TINY_PARAMS,
+    "model.d_model": 64,
+    "model.n_layers": 2,
+    "train.steps": STEPS,
+    "train.batch_size": 8,
+    "train.seq_len": 64,
+    "train.checkpoint_every": 2,
+    "train.keep_checkpoints": 3,
+    "train.eval_every": 12,
+    "train.log_every": 1,
+}
 LAPLACE = [str(BIN / "laplace")]
 
 
@@ -74,8 +83,15 @@ def reference(tokenized, tmp_path_factory) -> dict[int, dict[str, torch.Tensor]]
 
 
 def start_training(root: Path) -> subprocess.Popen:
-    return subprocess.Popen(LAPLACE + ["train"], cwd=root, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        LAPLACE + ["train"],
+        cwd=root,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 300) -> list[str]:
@@ -143,11 +159,11 @@ sys.exit(main(["train"]))
 """
 
 
-def test_kill_during_a_checkpoint_write_and_a_truncated_checkpoint_are_never_loaded(
-        tokenized, reference, tmp_path):
+def test_kill_during_a_checkpoint_write_and_a_truncated_checkpoint_are_never_loaded(tokenized, reference, tmp_path):
     root = fresh(tokenized, tmp_path, "torn")
-    died = subprocess.run([sys.executable, "-c", DIE_WRITING_MANIFEST], cwd=root, env=env(),
-                          capture_output=True, text=True, timeout=600)
+    died = subprocess.run(
+        [sys.executable, "-c", DIE_WRITING_MANIFEST], cwd=root, env=env(), capture_output=True, text=True, timeout=600
+    )
     assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
     checkpoints = root / "runs/train/checkpoints"
     assert (checkpoints / ".step_000006.partial").is_dir()  # the torn write, under its staging name
@@ -183,8 +199,9 @@ sys.exit(main(["train"]))
 
 def test_disk_full_while_writing_is_a_clear_error_and_the_previous_checkpoint_survives(tokenized, tmp_path):
     root = fresh(tokenized, tmp_path, "full")
-    out = subprocess.run([sys.executable, "-c", DISK_FULL_AT_STEP_5], cwd=root, env=env(),
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", DISK_FULL_AT_STEP_5], cwd=root, env=env(), capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     error = out.stderr.strip().splitlines()[-1]
     assert error.startswith("laplace train: error: could not write checkpoint step_000006"), error

@@ -170,8 +170,17 @@ def test_segments_carry_the_state_exactly(device):
     T = 300
     q, k, v, g = inputs(T, device=device)
     lengths = torch.tensor([300, 211], device=device)
-    o_ref, _ = naive_gla(*(x.double() for x in (q, k, v, torch.where(
-        (torch.arange(T, device=device) < lengths[:, None])[:, :, None, None], g, 0.0))))
+    o_ref, _ = naive_gla(
+        *(
+            x.double()
+            for x in (
+                q,
+                k,
+                v,
+                torch.where((torch.arange(T, device=device) < lengths[:, None])[:, :, None, None], g, 0.0),
+            )
+        )
+    )
     one, S_one = chunk_gla(q, k, v, g, lengths=lengths, chunk_size=32, segment_len=4096)
     many, S_many = chunk_gla(q, k, v, g, lengths=lengths, chunk_size=32, segment_len=64)
     assert rel_rms(many, one) <= 1e-6 and rel_rms(S_many, S_one) <= 1e-6

@@ -81,8 +81,13 @@ def test_prefect_lives_in_flows_and_mlflow_in_the_tracking_modules():
         rel = str(path.relative_to(PACKAGE))
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
             for name in names:
                 top = name.split(".")[0]
                 if top in allowed and rel not in allowed[top]:

@@ -35,8 +35,15 @@ RSS_GROWTH_LIMIT_MB = 4.0
 
 def serve_params(**overrides):
     """A validated `serve:` section for the 1-layer tiny export: short prompts and outputs."""
-    serve = {"max_slots": MAX_SLOTS, "max_queue": MAX_QUEUE, "prefill_buckets": [16, 32], "max_prompt_tokens": 32,
-             "prompt_tokens": [2, 32], "output_tokens": [2, 16], **overrides}
+    serve = {
+        "max_slots": MAX_SLOTS,
+        "max_queue": MAX_QUEUE,
+        "prefill_buckets": [16, 32],
+        "max_prompt_tokens": 32,
+        "prompt_tokens": [2, 32],
+        "output_tokens": [2, 16],
+        **overrides,
+    }
     return config_from_dict({"serve": serve}).serve
 
 
@@ -77,8 +84,9 @@ def one_intra_op_thread():
 
 
 @pytest.mark.slow
-def test_sustained_overload_serves_or_sheds_every_request_without_leaks(tiny_artifacts, one_intra_op_thread,
-                                                                         record_property):
+def test_sustained_overload_serves_or_sheds_every_request_without_leaks(
+    tiny_artifacts, one_intra_op_thread, record_property
+):
     data_dir, export_dir = tiny_artifacts
     model, _, _ = load_export(export_dir)
     text = open_split(data_dir, "val")
@@ -129,11 +137,17 @@ def test_sustained_overload_serves_or_sheds_every_request_without_leaks(tiny_art
     assert not engine.live and not engine.queue
 
     figures = {
-        "capacity_rps": round(capacity_rps, 1), "arrival_rate_rps": round(load.rate, 1),
-        "requests": LOAD_REQUESTS, "served": len(served), "rejected": len(rejected),
-        "virtual_s": round(engine.now, 2), "wall_s": round(wall_s, 2),
-        "longest_wait_s": round(longest_wait_s, 3), "longest_service_s": round(longest_service_s, 3),
-        "rss_start_mb": round(rss_start, 1), "rss_with_records_mb": round(rss_with_records, 1),
+        "capacity_rps": round(capacity_rps, 1),
+        "arrival_rate_rps": round(load.rate, 1),
+        "requests": LOAD_REQUESTS,
+        "served": len(served),
+        "rejected": len(rejected),
+        "virtual_s": round(engine.now, 2),
+        "wall_s": round(wall_s, 2),
+        "longest_wait_s": round(longest_wait_s, 3),
+        "longest_service_s": round(longest_service_s, 3),
+        "rss_start_mb": round(rss_start, 1),
+        "rss_with_records_mb": round(rss_with_records, 1),
     }
     del done, served, rejected
     engine.reset()  # drops the per-request records a replay keeps (completions, step timings)
@@ -170,10 +184,14 @@ def good_and_bad_requests(serve, text, vocab: int):
         (Request(0, [5, 6], -3), "max_new_tokens must be > 0, got -3"),
         (Request(0, [5, 6], 2.0), "max_new_tokens must be an integer, got 2.0"),
         (Request(0, [5, 6], None), "max_new_tokens must be an integer, got None"),
-        (Request(0, [5, 6], 4, temperature=float("nan")),
-         "temperature must be >= 0 (finite) and top_p in (0, 1], got nan, 1.0"),
-        (Request(0, [5, 6], 4, temperature=0.7, top_p=0.0),
-         "temperature must be >= 0 (finite) and top_p in (0, 1], got 0.7, 0.0"),
+        (
+            Request(0, [5, 6], 4, temperature=float("nan")),
+            "temperature must be >= 0 (finite) and top_p in (0, 1], got nan, 1.0",
+        ),
+        (
+            Request(0, [5, 6], 4, temperature=0.7, top_p=0.0),
+            "temperature must be >= 0 (finite) and top_p in (0, 1], got 0.7, 0.0",
+        ),
         (Request(0, [5, 6], 4, temperature=0.7, seed="x"), "seed must be an integer in [-2**63, 2**64), got 'x'"),
     ]
     for k, (req, _) in enumerate(bad):
@@ -183,8 +201,7 @@ def good_and_bad_requests(serve, text, vocab: int):
 
 
 @pytest.mark.slow
-def test_malformed_requests_are_rejected_with_a_reason_while_the_rest_are_served(tiny_artifacts,
-                                                                                 one_intra_op_thread):
+def test_malformed_requests_are_rejected_with_a_reason_while_the_rest_are_served(tiny_artifacts, one_intra_op_thread):
     data_dir, export_dir = tiny_artifacts
     model, _, _ = load_export(export_dir)
     text = open_split(data_dir, "val")

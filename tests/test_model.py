@@ -9,8 +9,9 @@ from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_by
 
 
 def small_model(device="cpu", **over):
-    cfg = preset_model_config("tiny", vocab_size=300, d_model=64, n_layers=2, n_heads=2, chunk_size=16,
-                              sub_chunk_size=8, **over)
+    cfg = preset_model_config(
+        "tiny", vocab_size=300, d_model=64, n_layers=2, n_heads=2, chunk_size=16, sub_chunk_size=8, **over
+    )
     torch.manual_seed(0)
     return LaplaceLM(cfg).to(device).eval()
 
@@ -37,7 +38,7 @@ def test_padded_prefill_equals_each_row_alone(device):
         last = model.prefill(tokens, state, lengths=lengths)
         for row, n in enumerate(lengths.tolist()):
             alone = model.allocate_state(1)
-            last_alone = model.prefill(tokens[row:row + 1, :n], alone)
+            last_alone = model.prefill(tokens[row : row + 1, :n], alone)
             assert rel_rms(last[row], last_alone[0]) <= 1e-5
             assert rel_rms(state.recurrent[:, row], alone.recurrent[:, 0]) <= 1e-5
             # equal up to GEMM rounding (the batch shape changes the kernels)
@@ -66,10 +67,17 @@ def test_slots_read_and_write_only_their_rows(device):
     assert torch.equal(pool.recurrent[:, slots], alone.recurrent)
 
 
-@pytest.mark.parametrize("preset,over", [
-    ("tiny", {}), ("tiny", {"use_short_conv": False}), ("small", {}), ("laplace-3b", {}),
-    ("tiny", {"n_heads": 8, "expand_k": 1.0}), ("tiny", {"dtype": "bfloat16", "conv_size": 3}),
-])
+@pytest.mark.parametrize(
+    "preset,over",
+    [
+        ("tiny", {}),
+        ("tiny", {"use_short_conv": False}),
+        ("small", {}),
+        ("laplace-3b", {}),
+        ("tiny", {"n_heads": 8, "expand_k": 1.0}),
+        ("tiny", {"dtype": "bfloat16", "conv_size": 3}),
+    ],
+)
 def test_state_bytes_measured_equals_analytic(preset, over):
     cfg = preset_model_config(preset, vocab_size=None if preset == "laplace-3b" else 1000, **over)
     state = State.allocate(cfg, batch=3, device="meta")
@@ -88,8 +96,17 @@ def test_laplace_3b_reproduces_the_article_figures():
     assert abs(facts["state_vs_kv_8192"] / 82 - 1) <= 0.05
     # and they come from the modules: counting by hand gives the same number
     cfg = preset_model_config("laplace-3b")
-    per_layer = (2 * 3072 * 1536 + 3 * 3072 * 3072 + 3072 * 16 + 16 * 1536 + 1536 + 192 + 4 * (1536 * 2 + 3072)
-                 + 3 * 3072 * 8192 + 2 * 3072)
+    per_layer = (
+        2 * 3072 * 1536
+        + 3 * 3072 * 3072
+        + 3072 * 16
+        + 16 * 1536
+        + 1536
+        + 192
+        + 4 * (1536 * 2 + 3072)
+        + 3 * 3072 * 8192
+        + 2 * 3072
+    )
     assert facts["params"] == 24 * per_layer + 3072 + 2 * 50304 * 3072
     assert kv_cache_bytes(cfg, 8192) == facts["kv_cache_bytes_8192"]
 

@@ -11,8 +11,10 @@ import torch
 from laplace.config import config_from_dict
 from laplace.evals.numerics import check_dtype, compare_logits, dtype_gates, gate_table, reference, rel_rms
 
-SMALL = {"serve": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32},
-         "numerics": {"batch_size": 2, "seq_len": 32, "prompt_tokens": 16, "greedy_prompts": 2, "greedy_tokens": 8}}
+SMALL = {
+    "serve": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32},
+    "numerics": {"batch_size": 2, "seq_len": 32, "prompt_tokens": 16, "greedy_prompts": 2, "greedy_tokens": 8},
+}
 
 
 def test_compare_logits_figures():
@@ -78,8 +80,9 @@ def fingerprint_in_subprocess(export_dir, data_dir) -> dict:
         "f = eager_fingerprint(Path(sys.argv[1]), tokens, 12, seed=0)\n"
         "print(json.dumps({k: f[k] for k in ('logits_sha256', 'tokens_sha256')}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(export_dir), str(data_dir)], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(export_dir), str(data_dir)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -41,10 +41,18 @@ def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
     lines = [line for line in first_run.splitlines() if line.startswith("Running stage '")]
     order = [line.split("'")[1] for line in lines]
     assert sorted(order) == sorted(STAGES)
-    for before, after in [("tokenize", "warmup"), ("tokenize", "train"), ("train", "export"),
-                          ("export", "serve-check"), ("warmup", "serve-check"), ("export", "numerics"),
-                          ("export", "probes"), ("serve-check", "track"), ("numerics", "track"),
-                          ("probes", "track")]:
+    for before, after in [
+        ("tokenize", "warmup"),
+        ("tokenize", "train"),
+        ("train", "export"),
+        ("export", "serve-check"),
+        ("warmup", "serve-check"),
+        ("export", "numerics"),
+        ("export", "probes"),
+        ("serve-check", "track"),
+        ("numerics", "track"),
+        ("probes", "track"),
+    ]:
         assert order.index(before) < order.index(after), (before, after, order)
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert set(lock["stages"]) == set(STAGES)
@@ -119,9 +127,28 @@ def test_second_repro_is_a_no_op(repo, first_run):
 def test_params_change_reruns_only_downstream_and_experiments_compare(repo, first_run):
     commit_all(repo, "baseline pipeline run")
     # a lower learning rate, trained by 2 ranks under torchrun (sharded Muon)
-    out = run(DVC + ["exp", "run", "--set-param", "train.lr=0.001", "--set-param", "train.nproc_per_node=2",
-                     "--name", "lower-lr"], repo)
-    assert ran_stages(out.stdout) == {"train", "export", "serve-check", "numerics", "probes", "track"}  # not tokenize/warmup
+    out = run(
+        DVC
+        + [
+            "exp",
+            "run",
+            "--set-param",
+            "train.lr=0.001",
+            "--set-param",
+            "train.nproc_per_node=2",
+            "--name",
+            "lower-lr",
+        ],
+        repo,
+    )
+    assert ran_stages(out.stdout) == {
+        "train",
+        "export",
+        "serve-check",
+        "numerics",
+        "probes",
+        "track",
+    }  # not tokenize/warmup
     shown = json.loads(run(DVC + ["exp", "show", "--json"], repo).stdout)
     assert "lower-lr" in json.dumps(shown)
     diff = json.loads(run(DVC + ["metrics", "diff", "--json"], repo).stdout)

@@ -1,7 +1,6 @@
 """The pipeline frame: dvc.yaml, the stage registry and the flow agree; bad params stop everything
 before any stage runs; params overrides keep the file's comments; retries skip bad input."""
 
-
 import pytest
 import yaml
 

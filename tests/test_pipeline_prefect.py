@@ -53,23 +53,52 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
     repo = copy_project(tmp_path / "laplace", {**TINY_PARAMS, "pipeline.retries": 1, "pipeline.retry_delay_s": 0})
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    e = env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=api, PWD=str(repo),
-            PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              cwd=repo, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+    e = env(
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_API_URL=api,
+        PWD=str(repo),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=repo,
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     worker, watcher, done, killed = None, None, threading.Event(), []
     try:
         wait_healthy(f"{api}/health", server)
         run([str(BIN / "prefect"), "work-pool", "create", "laplace", "--type", "process"], repo, env=e)
         run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all"], repo, env=e)
-        worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "laplace"], cwd=repo, env=e,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        worker = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", "laplace"],
+            cwd=repo,
+            env=e,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         watcher = threading.Thread(target=kill_once, args=(worker.pid, "train", done, killed))
         watcher.start()
-        out = run([str(BIN / "prefect"), "deployment", "run", "laplace-pipeline/tiny", "--watch",
-                   "--watch-timeout", "600", "--params", json.dumps({"overrides": {"train.lr": 0.002}})],
-                  repo, env=e, timeout=700)
+        out = run(
+            [
+                str(BIN / "prefect"),
+                "deployment",
+                "run",
+                "laplace-pipeline/tiny",
+                "--watch",
+                "--watch-timeout",
+                "600",
+                "--params",
+                json.dumps({"overrides": {"train.lr": 0.002}}),
+            ],
+            repo,
+            env=e,
+            timeout=700,
+        )
         assert "Completed" in out.stdout + out.stderr
     finally:
         done.set()
@@ -126,8 +155,16 @@ def direct_flow_env(tmp_path):
 def test_a_rejected_stage_is_not_retried(tmp_path):
     """Bad data (a corpus with no usable text) makes tokenize exit 2: the flow fails at once, no retry."""
     (tmp_path / "empty.txt").write_text("too short\n")
-    repo = copy_project(tmp_path / "laplace", {**TINY_PARAMS, "pipeline.retries": 2, "pipeline.retry_delay_s": 0,
-                                                "data.source": "files", "data.files": [str(tmp_path / "empty.txt")]})
+    repo = copy_project(
+        tmp_path / "laplace",
+        {
+            **TINY_PARAMS,
+            "pipeline.retries": 2,
+            "pipeline.retry_delay_s": 0,
+            "data.source": "files",
+            "data.files": [str(tmp_path / "empty.txt")],
+        },
+    )
     out = run(["python", "flows/pipeline.py"], repo, env=direct_flow_env(tmp_path), check=False, timeout=300)
     log = out.stdout + out.stderr
     assert out.returncode != 0

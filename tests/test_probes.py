@@ -46,14 +46,25 @@ RECOMMENDED = dict(mqar_train_steps=600, mqar_train_vocab=64, mqar_contexts=[64,
 
 def small_model(vocab=32, seed=0, **over):
     torch.manual_seed(seed)
-    cfg = preset_model_config("tiny", **{**dict(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, chunk_size=16,
-                                                sub_chunk_size=8, init_std=0.3), **over})
+    cfg = preset_model_config(
+        "tiny",
+        **{
+            **dict(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, chunk_size=16, sub_chunk_size=8, init_std=0.3),
+            **over,
+        },
+    )
     return LaplaceLM(cfg).eval()  # init_std 0.3: wide logits, no near-ties for argmax
 
 
 def engine(model, *, max_slots=4, buckets=(16, 32), compile_scope=None):
-    return DecodeEngine(model, max_slots=max_slots, ladder=width_ladder(max_slots), prefill_buckets=list(buckets),
-                        max_prompt_tokens=max(buckets), compile_scope=compile_scope)
+    return DecodeEngine(
+        model,
+        max_slots=max_slots,
+        ladder=width_ladder(max_slots),
+        prefill_buckets=list(buckets),
+        max_prompt_tokens=max(buckets),
+        compile_scope=compile_scope,
+    )
 
 
 def poison_dummy(eng):
@@ -84,7 +95,7 @@ def test_mqar_layout_structure(seq_len, pairs, vocab):
     assert (mask.sum(1) == pairs).all()
     assert (targets[~mask] == IGNORE).all()
     for row, tgt, m in zip(tokens.tolist(), targets.tolist(), mask.tolist()):
-        prefix_keys, prefix_values = row[0:2 * pairs:2], row[1:2 * pairs:2]
+        prefix_keys, prefix_values = row[0 : 2 * pairs : 2], row[1 : 2 * pairs : 2]
         assert len(set(prefix_keys)) == pairs and all(k in keys for k in prefix_keys)
         assert all(v in values for v in prefix_values)
         value_of = dict(zip(prefix_keys, prefix_values))
@@ -107,13 +118,16 @@ def test_mqar_is_seeded_and_ranges_can_be_chosen():
     assert mqar_chance(64, (0, 10), (40, 50)) == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(n=2, seq_len=15, pairs=4, vocab_size=64), "too short for 4 pairs"),
-    (dict(n=2, seq_len=64, pairs=8, vocab_size=16), "vocab 16 is too small"),
-    (dict(n=2, seq_len=64, pairs=0, vocab_size=64), "at least one"),
-    (dict(n=2, seq_len=64, pairs=2, vocab_size=64, key_range=(0, 40), value_range=(30, 64)), "overlap"),
-    (dict(n=2, seq_len=64, pairs=2, vocab_size=64, key_range=(0, 32), value_range=(32, 64)), "no id left"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(n=2, seq_len=15, pairs=4, vocab_size=64), "too short for 4 pairs"),
+        (dict(n=2, seq_len=64, pairs=8, vocab_size=16), "vocab 16 is too small"),
+        (dict(n=2, seq_len=64, pairs=0, vocab_size=64), "at least one"),
+        (dict(n=2, seq_len=64, pairs=2, vocab_size=64, key_range=(0, 40), value_range=(30, 64)), "overlap"),
+        (dict(n=2, seq_len=64, pairs=2, vocab_size=64, key_range=(0, 32), value_range=(32, 64)), "no id left"),
+    ],
+)
 def test_mqar_rejects_impossible_settings(kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         mqar_batch(**kwargs)
@@ -221,8 +235,11 @@ def test_passkey_prompt_layout_and_scoring():
         prompt = tok.decode(passkey_prompt(tok, haystack, ctx, depth, 48213, rng))
         assert len(prompt) == ctx and prompt.endswith("What is the pass key? The pass key is")
         at = prompt.index("The pass key is 48213")
-        filler = ctx - len(" The pass key is 48213. Remember it. 48213 is the pass key.") - len(
-            " What is the pass key? The pass key is")
+        filler = (
+            ctx
+            - len(" The pass key is 48213. Remember it. 48213 is the pass key.")
+            - len(" What is the pass key? The pass key is")
+        )
         assert abs(at - 1 - depth * filler) <= 1
     with pytest.raises(ValueError, match="shorter than the needle"):
         passkey_prompt(tok, haystack, 20, 0.5, 48213, rng)
@@ -236,8 +253,7 @@ def test_passkey_probe_reports_every_context_and_depth():
     poison_dummy(eng)
     tok = CharTokenizer()
     haystack = np.array(tok.encode("the quick brown fox jumps over the lazy dog. " * 10).ids)
-    out = passkey_probe(eng, tok, haystack, [110, 140], [0.25, 0.75], samples=2, seed=0, new_tokens=4,
-                        progress=False)
+    out = passkey_probe(eng, tok, haystack, [110, 140], [0.25, 0.75], samples=2, seed=0, new_tokens=4, progress=False)
     assert set(out["accuracy"]) == {110, 140} and set(out["accuracy_by_depth"]) == {0.25, 0.75}
     assert out["accuracy_grid"].keys() == {110, 140} and out["accuracy_grid"][110].keys() == {0.25, 0.75}
     assert len(out["table"]) == 8 and all(r["prompt_tokens"] in (110, 140) for r in out["table"])
@@ -248,13 +264,16 @@ def test_passkey_probe_reports_every_context_and_depth():
 # --------------------------------------------------------------------------- memory
 
 
-@pytest.mark.parametrize("over,dtype", [
-    (dict(), torch.float32),
-    (dict(use_short_conv=False), torch.float32),
-    (dict(n_heads=4, d_model=64, expand_k=1.0), torch.float32),
-    (dict(dtype="bfloat16"), torch.bfloat16),
-    (dict(dtype="float64"), torch.float64),
-])
+@pytest.mark.parametrize(
+    "over,dtype",
+    [
+        (dict(), torch.float32),
+        (dict(use_short_conv=False), torch.float32),
+        (dict(n_heads=4, d_model=64, expand_k=1.0), torch.float32),
+        (dict(dtype="bfloat16"), torch.bfloat16),
+        (dict(dtype="float64"), torch.float64),
+    ],
+)
 def test_measured_state_bytes_equal_the_formula(over, dtype):
     m = small_model(vocab=32, **over).to(dtype)
     eng = engine(m)
@@ -281,15 +300,30 @@ def test_kv_cache_formula_and_the_3b_figures():
 def test_decode_rss_has_one_entry_per_context_and_plots_are_written(tmp_path):
     m = small_model(vocab=32)
     eng = engine(m, buckets=(16, 32))
-    report = memory_report(m, eng, contexts=[64, 300, 1000], kv_contexts=[2048, 8192], decode_steps=4,
-                           text=np.arange(50) % 32, progress=False)
+    report = memory_report(
+        m,
+        eng,
+        contexts=[64, 300, 1000],
+        kv_contexts=[2048, 8192],
+        decode_steps=4,
+        text=np.arange(50) % 32,
+        progress=False,
+    )
     assert list(report["decode_rss_bytes"]) == [64, 300, 1000]
     assert all(v > 0 for v in report["decode_rss_bytes"].values())
     assert report["decode_rss_flat_ratio"] >= 1.0
     assert not eng.pool.owners
     memory_plot(report, tmp_path / "memory.png")
-    accuracy_plot({"accuracy": {64: {4: 0.9, 8: 0.5}, 256: {4: 0.8, 8: 0.4, 16: 0.1}}, "chance": 1 / 32,
-                   "state_floats": 2048, "train_pairs": 8, "train_seq_len": 64}, tmp_path / "mqar.png")
+    accuracy_plot(
+        {
+            "accuracy": {64: {4: 0.9, 8: 0.5}, 256: {4: 0.8, 8: 0.4, 16: 0.1}},
+            "chance": 1 / 32,
+            "state_floats": 2048,
+            "train_pairs": 8,
+            "train_seq_len": 64,
+        },
+        tmp_path / "mqar.png",
+    )
     assert (tmp_path / "memory.png").stat().st_size > 10_000 and (tmp_path / "mqar.png").stat().st_size > 10_000
 
 
@@ -302,16 +336,26 @@ def test_decode_rss_without_text_uses_a_fixed_token():
 
 
 def test_a_short_mqar_training_run_returns_the_grid():
-    probes = ProbesSection(mqar_train_steps=4, mqar_train_d_model=32, mqar_train_heads=2, mqar_train_layers=1,
-                           mqar_train_vocab=64, mqar_train_seq_len=32, mqar_train_pairs=4,
-                           mqar_contexts=[16, 32], mqar_pairs=[2, 4, 16], mqar_samples=4)
+    probes = ProbesSection(
+        mqar_train_steps=4,
+        mqar_train_d_model=32,
+        mqar_train_heads=2,
+        mqar_train_layers=1,
+        mqar_train_vocab=64,
+        mqar_train_seq_len=32,
+        mqar_train_pairs=4,
+        mqar_contexts=[16, 32],
+        mqar_pairs=[2, 4, 16],
+        mqar_samples=4,
+    )
     result = train_mqar(probes, seed=0, progress=False)
     assert result["accuracy"].keys() == {16, 32}
     assert result["accuracy"][16].keys() == {2, 4} and result["accuracy"][32].keys() == {2, 4}  # 16 pairs never fit
     assert all(0.0 <= a <= 1.0 for row in result["accuracy"].values() for a in row.values())
     assert result["state_floats"] == 1 * 2 * 8 * 16  # layers * heads * (K/H) * (V/H)
-    assert result["state_bytes"] == analytic_state_bytes(preset_model_config(
-        "tiny", vocab_size=64, d_model=32, n_layers=1, n_heads=2, chunk_size=32, sub_chunk_size=16))
+    assert result["state_bytes"] == analytic_state_bytes(
+        preset_model_config("tiny", vocab_size=64, d_model=32, n_layers=1, n_heads=2, chunk_size=32, sub_chunk_size=16)
+    )
     assert math.isfinite(result["final_loss"]) and result["train_seconds"] > 0
     assert result["chance"] == mqar_chance(64)
     with pytest.raises(ValueError, match="holds no MQAR pair"):
@@ -335,20 +379,46 @@ def test_default_mqar_training_recalls_few_pairs_and_degrades_with_more():
 
 @pytest.mark.slow
 def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
-    cfg = config_from_dict({
-        "data": {"max_documents": 300, "num_proc": 1},
-        "tokenizer": {"vocab_size": 400},
-        "model": {"preset": "tiny", "d_model": 64, "n_layers": 2, "n_heads": 2, "chunk_size": 16,
-                  "sub_chunk_size": 8},
-        "train": {"steps": 2, "batch_size": 2, "seq_len": 32, "eval_every": 2, "eval_batches": 1,
-                  "checkpoint_every": 2, "warmup_steps": 1},
-        "serve": {"max_slots": 4, "prefill_buckets": [32, 64], "max_prompt_tokens": 64},
-        "probes": {"mqar_contexts": [32, 128], "mqar_pairs": [2, 4], "mqar_samples": 6,
-                   "passkey_contexts": [64, 200], "passkey_depths": [0.5], "passkey_samples": 1,
-                   "memory_contexts": [128, 1024], "kv_contexts": [2048, 8192],
-                   "mqar_train_steps": 3, "mqar_train_d_model": 32, "mqar_train_layers": 1,
-                   "mqar_train_vocab": 64, "mqar_train_seq_len": 32, "mqar_train_pairs": 4},
-    })
+    cfg = config_from_dict(
+        {
+            "data": {"max_documents": 300, "num_proc": 1},
+            "tokenizer": {"vocab_size": 400},
+            "model": {
+                "preset": "tiny",
+                "d_model": 64,
+                "n_layers": 2,
+                "n_heads": 2,
+                "chunk_size": 16,
+                "sub_chunk_size": 8,
+            },
+            "train": {
+                "steps": 2,
+                "batch_size": 2,
+                "seq_len": 32,
+                "eval_every": 2,
+                "eval_batches": 1,
+                "checkpoint_every": 2,
+                "warmup_steps": 1,
+            },
+            "serve": {"max_slots": 4, "prefill_buckets": [32, 64], "max_prompt_tokens": 64},
+            "probes": {
+                "mqar_contexts": [32, 128],
+                "mqar_pairs": [2, 4],
+                "mqar_samples": 6,
+                "passkey_contexts": [64, 200],
+                "passkey_depths": [0.5],
+                "passkey_samples": 1,
+                "memory_contexts": [128, 1024],
+                "kv_contexts": [2048, 8192],
+                "mqar_train_steps": 3,
+                "mqar_train_d_model": 32,
+                "mqar_train_layers": 1,
+                "mqar_train_vocab": 64,
+                "mqar_train_seq_len": 32,
+                "mqar_train_pairs": 4,
+            },
+        }
+    )
     data = tmp_path / "data"
     tokenize_corpus(cfg.data, cfg.tokenizer, data, cfg.seed)
     trained = train(cfg, data, tmp_path / "run", progress=False)
@@ -365,8 +435,15 @@ def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
     assert set(metrics["passkey_accuracy"]) == {"64", "200"}
     assert set(metrics["decode_rss_bytes"]) == {"128", "1024"} and metrics["decode_rss_flat_ratio"] >= 1.0
     assert set(metrics["kv_bytes"]) == {"2048", "8192"}
-    for key in ("state_bytes_measured", "state_bytes_analytic", "kv_bytes_8192", "laplace_3b_state_bytes",
-                "laplace_3b_kv_bytes_8192", "laplace_3b_state_vs_kv_8192", "mqar_trained_state_bytes"):
+    for key in (
+        "state_bytes_measured",
+        "state_bytes_analytic",
+        "kv_bytes_8192",
+        "laplace_3b_state_bytes",
+        "laplace_3b_kv_bytes_8192",
+        "laplace_3b_state_vs_kv_8192",
+        "mqar_trained_state_bytes",
+    ):
         assert metrics[key] > 0, key
     for name in ("probes_mqar.png", "probes_memory.png", "probes_mqar.json", "probes_passkey.json"):
         assert (tmp_path / "plots" / name).stat().st_size > 0, name

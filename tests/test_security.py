@@ -51,11 +51,14 @@ def tracked(tiny_artifacts, tmp_path_factory):
             mp.setenv(name, value)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # the project's own sqlite store
         mp.chdir(project)
-        cfg = load_config(project / "params.yaml", {
-            "data.hub_path": f"my-org/{SECRETS['HF_TOKEN']}",  # a token pasted into a param by mistake
-            "data.hub_name": f"https://reader:{URL_PASSWORD}@corpus.example.com/dump",
-            "tracking.retry_seconds": 0,
-        })
+        cfg = load_config(
+            project / "params.yaml",
+            {
+                "data.hub_path": f"my-org/{SECRETS['HF_TOKEN']}",  # a token pasted into a param by mistake
+                "data.hub_name": f"https://reader:{URL_PASSWORD}@corpus.example.com/dump",
+                "tracking.retry_seconds": 0,
+            },
+        )
         summary = stage_track.run(cfg, Paths.at(project))
     return project, summary
 
@@ -71,13 +74,22 @@ def test_no_secret_in_any_param_tag_artifact_or_metrics_file(tracked):
     secrets = [*SECRETS.values(), URL_PASSWORD]
     logged = list(run.data.params.values()) + list(run.data.tags.values()) + [run.info.run_name]
     assert not [(s, v) for s in secrets for v in logged if s in v]
-    scanned = files_under(project / "mlflow.db", project / "mlartifacts", project / "metrics", project / "plots",
-                          project / "artifacts" / "tracking.json")
+    scanned = files_under(
+        project / "mlflow.db",
+        project / "mlartifacts",
+        project / "metrics",
+        project / "plots",
+        project / "artifacts" / "tracking.json",
+    )
     # every byte MLflow stored (the database holds params, tags, inputs; the artifact tree the
     # plots, tokenizer and model) and every results file
     assert any(p.name == "MLmodel" for p in scanned) and len(scanned) > 20
-    leaks = [(str(p.relative_to(project)), name) for p in scanned for name, s in
-             [*SECRETS.items(), ("url password", URL_PASSWORD)] if s.encode() in p.read_bytes()]
+    leaks = [
+        (str(p.relative_to(project)), name)
+        for p in scanned
+        for name, s in [*SECRETS.items(), ("url password", URL_PASSWORD)]
+        if s.encode() in p.read_bytes()
+    ]
     assert leaks == []
 
 
@@ -91,8 +103,14 @@ def test_a_secret_pasted_into_a_param_is_redacted_in_mlflow(tracked):
 
 
 def test_redact_masks_secret_env_values_and_url_passwords_only():
-    env = {"HF_TOKEN": "hf_abcdefgh12345678", "DB_PASSWORD": "correct-horse", "MY_API_KEY": "k-1234567890",
-           "TOKENIZERS_PARALLELISM": "false", "AWS_ACCESS_KEY_ID": "short", "HOME": "/home/someone-long"}
+    env = {
+        "HF_TOKEN": "hf_abcdefgh12345678",
+        "DB_PASSWORD": "correct-horse",
+        "MY_API_KEY": "k-1234567890",
+        "TOKENIZERS_PARALLELISM": "false",
+        "AWS_ACCESS_KEY_ID": "short",
+        "HOME": "/home/someone-long",
+    }
     found = secret_values(env)
     assert set(found) == {"hf_abcdefgh12345678", "correct-horse", "k-1234567890"}  # flags and short values kept
     text = "hub hf_abcdefgh12345678, db correct-horse, false, /home/someone-long, https://u:pw-9@h.example/x"
@@ -123,10 +141,14 @@ def unpickling_uses(source: str, filename: str = "<string>") -> list[str]:
         elif isinstance(node, ast.Call):
             func = node.func
             kw = {k.arg: k.value for k in node.keywords}
-            is_torch_load = isinstance(func, ast.Attribute) and func.attr == "load" and \
-                ast.unparse(func.value) in ("torch", "torch.serialization")
-            if is_torch_load and not (isinstance(kw.get("weights_only"), ast.Constant) and
-                                      kw["weights_only"].value is True):
+            is_torch_load = (
+                isinstance(func, ast.Attribute)
+                and func.attr == "load"
+                and ast.unparse(func.value) in ("torch", "torch.serialization")
+            )
+            if is_torch_load and not (
+                isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
+            ):
                 found.append(f"{where} {ast.unparse(func)}( without weights_only=True")
             if isinstance(kw.get("allow_pickle"), ast.Constant) and kw["allow_pickle"].value is True:
                 found.append(f"{where} allow_pickle=True")
@@ -134,9 +156,11 @@ def unpickling_uses(source: str, filename: str = "<string>") -> list[str]:
 
 
 def test_the_pickle_check_catches_what_it_should():
-    planted = ("import pickle\nfrom cloudpickle import loads\nimport torch\nx = torch.load('m.pt')\n"
-               "y = torch.load('m.pt', weights_only=False)\nz = torch.load('m.pt', weights_only=True)\n"
-               "import numpy as np\nw = np.load('a.npy', allow_pickle=True)\n'''pickle in a docstring'''\n")
+    planted = (
+        "import pickle\nfrom cloudpickle import loads\nimport torch\nx = torch.load('m.pt')\n"
+        "y = torch.load('m.pt', weights_only=False)\nz = torch.load('m.pt', weights_only=True)\n"
+        "import numpy as np\nw = np.load('a.npy', allow_pickle=True)\n'''pickle in a docstring'''\n"
+    )
     found = unpickling_uses(planted)
     assert len(found) == 5 and not any(":6 " in f for f in found), found  # weights_only=True passes
 
@@ -159,8 +183,11 @@ def test_logged_pyfunc_model_holds_no_pickle(tracked):
     files = files_under(model_dir)
     assert any(p.suffix == ".safetensors" for p in files)  # the weights are there, as safetensors
     pickles = [p for p in files if re.search(r"\.(pkl|pickle|pt|pth|joblib)(\.|$)", p.name)]
-    pickles += [p for p in files if zipfile.is_zipfile(p) and any(
-        n.endswith((".pkl", ".pickle")) for n in zipfile.ZipFile(p).namelist())]  # torch.save archives
+    pickles += [
+        p
+        for p in files
+        if zipfile.is_zipfile(p) and any(n.endswith((".pkl", ".pickle")) for n in zipfile.ZipFile(p).namelist())
+    ]  # torch.save archives
     assert pickles == []
 
 
@@ -178,8 +205,7 @@ def server_commands_off_loopback(source: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Constant, ast.JoinedStr)) and id(node) not in in_fstrings:
             parts = [node] if isinstance(node, ast.Constant) else node.values
-            text = "".join(p.value if isinstance(p, ast.Constant) and isinstance(p.value, str) else "{}"
-                           for p in parts)
+            text = "".join(p.value if isinstance(p, ast.Constant) and isinstance(p.value, str) else "{}" for p in parts)
             if re.search(f"(?:{SERVER_COMMAND.pattern})\\s+-", text) and "--host 127.0.0.1" not in text:
                 bad.append(text.strip())
         elif isinstance(node, (ast.List, ast.Tuple)):
@@ -199,8 +225,10 @@ def test_servers_we_start_bind_to_loopback():
     assert [c for c in commands if "--host 127.0.0.1" not in c] == []
     for path in [ROOT / "Makefile", ROOT / "prefect.yaml", ROOT / "dvc.yaml"]:
         assert "0.0.0.0" not in path.read_text(), path
-    planted = ('cmd = ["mlflow", "server", "--host", "0.0.0.0"]\nui = f"mlflow ui --port {port}"\n'
-               'ok = ["prefect", "server", "start", "--host", "127.0.0.1"]\nhint = "open with `mlflow ui` (README)"\n')
+    planted = (
+        'cmd = ["mlflow", "server", "--host", "0.0.0.0"]\nui = f"mlflow ui --port {port}"\n'
+        'ok = ["prefect", "server", "start", "--host", "127.0.0.1"]\nhint = "open with `mlflow ui` (README)"\n'
+    )
     assert len(server_commands_off_loopback(planted)) == 2  # the check catches what it should
     for path in [p for d in PACKAGE_DIRS for p in sorted(d.rglob("*.py"))]:
         text = path.read_text()
@@ -210,12 +238,15 @@ def test_servers_we_start_bind_to_loopback():
 # --------------------------------------------------------------------------- paths stay in the project
 
 
-@pytest.mark.parametrize("override,key,value", [
-    ({"data.files": ["../x.txt"]}, "data.files[0]", "../x.txt"),
-    ({"data.files": ["corpus/*.txt", "corpus/../../../etc/*.conf"]}, "data.files[1]", "corpus/../../../etc/*.conf"),
-    ({"tokenizer.path": "../../etc/passwd"}, "tokenizer.path", "../../etc/passwd"),
-    ({"data.hub_path": "../private-corpus"}, "data.hub_path", "../private-corpus"),
-])
+@pytest.mark.parametrize(
+    "override,key,value",
+    [
+        ({"data.files": ["../x.txt"]}, "data.files[0]", "../x.txt"),
+        ({"data.files": ["corpus/*.txt", "corpus/../../../etc/*.conf"]}, "data.files[1]", "corpus/../../../etc/*.conf"),
+        ({"tokenizer.path": "../../etc/passwd"}, "tokenizer.path", "../../etc/passwd"),
+        ({"data.hub_path": "../private-corpus"}, "data.hub_path", "../private-corpus"),
+    ],
+)
 def test_relative_path_escaping_the_project_is_a_one_line_config_error(override, key, value):
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "params.yaml", override)
@@ -228,8 +259,20 @@ def test_escape_is_rejected_before_anything_runs_or_is_written(tmp_path, monkeyp
     params = tmp_path / "params.yaml"
     shutil.copy2(ROOT / "params.yaml", params)
     monkeypatch.chdir(tmp_path)
-    assert main(["tokenize", "--params", str(params), "--set", "data.source=files",
-                 "--set", "data.files=[../../etc/passwd]"]) == 2
+    assert (
+        main(
+            [
+                "tokenize",
+                "--params",
+                str(params),
+                "--set",
+                "data.source=files",
+                "--set",
+                "data.files=[../../etc/passwd]",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("laplace tokenize: error: data.files[0]: '../../etc/passwd' resolves outside the project")
     assert not (tmp_path / "data").exists() and not (tmp_path / "metrics").exists()
@@ -248,8 +291,14 @@ def test_absolute_paths_outside_and_relative_paths_inside_are_read(tmp_path, mon
     (outside / "far.txt").write_text(far)
     (project / "corpus" / "near.txt").write_text(near)
     monkeypatch.chdir(project)
-    cfg = load_config(ROOT / "params.yaml", {"data.source": "files", "data.max_documents": 0,
-                                             "data.files": [str(outside / "far.txt"), "./corpus/../corpus/*.txt"],
-                                             "tokenizer.path": str(outside / "tokenizer.json")})
+    cfg = load_config(
+        ROOT / "params.yaml",
+        {
+            "data.source": "files",
+            "data.max_documents": 0,
+            "data.files": [str(outside / "far.txt"), "./corpus/../corpus/*.txt"],
+            "tokenizer.path": str(outside / "tokenizer.json"),
+        },
+    )
     assert cfg.data.files[0] == str(outside / "far.txt") and cfg.tokenizer.path == str(outside / "tokenizer.json")
     assert list(load_corpus(cfg.data)["text"]) == [far, near]

@@ -21,20 +21,35 @@ VOCAB = 97
 
 def model(seed=0):
     torch.manual_seed(seed)
-    cfg = preset_model_config("tiny", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, chunk_size=16,
-                              sub_chunk_size=8, init_std=0.3)  # wide logits: no near-ties for greedy
+    cfg = preset_model_config(
+        "tiny", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, chunk_size=16, sub_chunk_size=8, init_std=0.3
+    )  # wide logits: no near-ties for greedy
     return LaplaceLM(cfg).eval()
 
 
 def engine(m, *, max_slots=4, widths=None, buckets=(16, 32), compile_scope=None, exact=False):
-    return DecodeEngine(m, max_slots=max_slots, ladder=width_ladder(max_slots, widths), prefill_buckets=list(buckets),
-                        max_prompt_tokens=max(buckets), compile_scope=compile_scope, exact_widths=exact)
+    return DecodeEngine(
+        m,
+        max_slots=max_slots,
+        ladder=width_ladder(max_slots, widths),
+        prefill_buckets=list(buckets),
+        max_prompt_tokens=max(buckets),
+        compile_scope=compile_scope,
+        exact_widths=exact,
+    )
 
 
 def staggered(n=11, seed=0):
     rng = np.random.default_rng(seed)
-    return [Request(i, rng.integers(0, VOCAB, rng.integers(1, 30)).tolist(), int(rng.integers(1, 14)),
-                    arrival_s=float(i) * 0.002 * rng.integers(0, 3)) for i in range(n)]
+    return [
+        Request(
+            i,
+            rng.integers(0, VOCAB, rng.integers(1, 30)).tolist(),
+            int(rng.integers(1, 14)),
+            arrival_s=float(i) * 0.002 * rng.integers(0, 3),
+        )
+        for i in range(n)
+    ]
 
 
 def test_ladders():
@@ -67,8 +82,9 @@ def test_pad_rows_only_touch_the_dummy_slot_even_as_nan():
     tokens = torch.tensor([5, 7, 0, 0])
     for eng in (clean, poisoned):
         for slot, prompt in ((0, [1, 2, 3]), (2, [4, 5])):
-            eng.prefill_rows(torch.tensor([prompt + [0] * (16 - len(prompt))]), torch.tensor([slot]),
-                             torch.tensor([len(prompt)]))
+            eng.prefill_rows(
+                torch.tensor([prompt + [0] * (16 - len(prompt))]), torch.tensor([slot]), torch.tensor([len(prompt)])
+            )
     poisoned.state.recurrent[:, poisoned.pool.dummy] = float("nan")
     poisoned.state.conv[:, poisoned.pool.dummy] = float("nan")
     slots = torch.tensor([0, 2, 4, 4])  # two real rows, two pad rows on the dummy slot (index 4, never -1)
@@ -122,8 +138,13 @@ def test_bad_requests_are_rejected_while_others_are_served():
     m = model()
     eng = engine(m, buckets=(16, 32))
     good = staggered(n=4)
-    bad = [Request(100, [], 5), Request(101, [1] * 33, 5), Request(102, [1, 2], 0), Request(103, [VOCAB + 5], 3),
-           Request(104, [1, 2], 3, temperature=-1.0)]
+    bad = [
+        Request(100, [], 5),
+        Request(101, [1] * 33, 5),
+        Request(102, [1, 2], 0),
+        Request(103, [VOCAB + 5], 3),
+        Request(104, [1, 2], 3, temperature=-1.0),
+    ]
     done = {c.request_id: c for c in replay(eng, good + bad)}
     assert all(done[r.id].status == "done" and len(done[r.id].output_ids) == r.max_new_tokens for r in good)
     reasons = {rid: done[rid].reason for rid in range(100, 105)}
@@ -136,9 +157,13 @@ def test_bad_requests_are_rejected_while_others_are_served():
 
 
 def test_summarize_counts_compile_stalls_and_padding():
-    steps = [StepRecord("prefill", 0, 0.5, 16, 1, True), StepRecord("decode", 0.5, 9.0, 2, 2, True),
-             StepRecord("decode", 9.5, 0.01, 4, 3, False), StepRecord("decode", 9.51, 0.01, 4, 3, False),
-             StepRecord("decode", 9.52, 0.02, 2, 1, False)]
+    steps = [
+        StepRecord("prefill", 0, 0.5, 16, 1, True),
+        StepRecord("decode", 0.5, 9.0, 2, 2, True),
+        StepRecord("decode", 9.5, 0.01, 4, 3, False),
+        StepRecord("decode", 9.51, 0.01, 4, 3, False),
+        StepRecord("decode", 9.52, 0.02, 2, 1, False),
+    ]
     from laplace.serving.engine import Completion
 
     done = [Completion(0, "done", output_ids=[1, 2, 3], arrival_s=0.0, token_times=[0.5, 9.5, 9.51], finished_s=9.51)]

@@ -66,13 +66,26 @@ def test_sharded_muon_equals_single_process_bit_for_bit(world, reference, tmp_pa
 
     expected = model_traffic(model, world)
     for comm, key in (("alltoall", "alltoall_bytes_per_rank_max"), ("allgather", "allgather_bytes_per_rank_max")):
-        muon = [sum(traffic[comm][c]["sent"][r] + traffic[comm][c]["received"][r]
-                    for c in traffic[comm] if c.startswith("muon_")) / STEPS for r in range(world)]
+        muon = [
+            sum(
+                traffic[comm][c]["sent"][r] + traffic[comm][c]["received"][r]
+                for c in traffic[comm]
+                if c.startswith("muon_")
+            )
+            / STEPS
+            for r in range(world)
+        ]
         assert max(muon) == expected[key]  # the meter and the formula count the same bytes
     if world > 1:
-        ag = sum(traffic["allgather"]["muon_allgather"]["sent"]) + sum(traffic["allgather"]["muon_allgather"]["received"])
-        a2a = sum(traffic["alltoall"][c][d][r] for c in ("muon_to_owner", "muon_from_owner")
-                  for d in ("sent", "received") for r in range(world))
+        ag = sum(traffic["allgather"]["muon_allgather"]["sent"]) + sum(
+            traffic["allgather"]["muon_allgather"]["received"]
+        )
+        a2a = sum(
+            traffic["alltoall"][c][d][r]
+            for c in ("muon_to_owner", "muon_from_owner")
+            for d in ("sent", "received")
+            for r in range(world)
+        )
         assert ag / a2a >= 0.9 * world / 2  # the target: close to the ideal N/2
 
 
@@ -92,14 +105,31 @@ def test_layout_and_owners():
 
 
 def run_cfg(world: int, steps: int = 8) -> object:
-    return config_from_dict({
-        "data": {"max_documents": 300, "num_proc": 1},
-        "tokenizer": {"vocab_size": 400},
-        "model": {"preset": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "chunk_size": 16,
-                  "sub_chunk_size": 8},
-        "train": {"steps": steps, "batch_size": 4, "seq_len": 32, "log_every": 1, "eval_every": steps,
-                  "eval_batches": 1, "checkpoint_every": 100, "warmup_steps": 2, "nproc_per_node": world},
-    })
+    return config_from_dict(
+        {
+            "data": {"max_documents": 300, "num_proc": 1},
+            "tokenizer": {"vocab_size": 400},
+            "model": {
+                "preset": "tiny",
+                "d_model": 32,
+                "n_layers": 2,
+                "n_heads": 2,
+                "chunk_size": 16,
+                "sub_chunk_size": 8,
+            },
+            "train": {
+                "steps": steps,
+                "batch_size": 4,
+                "seq_len": 32,
+                "log_every": 1,
+                "eval_every": steps,
+                "eval_batches": 1,
+                "checkpoint_every": 100,
+                "warmup_steps": 2,
+                "nproc_per_node": world,
+            },
+        }
+    )
 
 
 def project(tmp_path: Path, data_dir: Path) -> Paths:

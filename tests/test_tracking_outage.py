@@ -43,8 +43,9 @@ def write_stage_results(root: Path) -> None:
 
 
 def digest_tree(*dirs: Path) -> dict[str, str]:
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for d in dirs for p in sorted(d.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest() for d in dirs for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 def listening_addresses(port: int) -> list[str]:
@@ -80,10 +81,26 @@ class MlflowServer:
         e = env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         self.log = open(self.root / "server.log", "ab")
         self.proc = subprocess.Popen(
-            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--artifacts-destination", str(self.root / "artifacts")],
-            cwd=self.root, env=e, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{self.root / 'mlflow.db'}",
+                "--artifacts-destination",
+                str(self.root / "artifacts"),
+            ],
+            cwd=self.root,
+            env=e,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.root / "server.log").read_text()[-3000:]
@@ -143,15 +160,18 @@ def test_server_down_fails_in_one_line_and_a_rerun_logs_everything(server, tmp_p
     before = digest_tree(project / "metrics", project / "plots")
 
     started = time.monotonic()
-    out = subprocess.run(track_cmd(3), cwd=project, env=env(MLFLOW_TRACKING_URI=server.uri),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        track_cmd(3), cwd=project, env=env(MLFLOW_TRACKING_URI=server.uri), capture_output=True, text=True, timeout=120
+    )
     elapsed = time.monotonic() - started
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 75, out.stderr  # transient (EX_TEMPFAIL): the Prefect flow retries it
     assert "Traceback" not in out.stderr and out.stdout == ""
     error = lines[-1]
-    assert error.startswith(f"laplace track: error: MLflow tracking server http://laplace:***@127.0.0.1:{server.port} "
-                            "unreachable (Connection refused; retried for 3s, tracking.retry_seconds)"), error
+    assert error.startswith(
+        f"laplace track: error: MLflow tracking server http://laplace:***@127.0.0.1:{server.port} "
+        "unreachable (Connection refused; retried for 3s, tracking.retry_seconds)"
+    ), error
     assert "nothing was lost" in error and "rerun `laplace track` (or `dvc repro`)" in error
     # besides the error, at most the one notice that it is retrying; never the password
     assert [line for line in lines[:-1] if "laplace.pipeline." not in line] == [], lines
@@ -162,14 +182,17 @@ def test_server_down_fails_in_one_line_and_a_rerun_logs_everything(server, tmp_p
 
     server.start()
     assert server.runs() == []  # nothing half-logged during the outage
-    out = subprocess.run(track_cmd(3), cwd=project, env=env(MLFLOW_TRACKING_URI=server.uri),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        track_cmd(3), cwd=project, env=env(MLFLOW_TRACKING_URI=server.uri), capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = server.runs()
     assert_logged(run, project)
     client = MlflowClient(server.base)
-    assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "plots")) == \
-           ["plots/train_loss.json", "plots/val_loss.json"]  # through the server's artifact proxy
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "plots")) == [
+        "plots/train_loss.json",
+        "plots/val_loss.json",
+    ]  # through the server's artifact proxy
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in history] == list(range(1, 7))
     assert PASSWORD not in out.stdout + out.stderr
@@ -180,8 +203,14 @@ def test_server_back_within_the_window_the_same_call_logs_the_run(server, tmp_pa
     project.mkdir()
     write_stage_results(project)
     server.kill()
-    proc = subprocess.Popen(track_cmd(90), cwd=project, env=env(MLFLOW_TRACKING_URI=server.uri),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        track_cmd(90),
+        cwd=project,
+        env=env(MLFLOW_TRACKING_URI=server.uri),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
     reader.start()

@@ -16,16 +16,33 @@ from laplace.training.loop import TrainingDiverged, lr_scale, train
 
 
 def small_config(**train_over) -> Config:
-    train = dict(steps=12, batch_size=4, seq_len=32, log_every=1, eval_every=4, eval_batches=2,
-                 checkpoint_every=5, warmup_steps=2, keep_checkpoints=5)
+    train = dict(
+        steps=12,
+        batch_size=4,
+        seq_len=32,
+        log_every=1,
+        eval_every=4,
+        eval_batches=2,
+        checkpoint_every=5,
+        warmup_steps=2,
+        keep_checkpoints=5,
+    )
     train.update(train_over)
-    return config_from_dict({
-        "data": {"max_documents": 300, "num_proc": 1},
-        "tokenizer": {"vocab_size": 400},
-        "model": {"preset": "tiny", "d_model": 64, "n_layers": 2, "n_heads": 2, "chunk_size": 16,
-                  "sub_chunk_size": 8},
-        "train": train,
-    })
+    return config_from_dict(
+        {
+            "data": {"max_documents": 300, "num_proc": 1},
+            "tokenizer": {"vocab_size": 400},
+            "model": {
+                "preset": "tiny",
+                "d_model": 64,
+                "n_layers": 2,
+                "n_heads": 2,
+                "chunk_size": 16,
+                "sub_chunk_size": 8,
+            },
+            "train": train,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +145,7 @@ def test_export_is_byte_reproducible_and_generates(data_dir, tmp_path):
     seq = list(prompt)
     for _ in range(10):
         seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    assert ids == seq[len(prompt):]
+    assert ids == seq[len(prompt) :]
     sampled = generate_ids(model, prompt, 10, temperature=1.0, top_p=0.9, seed=3)
     assert sampled == generate_ids(model, prompt, 10, temperature=1.0, top_p=0.9, seed=3)
 

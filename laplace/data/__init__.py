@@ -38,4 +38,3 @@ Corpora (`data.source` in params.yaml):
 * ``files``: local .txt (one document per file), .jsonl/.json/.parquet (one
   document per record, column ``data.text_field``) files or globs.
 """
-

@@ -24,9 +24,7 @@ def _topic_sections(text: str) -> list[str]:
     sections: list[list[str]] = [[]]
     for i, line in enumerate(lines):
         following = lines[i + 1] if i + 1 < len(lines) else ""
-        is_heading = (
-            line.strip() and _UNDERLINE.match(following) and len(following.strip()) == len(line.rstrip())
-        )
+        is_heading = line.strip() and _UNDERLINE.match(following) and len(following.strip()) == len(line.rstrip())
         if is_heading and any(s.strip() for s in sections[-1]):
             sections.append([])
         sections[-1].append(line)

@@ -100,12 +100,12 @@ def _read_hub(data: DataSection) -> _Corpus:
     else:
         if data.text_field not in loaded.column_names:
             raise DataError(
-                f"data.text_field: {where} has no field {data.text_field!r} "
-                f"(fields: {', '.join(loaded.column_names)})"
+                f"data.text_field: {where} has no field {data.text_field!r} (fields: {', '.join(loaded.column_names)})"
             )
         if not _is_text_feature(loaded.features[data.text_field]):
-            raise DataError(f"data.text_field: {where} field {data.text_field!r} is not text "
-                            f"({loaded.features[data.text_field]})")
+            raise DataError(
+                f"data.text_field: {where} field {data.text_field!r} is not text ({loaded.features[data.text_field]})"
+            )
         dataset = loaded.select_columns([data.text_field])
         if data.text_field != "text":
             dataset = dataset.rename_column(data.text_field, "text")
@@ -137,8 +137,10 @@ def _matched_files(patterns: list[str]) -> list[Path]:
                 raise DataError(f"data.files: {match} is a directory (use a glob such as '{match}/*.txt')")
             suffix = path.suffix.lower()
             if suffix not in TEXT_SUFFIXES and suffix not in RECORD_SUFFIXES:
-                raise DataError(f"data.files: {match} has unsupported type {suffix or '(none)'!r} "
-                                "(use .txt, .jsonl, .json or .parquet)")
+                raise DataError(
+                    f"data.files: {match} has unsupported type {suffix or '(none)'!r} "
+                    "(use .txt, .jsonl, .json or .parquet)"
+                )
             found.setdefault(path, None)
     return list(found)
 

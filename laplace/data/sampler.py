@@ -18,8 +18,9 @@ def _check_length(tokens: np.ndarray, seq_len: int) -> int:
     if seq_len <= 0:
         raise DataError(f"seq_len must be > 0, got {seq_len}")
     if len(tokens) < seq_len + 1:
-        raise DataError(f"split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}: "
-                        "lower train.seq_len or use more data")
+        raise DataError(
+            f"split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}: lower train.seq_len or use more data"
+        )
     return len(tokens) - seq_len  # number of possible window starts
 
 
@@ -47,7 +48,7 @@ def sample_batch(
     rng = np.random.default_rng([seed % 2**64, step])  # SeedSequence wants non-negative entropy
     starts = rng.integers(0, n_starts, size=batch_size)
     per_rank = batch_size // world_size
-    return _windows(tokens, starts[rank * per_rank:(rank + 1) * per_rank], seq_len)
+    return _windows(tokens, starts[rank * per_rank : (rank + 1) * per_rank], seq_len)
 
 
 def validation_batches(

@@ -46,9 +46,7 @@ def open_split(dir: str | Path, split: str, verify: bool = False) -> np.memmap:
         raise DataError(f"{path}: missing (listed in the manifest)")
     size = path.stat().st_size
     if size != expected["bytes"] or size != tokens * dtype.itemsize:
-        raise DataError(
-            f"{path}: {size} bytes, manifest says {expected['bytes']} ({tokens} tokens of {dtype.name})"
-        )
+        raise DataError(f"{path}: {size} bytes, manifest says {expected['bytes']} ({tokens} tokens of {dtype.name})")
     if tokens == 0:
         raise DataError(f"{path}: holds no tokens")
     if verify and sha256_file(path) != expected["sha256"]:

@@ -80,8 +80,9 @@ def _plan_split(corpus: _Corpus, data: DataSection, seed: int) -> _Plan:
     scores: dict[int, float] = {}
     empty = too_short = 0
     index = 0
-    for batch in tqdm(dataset.iter(batch_size=4096), total=-(-len(dataset) // 4096), desc="scan corpus",
-                      unit="batch", leave=False):
+    for batch in tqdm(
+        dataset.iter(batch_size=4096), total=-(-len(dataset) // 4096), desc="scan corpus", unit="batch", leave=False
+    ):
         for text in batch["text"]:
             encoded = (text or "").encode("utf-8")
             fingerprint.update(len(encoded).to_bytes(8, "little") + encoded)
@@ -165,7 +166,9 @@ def _write_split(
             if max_tokens and tokens >= max_tokens:
                 break
             stop = min(start + DOCS_PER_ROUND, len(dataset))
-            encoded = dataset.select(range(start, stop)).map(
+            encoded = dataset.select(
+                range(start, stop)
+            ).map(
                 encoder,
                 batched=True,
                 num_proc=num_proc if num_proc > 1 and stop - start > 1 else None,
@@ -235,14 +238,16 @@ def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path,
 
     encoder = _DocumentEncoder(tokenizer.to_str(), eos_id)
     run_key = f"{plan.fingerprint}:{tokenizer_sha256(tokenizer)}"
-    train = _write_split(train_docs, out_dir / "train.bin", encoder, dtype, data.num_proc, data.max_tokens,
-                         run_key, "train")
+    train = _write_split(
+        train_docs, out_dir / "train.bin", encoder, dtype, data.num_proc, data.max_tokens, run_key, "train"
+    )
     val = _write_split(val_docs, out_dir / "val.bin", encoder, dtype, data.num_proc, 0, run_key, "val")
     if train.tokens == 0 or val.tokens == 0:  # cannot happen (every document ends in EOS); guards the trainer
         raise DataError(f"{out_dir}: empty split after tokenizing ({train.tokens} train, {val.tokens} val tokens)")
 
-    files = {name: {"bytes": shard.bytes, "sha256": shard.sha256}
-             for name, shard in (("train.bin", train), ("val.bin", val))}
+    files = {
+        name: {"bytes": shard.bytes, "sha256": shard.sha256} for name, shard in (("train.bin", train), ("val.bin", val))
+    }
     files[TOKENIZER_NAME] = {"bytes": tokenizer_path.stat().st_size, "sha256": sha256_file(tokenizer_path)}
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -257,8 +262,9 @@ def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path,
             "val_fraction": data.val_fraction,
             "max_documents": data.max_documents,
             "max_tokens": data.max_tokens,
-            "tokenizer": {"path": tok_cfg.path} if tok_cfg.path else
-                         {"vocab_size": tok_cfg.vocab_size, "min_frequency": tok_cfg.min_frequency},
+            "tokenizer": {"path": tok_cfg.path}
+            if tok_cfg.path
+            else {"vocab_size": tok_cfg.vocab_size, "min_frequency": tok_cfg.min_frequency},
         },
         "documents": {"train": train.documents, "val": val.documents, "total_read": plan.total_read},
         "skipped": {"empty": plan.empty, "too_short": plan.too_short, "undecodable": plan.undecodable},
@@ -285,6 +291,10 @@ def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path,
     }
     log.info(
         "tokenized %d documents into %d train + %d val tokens in %.1fs (%.0f tokens/s)",
-        plan.total_read, metrics["tokens_train"], metrics["tokens_val"], seconds, metrics["tokens_per_s"],
+        plan.total_read,
+        metrics["tokens_train"],
+        metrics["tokens_val"],
+        seconds,
+        metrics["tokens_per_s"],
     )
     return metrics

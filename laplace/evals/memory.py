@@ -25,13 +25,17 @@ def meta_facts(cfg: ModelConfig) -> dict:
     with torch.device("meta"):
         model = LaplaceLM(cfg)
     state = State.allocate(cfg, batch=1, device="meta", dtype=torch_dtype(cfg.dtype))
-    return {"params": model.num_parameters(), "state_bytes": state.bytes_per_sequence,
-            "state_bytes_analytic": analytic_state_bytes(cfg)}
+    return {
+        "params": model.num_parameters(),
+        "state_bytes": state.bytes_per_sequence,
+        "state_bytes_analytic": analytic_state_bytes(cfg),
+    }
 
 
 @torch.inference_mode()
-def decode_rss(engine: DecodeEngine, contexts: list[int], decode_steps: int = 16, text=None,
-               progress: bool = True) -> dict[int, int]:
+def decode_rss(
+    engine: DecodeEngine, contexts: list[int], decode_steps: int = 16, text=None, progress: bool = True
+) -> dict[int, int]:
     """Process RSS while decoding at width 1 after a prompt of each context length.
 
     The prompt (repeated `text`, or a fixed token) is prefilled in bucket chunks into one
@@ -58,9 +62,16 @@ def decode_rss(engine: DecodeEngine, contexts: list[int], decode_steps: int = 16
     return out
 
 
-def memory_report(model: LaplaceLM, engine: DecodeEngine, contexts: list[int], kv_contexts: list[int],
-                  cfg_3b: ModelConfig | None = None, decode_steps: int = 16, text=None,
-                  progress: bool = True) -> dict:
+def memory_report(
+    model: LaplaceLM,
+    engine: DecodeEngine,
+    contexts: list[int],
+    kv_contexts: list[int],
+    cfg_3b: ModelConfig | None = None,
+    decode_steps: int = 16,
+    text=None,
+    progress: bool = True,
+) -> dict:
     """State bytes (measured vs formula), the KV cache of a same-size transformer, decode RSS vs
     context, and the Laplace 3B figures (modules on the meta device, nothing allocated)."""
     cfg = model.cfg

@@ -44,8 +44,9 @@ def mqar_ranges(vocab_size: int, key_range=None, value_range=None) -> tuple[np.n
         if r.start < 0 or r.stop > V or len(r) == 0:
             raise ValueError(f"MQAR {name} [{r.start}, {r.stop}) must be a non-empty part of the vocabulary [0, {V})")
     if keys.start < values.stop and values.start < keys.stop:
-        raise ValueError(f"MQAR key ids [{keys.start}, {keys.stop}) and value ids "
-                         f"[{values.start}, {values.stop}) overlap")
+        raise ValueError(
+            f"MQAR key ids [{keys.start}, {keys.stop}) and value ids [{values.start}, {values.stop}) overlap"
+        )
     ids = np.arange(V)
     noise = ids[~(((ids >= keys.start) & (ids < keys.stop)) | ((ids >= values.start) & (ids < values.stop)))]
     return noise, keys, values
@@ -73,8 +74,10 @@ def mqar_batch(
     if pairs < 1:
         raise ValueError(f"MQAR needs at least one key-value pair, got {pairs}")
     if seq_len < 4 * pairs:
-        raise ValueError(f"MQAR sequence of {seq_len} tokens is too short for {pairs} pairs "
-                         f"(needs 4*pairs = {4 * pairs}: the pairs, then each key and its value again)")
+        raise ValueError(
+            f"MQAR sequence of {seq_len} tokens is too short for {pairs} pairs "
+            f"(needs 4*pairs = {4 * pairs}: the pairs, then each key and its value again)"
+        )
     noise, keys, values = mqar_ranges(vocab_size, key_range, value_range)
     if len(keys) < pairs:
         raise ValueError(f"MQAR vocab {vocab_size} is too small: {len(keys)} key ids for {pairs} distinct keys")
@@ -89,8 +92,8 @@ def mqar_batch(
         k = keys.start + rng.choice(len(keys), size=pairs, replace=False)
         v = values.start + rng.integers(0, len(values), size=pairs)
         tokens[i] = noise[rng.integers(0, len(noise), size=seq_len)] if len(noise) else 0
-        tokens[i, 0:2 * pairs:2] = k
-        tokens[i, 1:2 * pairs:2] = v
+        tokens[i, 0 : 2 * pairs : 2] = k
+        tokens[i, 1 : 2 * pairs : 2] = v
         # Uniform non-overlapping placement of the 2-token query blocks: the region is a row of
         # `pairs` blocks and region - 2*pairs free cells, region - pairs items in all; choose which
         # items are blocks, then block j (the j-th chosen item) starts at item_j + j cells in.
@@ -129,7 +132,7 @@ def mqar_predictions_eager(model, tokens: Tensor, batch: int = 16) -> Tensor:
     out = []
     with torch.compiler.set_stance("force_eager"):
         for i in range(0, tokens.shape[0], batch):
-            out.append(model(tokens[i:i + batch].to(device)).argmax(-1).cpu())
+            out.append(model(tokens[i : i + batch].to(device)).argmax(-1).cpu())
     return torch.cat(out)
 
 
@@ -150,8 +153,9 @@ def mqar_predictions_serving(engine: DecodeEngine, tokens: Tensor, mask: Tensor)
     first = mask.float().argmax(1)  # first query position of each sample
     last = L - 1 - mask.flip(1).float().argmax(1)
     if int(first.max()) > max(engine.buckets):
-        raise ValueError(f"MQAR prefix of {int(first.max())} tokens does not fit the largest prefill bucket "
-                         f"{max(engine.buckets)}")
+        raise ValueError(
+            f"MQAR prefix of {int(first.max())} tokens does not fit the largest prefill bucket {max(engine.buckets)}"
+        )
     if int(first.min()) < 1:
         raise ValueError("MQAR sequences must start with their key-value pairs (a query at position 0)")
     preds = torch.full((n, L), -1, dtype=torch.long)
@@ -244,9 +248,14 @@ def mqar_model_config(probes: ProbesSection) -> ModelConfig:
     """The small GLA trained on MQAR (the knobs are `probes.mqar_train_*`)."""
     chunk = min(64, probes.mqar_train_seq_len)
     return preset_model_config(
-        "tiny", vocab_size=probes.mqar_train_vocab, d_model=probes.mqar_train_d_model,
-        n_layers=probes.mqar_train_layers, n_heads=probes.mqar_train_heads,
-        gate_bias_init=probes.mqar_train_gate_bias, chunk_size=chunk, sub_chunk_size=min(16, chunk),
+        "tiny",
+        vocab_size=probes.mqar_train_vocab,
+        d_model=probes.mqar_train_d_model,
+        n_layers=probes.mqar_train_layers,
+        n_heads=probes.mqar_train_heads,
+        gate_bias_init=probes.mqar_train_gate_bias,
+        chunk_size=chunk,
+        sub_chunk_size=min(16, chunk),
         mlp_hidden=probes.mqar_train_d_model,  # recall needs the GLA, not a wide MLP: steps 1.4x cheaper
     )
 
@@ -273,8 +282,9 @@ def train_mqar(probes: ProbesSection, seed: int, progress: bool = True) -> dict:
     torch.manual_seed(seed)
     cfg = mqar_model_config(probes)
     model = LaplaceLM(cfg)
-    optimizer = MuonAdamW(model, probes.mqar_train_lr, AdamWSection(weight_decay=0.0),
-                          MuonSection(lr=probes.mqar_train_muon_lr))
+    optimizer = MuonAdamW(
+        model, probes.mqar_train_lr, AdamWSection(weight_decay=0.0), MuonSection(lr=probes.mqar_train_muon_lr)
+    )
     batch_size, warmup_steps = probes.mqar_train_batch_size, probes.mqar_train_warmup_steps
     rng = np.random.default_rng(seed)
     L, V, top = probes.mqar_train_seq_len, probes.mqar_train_vocab, probes.mqar_train_pairs
@@ -345,8 +355,15 @@ def mqar_grid(model, contexts: list[int], pairs: list[int], samples: int, vocab:
     return out
 
 
-def mqar_both_paths(model: LaplaceLM, engine: DecodeEngine, contexts: list[int], pairs: list[int], samples: int,
-                    seed: int, progress: bool = True) -> dict:
+def mqar_both_paths(
+    model: LaplaceLM,
+    engine: DecodeEngine,
+    contexts: list[int],
+    pairs: list[int],
+    samples: int,
+    seed: int,
+    progress: bool = True,
+) -> dict:
     """MQAR on one model through the serving path and the eager forward, on the same sequences.
 
     Contexts whose query prefix could exceed the largest prefill bucket (context > bucket) run
@@ -364,13 +381,19 @@ def mqar_both_paths(model: LaplaceLM, engine: DecodeEngine, contexts: list[int],
         eager.setdefault(ctx, {})[p] = score(eager_preds, targets, mask)
         if ctx > largest:
             if not any(f"context {ctx}" in n for n in notes):
-                notes.append(f"MQAR context {ctx}: a prefix may exceed the largest prefill bucket {largest}; "
-                             "eager path only")
+                notes.append(
+                    f"MQAR context {ctx}: a prefix may exceed the largest prefill bucket {largest}; eager path only"
+                )
             continue
         served = mqar_predictions_serving(engine, tokens, mask)
         serving.setdefault(ctx, {})[p] = score(served, targets, mask)
         both = served >= 0
         same += int((served[both] == eager_preds[both]).sum())
         total += int(both.sum())
-    return {"serving": serving, "eager": eager, "agreement": same / total if total else float("nan"),
-            "positions_compared": total, "notes": notes}
+    return {
+        "serving": serving,
+        "eager": eager,
+        "agreement": same / total if total else float("nan"),
+        "positions_compared": total,
+        "notes": notes,
+    }

@@ -40,8 +40,10 @@ def compare_logits(eager: Tensor, compiled: Tensor, ref: Tensor, margin: float) 
     top2 = ref.topk(2, dim=-1)
     ref_top1 = top2.indices[:, 0]
     clear = (top2.values[:, 0] - top2.values[:, 1]) >= margin
-    lp = {name: F.log_softmax(x, dim=-1).gather(-1, ref_top1[:, None])[:, 0]
-          for name, x in (("eager", eager), ("compiled", compiled), ("ref", ref))}
+    lp = {
+        name: F.log_softmax(x, dim=-1).gather(-1, ref_top1[:, None])[:, 0]
+        for name, x in (("eager", eager), ("compiled", compiled), ("ref", ref))
+    }
     e1, c1 = eager.argmax(-1), compiled.argmax(-1)
 
     def agree(a, b, where=None):
@@ -85,9 +87,12 @@ def decode_logits(engine, prompts: Tensor, continuation: Tensor, width: int, rea
     slots = [engine.pool.acquire(i) for i in range(real)]
     bucket = min(b for b in engine.buckets if b >= prompts.shape[1])
     for i, slot in enumerate(slots):
-        padded = F.pad(prompts[i:i + 1], (0, bucket - prompts.shape[1]), value=engine.pad_id)
-        engine.prefill_rows(padded.to(engine.device), torch.tensor([slot], device=engine.device),
-                            torch.tensor([prompts.shape[1]], device=engine.device))
+        padded = F.pad(prompts[i : i + 1], (0, bucket - prompts.shape[1]), value=engine.pad_id)
+        engine.prefill_rows(
+            padded.to(engine.device),
+            torch.tensor([slot], device=engine.device),
+            torch.tensor([prompts.shape[1]], device=engine.device),
+        )
     row_slots = torch.tensor(slots + [engine.pool.dummy] * (width - real), device=engine.device)
     out = []
     for t in range(continuation.shape[1]):
@@ -136,11 +141,19 @@ def greedy_report(eager_engine, compiled_engine, prompts: list[list[int]], n: in
         same = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         lengths.append(same)
         if same < n:
-            divergences.append({"prompt": i, "position": same,
-                                "compiled_token_in_eager_top5": bool(b[same] in la[same].topk(5).indices),
-                                "eager_token_in_compiled_top5": bool(a[same] in lb[same].topk(5).indices)})
-    return {"agreement_tokens": lengths, "mean_agreement": sum(lengths) / (len(lengths) * n),
-            "divergences": divergences}
+            divergences.append(
+                {
+                    "prompt": i,
+                    "position": same,
+                    "compiled_token_in_eager_top5": bool(b[same] in la[same].topk(5).indices),
+                    "eager_token_in_compiled_top5": bool(a[same] in lb[same].topk(5).indices),
+                }
+            )
+    return {
+        "agreement_tokens": lengths,
+        "mean_agreement": sum(lengths) / (len(lengths) * n),
+        "divergences": divergences,
+    }
 
 
 # --------------------------------------------------------------------------- models
@@ -163,7 +176,7 @@ def reference(cfg: Config, ref_model, held_out: Tensor) -> dict:
 
     n = cfg.numerics
     engine = DecodeEngine.for_policy(ref_model, cfg.serve, "eager")
-    prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens: n.prompt_tokens + n.decode_tokens]
+    prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens : n.prompt_tokens + n.decode_tokens]
     ref = {"prefill": prefill_logits(ref_model, held_out[: n.batch_size, : n.seq_len]), "decode": {}}
     for width in engine.ladder:
         ref["decode"][width] = decode_logits(engine, prompts, cont, width, max(1, width // 2))
@@ -173,8 +186,9 @@ def reference(cfg: Config, ref_model, held_out: Tensor) -> dict:
     return ref
 
 
-def check_dtype(cfg: Config, export_dir: Path, dtype: torch.dtype, held_out: Tensor, ref: dict,
-                corrupt_compiled=None) -> dict:
+def check_dtype(
+    cfg: Config, export_dir: Path, dtype: torch.dtype, held_out: Tensor, ref: dict, corrupt_compiled=None
+) -> dict:
     """Every comparison for one serving dtype against the fp64 `ref`. `corrupt_compiled(model)`
     (tests) breaks the compiled side only, to prove the gates can fail."""
     from laplace.model.export import load_export
@@ -195,18 +209,20 @@ def check_dtype(cfg: Config, export_dir: Path, dtype: torch.dtype, held_out: Ten
 
     started = time.perf_counter()
     tokens = held_out[: n.batch_size, : n.seq_len]
-    out["prefill"] = compare_logits(prefill_logits(eager, tokens), prefill_logits(compiled, tokens),
-                                    ref["prefill"], n.margin)
+    out["prefill"] = compare_logits(
+        prefill_logits(eager, tokens), prefill_logits(compiled, tokens), ref["prefill"], n.margin
+    )
     seconds["prefill"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens: n.prompt_tokens + n.decode_tokens]
+    prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens : n.prompt_tokens + n.decode_tokens]
     out["decode"] = {}
     for width in comp_engine.ladder:
         real = max(1, width // 2)  # half the rows are padding (dummy slot)
         c = decode_logits(comp_engine, prompts, cont, width, real)
-        report = compare_logits(decode_logits(eager_engine, prompts, cont, width, real), c,
-                                ref["decode"][width], n.margin)
+        report = compare_logits(
+            decode_logits(eager_engine, prompts, cont, width, real), c, ref["decode"][width], n.margin
+        )
         report["real_rows"] = real
         if real < width and real in comp_engine.ladder:  # the same rows computed without padding
             unpadded = decode_logits(comp_engine, prompts, cont, real, real)
@@ -229,7 +245,9 @@ def check_dtype(cfg: Config, export_dir: Path, dtype: torch.dtype, held_out: Ten
     loss_c, g_c = train_step(train_comp, batch, bf16)
     loss_r, g_r = ref["train"]
     out["train_step"] = {
-        "loss_eager": loss_e, "loss_compiled": loss_c, "loss_fp64": loss_r,
+        "loss_eager": loss_e,
+        "loss_compiled": loss_c,
+        "loss_fp64": loss_r,
         "loss_rel_diff_compiled_vs_fp64": abs(loss_c - loss_r) / abs(loss_r),
         "loss_rel_diff_eager_vs_fp64": abs(loss_e - loss_r) / abs(loss_r),
         "grad_rel_rms_eager_vs_fp64": rel_rms(g_e, g_r),
@@ -260,23 +278,34 @@ def dtype_gates(cfg: Config, name: str, report: dict) -> dict[str, tuple[bool, f
             v = r["rel_rms_compiled_vs_fp64"]
             g[f"fp32 {graph} compiled vs fp64 rel RMS"] = (v <= n.fp32_rel_rms_max, v, f"<= {n.fp32_rel_rms_max:g}")
             v = r["top1_compiled_vs_eager_clear"]
-            g[f"fp32 {graph} top-1 compiled vs eager (clear margin)"] = (v >= n.fp32_top1_min, v,
-                                                                         f">= {n.fp32_top1_min:g}")
+            g[f"fp32 {graph} top-1 compiled vs eager (clear margin)"] = (
+                v >= n.fp32_top1_min,
+                v,
+                f">= {n.fp32_top1_min:g}",
+            )
         v = report["train_step"]["grad_rel_rms_compiled_vs_fp64"]
-        g["fp32 train-step gradients compiled vs fp64 rel RMS"] = (v <= n.grad_rel_rms_fp32_max, v,
-                                                                   f"<= {n.grad_rel_rms_fp32_max:g}")
+        g["fp32 train-step gradients compiled vs fp64 rel RMS"] = (
+            v <= n.grad_rel_rms_fp32_max,
+            v,
+            f"<= {n.grad_rel_rms_fp32_max:g}",
+        )
         return g
     for graph, r in graphs:  # bf16: judged against eager's own error, PyTorch-style
         ratio = r["rel_rms_compiled_vs_fp64"] / max(r["rel_rms_eager_vs_fp64"], 1e-12)
-        g[f"bf16 {graph} compiled error / eager error"] = (ratio <= n.bf16_error_ratio_max, ratio,
-                                                           f"<= {n.bf16_error_ratio_max:g}")
+        g[f"bf16 {graph} compiled error / eager error"] = (
+            ratio <= n.bf16_error_ratio_max,
+            ratio,
+            f"<= {n.bf16_error_ratio_max:g}",
+        )
         v = r["top1_compiled_vs_fp64_clear"]
-        g[f"bf16 {graph} top-1 compiled vs fp64 (clear margin)"] = (v >= n.bf16_top1_min, v,
-                                                                    f">= {n.bf16_top1_min:g}")
+        g[f"bf16 {graph} top-1 compiled vs fp64 (clear margin)"] = (v >= n.bf16_top1_min, v, f">= {n.bf16_top1_min:g}")
     ts = report["train_step"]
     ratio = ts["grad_rel_rms_compiled_vs_fp64"] / max(ts["grad_rel_rms_eager_vs_fp64"], 1e-12)
-    g["bf16 train-step gradient error compiled / eager"] = (ratio <= n.bf16_error_ratio_max, ratio,
-                                                             f"<= {n.bf16_error_ratio_max:g}")
+    g["bf16 train-step gradient error compiled / eager"] = (
+        ratio <= n.bf16_error_ratio_max,
+        ratio,
+        f"<= {n.bf16_error_ratio_max:g}",
+    )
     return g
 
 
@@ -310,8 +339,11 @@ def eager_fingerprint(export_dir: Path, tokens: Tensor, n_tokens: int, seed: int
     with torch.inference_mode():
         logits = model(tokens)
     ids = generate_ids(model, tokens[0, :16].tolist(), n_tokens, temperature=0.0)
-    return {"logits_sha256": hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
-            "tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(), "logits": logits}
+    return {
+        "logits_sha256": hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
+        "tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+        "logits": logits,
+    }
 
 
 def reproducibility(export_dir: Path, held_out: Tensor, seed: int) -> dict:
@@ -348,12 +380,15 @@ def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled
     rows = max(n.batch_size, max(width_ladder(cfg.serve.max_slots, cfg.serve.widths)))
     rng = np.random.default_rng(n.seed)
     starts = rng.integers(0, len(val) - need, size=rows)
-    held_out = torch.as_tensor(np.stack([np.asarray(val[s:s + need], dtype=np.int64) for s in starts]))
+    held_out = torch.as_tensor(np.stack([np.asarray(val[s : s + need], dtype=np.int64) for s in starts]))
     ref_model, _, _ = load_export(export_dir, dtype=torch.float64)
     started = time.perf_counter()
     ref = reference(cfg, ref_model, held_out)
-    result: dict = {"compile_scope": cfg.serve.compile_scope, "mode": n.mode,
-                    "reference_seconds": time.perf_counter() - started}
+    result: dict = {
+        "compile_scope": cfg.serve.compile_scope,
+        "mode": n.mode,
+        "reference_seconds": time.perf_counter() - started,
+    }
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         started = time.perf_counter()
         result[name] = check_dtype(cfg, export_dir, dtype, held_out, ref, corrupt_compiled)
@@ -365,10 +400,13 @@ def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled
     result["gate_table"] = gate_table(g)
     result["passed"] = all(ok for ok, _, _ in g.values())
     f32 = result["fp32"]
-    result["max_abs_logit_diff_fp32"] = max([f32["prefill"]["max_abs_logit_diff"]] +
-                                            [r["max_abs_logit_diff"] for r in f32["decode"].values()])
-    result["max_abs_logit_diff_bf16"] = max([result["bf16"]["prefill"]["max_abs_logit_diff"]] +
-                                            [r["max_abs_logit_diff"] for r in result["bf16"]["decode"].values()])
+    result["max_abs_logit_diff_fp32"] = max(
+        [f32["prefill"]["max_abs_logit_diff"]] + [r["max_abs_logit_diff"] for r in f32["decode"].values()]
+    )
+    result["max_abs_logit_diff_bf16"] = max(
+        [result["bf16"]["prefill"]["max_abs_logit_diff"]]
+        + [r["max_abs_logit_diff"] for r in result["bf16"]["decode"].values()]
+    )
     result["greedy_agreement_fp32"] = f32["greedy"]["mean_agreement"]
     result["greedy_agreement_bf16"] = result["bf16"]["greedy"]["mean_agreement"]
     result["rel_rms_fp32_compiled_vs_fp64"] = f32["prefill"]["rel_rms_compiled_vs_fp64"]

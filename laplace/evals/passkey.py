@@ -30,7 +30,7 @@ def prefill_long(engine: DecodeEngine, prompt_ids, slot: int) -> Tensor:
     largest = max(engine.buckets)
     logits = None
     for start in range(0, ids.numel(), largest):
-        chunk = ids[start:start + largest]
+        chunk = ids[start : start + largest]
         n = chunk.numel()
         bucket = fit(n, engine.buckets)
         padded = torch.full((1, bucket), engine.pad_id, dtype=torch.long)
@@ -58,8 +58,9 @@ PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = " What is the pass key? The pass key is"
 
 
-def passkey_prompt(tokenizer, haystack: np.ndarray, context: int, depth: float, key: int,
-                   rng: np.random.Generator) -> list[int]:
+def passkey_prompt(
+    tokenizer, haystack: np.ndarray, context: int, depth: float, key: int, rng: np.random.Generator
+) -> list[int]:
     """About `context` tokens: real text with the needle sentence inserted at `depth` (a
     fraction of the filler), then the question. The filler is a random window of the haystack
     (repeated if the haystack is shorter)."""
@@ -67,10 +68,12 @@ def passkey_prompt(tokenizer, haystack: np.ndarray, context: int, depth: float, 
     question = tokenizer.encode(PASSKEY_QUESTION).ids
     filler_len = context - len(needle) - len(question)
     if filler_len < 0:
-        raise ConfigError(f"probes.passkey_contexts: passkey context {context} is shorter than the needle and question "
-                         f"({len(needle) + len(question)} tokens)")
+        raise ConfigError(
+            f"probes.passkey_contexts: passkey context {context} is shorter than the needle and question "
+            f"({len(needle) + len(question)} tokens)"
+        )
     start = int(rng.integers(0, max(1, len(haystack) - filler_len)))
-    filler = np.resize(np.asarray(haystack[start:start + filler_len], dtype=np.int64), filler_len).tolist()
+    filler = np.resize(np.asarray(haystack[start : start + filler_len], dtype=np.int64), filler_len).tolist()
     at = int(round(depth * filler_len))
     return filler[:at] + needle + filler[at:] + question
 
@@ -80,8 +83,17 @@ def passkey_found(text: str, key: int) -> bool:
     return str(key) in text.replace(" ", "")
 
 
-def passkey_probe(engine: DecodeEngine, tokenizer, haystack_tokens, contexts: list[int], depths: list[float],
-                  samples: int, seed: int, new_tokens: int = 8, progress: bool = True) -> dict:
+def passkey_probe(
+    engine: DecodeEngine,
+    tokenizer,
+    haystack_tokens,
+    contexts: list[int],
+    depths: list[float],
+    samples: int,
+    seed: int,
+    new_tokens: int = 8,
+    progress: bool = True,
+) -> dict:
     """Greedy passkey retrieval through the engine: found when the 5 digits appear in the
     first `new_tokens` generated tokens. Each prompt gets a pool slot, is prefilled through the
     bucket graphs (in chunks when longer than the largest bucket: see prefill_long, so a
@@ -102,8 +114,16 @@ def passkey_probe(engine: DecodeEngine, tokenizer, haystack_tokens, contexts: li
         finally:
             engine.pool.release(slot)
         text = tokenizer.decode(output)
-        rows.append({"context": ctx, "depth": depth, "key": key, "prompt_tokens": len(prompt),
-                     "found": passkey_found(text, key), "output": text})
+        rows.append(
+            {
+                "context": ctx,
+                "depth": depth,
+                "key": key,
+                "prompt_tokens": len(prompt),
+                "found": passkey_found(text, key),
+                "output": text,
+            }
+        )
 
     def share(select):
         hits = [r["found"] for r in rows if select(r)]
@@ -112,8 +132,9 @@ def passkey_probe(engine: DecodeEngine, tokenizer, haystack_tokens, contexts: li
     return {
         "accuracy": {c: share(lambda r, c=c: r["context"] == c) for c in contexts},
         "accuracy_by_depth": {d: share(lambda r, d=d: r["depth"] == d) for d in depths},
-        "accuracy_grid": {c: {d: share(lambda r, c=c, d=d: (r["context"], r["depth"]) == (c, d)) for d in depths}
-                          for c in contexts},
+        "accuracy_grid": {
+            c: {d: share(lambda r, c=c, d=d: (r["context"], r["depth"]) == (c, d)) for d in depths} for c in contexts
+        },
         "accuracy_overall": share(lambda r: True),
         "table": rows,
     }

@@ -72,14 +72,28 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     t = time.perf_counter()
     haystack = np.asarray(open_split(data_dir, "val"))
     with torch.compiler.set_stance("fail_on_recompile"):
-        passkey = passkey_probe(engine, tokenizer, haystack, p.passkey_contexts, p.passkey_depths,
-                                p.passkey_samples, p.seed, progress=progress)
+        passkey = passkey_probe(
+            engine,
+            tokenizer,
+            haystack,
+            p.passkey_contexts,
+            p.passkey_depths,
+            p.passkey_samples,
+            p.seed,
+            progress=progress,
+        )
     seconds["passkey"] = time.perf_counter() - t
 
     t = time.perf_counter()
     with torch.compiler.set_stance("fail_on_recompile"):
-        memory = memory_report(model, engine, p.memory_contexts, p.kv_contexts,
-                               text=haystack[: max(p.memory_contexts, default=0)], progress=progress)
+        memory = memory_report(
+            model,
+            engine,
+            p.memory_contexts,
+            p.kv_contexts,
+            text=haystack[: max(p.memory_contexts, default=0)],
+            progress=progress,
+        )
     seconds["memory"] = time.perf_counter() - t
     if engine.pool.owners:
         raise RuntimeError(f"probe slots still owned after the probes: {engine.pool.owners}")
@@ -106,14 +120,16 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
         t = time.perf_counter()
         trained = train_mqar(p, p.seed, progress=progress)
         seconds["mqar_train_and_eval"] = time.perf_counter() - t
-        metrics.update({
-            "mqar_trained_accuracy": trained["accuracy"],
-            "mqar_trained_chance": trained["chance"],
-            "mqar_trained_state_floats": trained["state_floats"],
-            "mqar_trained_state_bytes": trained["state_bytes"],
-            "mqar_trained_train_seconds": trained["train_seconds"],
-            "mqar_trained_final_loss": trained["final_loss"],
-        })
+        metrics.update(
+            {
+                "mqar_trained_accuracy": trained["accuracy"],
+                "mqar_trained_chance": trained["chance"],
+                "mqar_trained_state_floats": trained["state_floats"],
+                "mqar_trained_state_bytes": trained["state_bytes"],
+                "mqar_trained_train_seconds": trained["train_seconds"],
+                "mqar_trained_final_loss": trained["final_loss"],
+            }
+        )
         mqar_figure = trained
     else:  # the accuracy plot is still drawn, for the exported model
         metrics["notes"].append("probes.train_mqar is false: the MQAR plot shows the exported model")

@@ -71,9 +71,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~110M parameters with a 16k vocabulary (GPT-2 small shape): benchmarks.
     "small": dict(vocab_size=0, d_model=768, n_layers=12, n_heads=6, chunk_size=64),
     # Laplace 3B: 24 layers, hidden 3072; see README "Reproducing the 3B figures".
-    "laplace-3b": dict(
-        vocab_size=50304, d_model=3072, n_layers=24, n_heads=16, chunk_size=128, dtype="bfloat16"
-    ),
+    "laplace-3b": dict(vocab_size=50304, d_model=3072, n_layers=24, n_heads=16, chunk_size=128, dtype="bfloat16"),
 }
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -83,8 +81,17 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
     def bad(key: str, why: str):
         raise ConfigError(f"{prefix}.{key}: {why}")
 
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "gate_low_rank_dim", "chunk_size",
-                "sub_chunk_size", "segment_len", "conv_size"):
+    for key in (
+        "vocab_size",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "gate_low_rank_dim",
+        "chunk_size",
+        "sub_chunk_size",
+        "segment_len",
+        "conv_size",
+    ):
         if getattr(m, key) <= 0:
             bad(key, f"must be > 0, got {getattr(m, key)}")
     for key in ("expand_k", "expand_v", "gate_logit_normalizer", "norm_eps", "init_std"):
@@ -99,8 +106,11 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
     if m.chunk_size % m.sub_chunk_size:
         bad("sub_chunk_size", f"{m.sub_chunk_size} does not divide chunk_size={m.chunk_size}")
     if m.sub_chunk_size > 32:
-        bad("sub_chunk_size", f"must be <= 32, got {m.sub_chunk_size}: the gate floor that keeps the "
-                              "chunked form exact, -80/(sub/2) per token, would cut real decays")
+        bad(
+            "sub_chunk_size",
+            f"must be <= 32, got {m.sub_chunk_size}: the gate floor that keeps the "
+            "chunked form exact, -80/(sub/2) per token, would cut real decays",
+        )
     if m.conv_size < 2 and m.use_short_conv:
         bad("conv_size", "must be >= 2 when use_short_conv is true")
     if m.dtype not in MODEL_DTYPES:

@@ -56,8 +56,12 @@ def export_model(checkpoint, tokenizer_path: Path, out_dir: Path) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"export_dir": str(out_dir), "step": checkpoint.step, "parameters": config["parameters"],
-            "model_bytes": (Path(out_dir) / "model.safetensors").stat().st_size}
+    return {
+        "export_dir": str(out_dir),
+        "step": checkpoint.step,
+        "parameters": config["parameters"],
+        "model_bytes": (Path(out_dir) / "model.safetensors").stat().st_size,
+    }
 
 
 def read_export_config(export_dir: Path) -> dict:

@@ -180,8 +180,9 @@ def chunk_gla(
         outs = []
         for start in range(0, T, seg):
             end = min(start + seg, T)
-            o, S = _chunk_segment(q[:, :, start:end] * scale, k[:, :, start:end], v[:, :, start:end],
-                                  g[:, :, start:end], S, C, sub)
+            o, S = _chunk_segment(
+                q[:, :, start:end] * scale, k[:, :, start:end], v[:, :, start:end], g[:, :, start:end], S, C, sub
+            )
             outs.append(o)
         o = (torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]).transpose(1, 2)
     return o.to(out_dtype), S

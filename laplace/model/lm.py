@@ -215,8 +215,15 @@ class GatedLinearAttention(nn.Module):
         """Chunked form over [B, T, D]. Returns (y, final recurrent state, conv cache)."""
         q, k, v, gk, new_conv = self._qkvg(x, conv, lengths)
         o, S = chunk_gla(
-            q, k, v, gk, initial_state=recurrent, lengths=lengths,
-            chunk_size=self.cfg.chunk_size, sub_chunk_size=self.cfg.sub_chunk_size, segment_len=self.cfg.segment_len,
+            q,
+            k,
+            v,
+            gk,
+            initial_state=recurrent,
+            lengths=lengths,
+            chunk_size=self.cfg.chunk_size,
+            sub_chunk_size=self.cfg.sub_chunk_size,
+            segment_len=self.cfg.segment_len,
         )
         return self._output(x, o), S, new_conv
 

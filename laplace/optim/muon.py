@@ -81,8 +81,14 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: str | None = None,
     ):
         defaults = dict(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients),
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -106,7 +112,10 @@ class Muon(torch.optim.Optimizer):
                 direction = momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
                 ortho = zeropower_via_newtonschulz(direction, group["ns_coefficients"], group["ns_steps"], group["eps"])
                 apply_update_(
-                    p, ortho, group["lr"], group["weight_decay"],
+                    p,
+                    ortho,
+                    group["lr"],
+                    group["weight_decay"],
                     adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape),
                 )
         return loss
@@ -140,16 +149,25 @@ class MuonAdamW:
         self.routes = route_parameters(model)
         self.base_lrs = {"muon": muon.lr, "adamw": adamw_lr}
         self.muon = Muon(
-            [p for _, p in self.routes["muon"]], lr=muon.lr, weight_decay=muon.weight_decay,
-            momentum=muon.momentum, nesterov=muon.nesterov, ns_coefficients=tuple(muon.ns_coefficients),
-            eps=muon.eps, ns_steps=muon.ns_steps, adjust_lr_fn=muon.adjust_lr_fn,
+            [p for _, p in self.routes["muon"]],
+            lr=muon.lr,
+            weight_decay=muon.weight_decay,
+            momentum=muon.momentum,
+            nesterov=muon.nesterov,
+            ns_coefficients=tuple(muon.ns_coefficients),
+            eps=muon.eps,
+            ns_steps=muon.ns_steps,
+            adjust_lr_fn=muon.adjust_lr_fn,
         )
         self.adamw = torch.optim.AdamW(
             [
                 {"params": [p for _, p in self.routes["adamw_decay"]], "weight_decay": adamw.weight_decay},
                 {"params": [p for _, p in self.routes["adamw_no_decay"]], "weight_decay": 0.0},
             ],
-            lr=adamw_lr, betas=tuple(adamw.betas), eps=adamw.eps, foreach=False,
+            lr=adamw_lr,
+            betas=tuple(adamw.betas),
+            eps=adamw.eps,
+            foreach=False,
         )
 
     def set_lr_scale(self, scale: float) -> None:

@@ -44,8 +44,14 @@ from laplace.optim.muon import (
 )
 
 COMMS = ("alltoall", "allgather")
-COLLECTIVES = ("grad_reduce_scatter", "grad_norm_allreduce", "muon_to_owner", "muon_from_owner", "muon_allgather",
-               "param_allgather")
+COLLECTIVES = (
+    "grad_reduce_scatter",
+    "grad_norm_allreduce",
+    "muon_to_owner",
+    "muon_from_owner",
+    "muon_allgather",
+    "param_allgather",
+)
 
 
 def flat_order(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -75,16 +81,20 @@ class TrafficMeter:
 
     def gather(self, group=None) -> dict[str, dict[str, list[int]]]:
         """Every rank's totals (collective: all ranks call it), as plain tensors, not pickled objects."""
-        mine = torch.tensor([[self.totals[c]["sent"], self.totals[c]["received"]] if c in self.totals else [0, 0]
-                             for c in COLLECTIVES], dtype=torch.long)
+        mine = torch.tensor(
+            [[self.totals[c]["sent"], self.totals[c]["received"]] if c in self.totals else [0, 0] for c in COLLECTIVES],
+            dtype=torch.long,
+        )
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         parts = [torch.zeros_like(mine) for _ in range(world)]
         if world > 1:
             dist.all_gather(parts, mine, group=group)
         else:
             parts = [mine]
-        return {c: {"sent": [int(p[i, 0]) for p in parts], "received": [int(p[i, 1]) for p in parts]}
-                for i, c in enumerate(COLLECTIVES)}
+        return {
+            c: {"sent": [int(p[i, 0]) for p in parts], "received": [int(p[i, 1]) for p in parts]}
+            for i, c in enumerate(COLLECTIVES)
+        }
 
 
 def traffic_metrics(gathered: dict[str, dict[str, list[int]]], steps: int) -> dict:
@@ -99,15 +109,17 @@ def traffic_metrics(gathered: dict[str, dict[str, list[int]]], steps: int) -> di
     return out
 
 
-def exchange(meter: TrafficMeter, name: str, send: Tensor, send_splits: list[int], recv_splits: list[int],
-             rank: int, group=None) -> Tensor:
+def exchange(
+    meter: TrafficMeter, name: str, send: Tensor, send_splits: list[int], recv_splits: list[int], rank: int, group=None
+) -> Tensor:
     """all_to_all_single with uneven splits (zeros allowed), metered."""
     out = send.new_empty(sum(recv_splits))
     if dist.get_world_size(group) == 1:
         out.copy_(send)
     else:
-        dist.all_to_all_single(out, send.contiguous(), output_split_sizes=recv_splits,
-                               input_split_sizes=send_splits, group=group)
+        dist.all_to_all_single(
+            out, send.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
+        )
     size = send.element_size()
     meter.record(name, (sum(send_splits) - send_splits[rank]) * size, (sum(recv_splits) - recv_splits[rank]) * size)
     return out
@@ -172,8 +184,15 @@ def assign_owners(shapes: list[tuple[int, int]], world: int, ns_steps: int) -> l
 
 
 class ShardedMuonAdamW:
-    def __init__(self, model: nn.Module, adamw_lr: float, adamw: AdamWSection, muon: MuonSection,
-                 comm: str = "alltoall", group=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        adamw_lr: float,
+        adamw: AdamWSection,
+        muon: MuonSection,
+        comm: str = "alltoall",
+        group=None,
+    ):
         if comm not in COMMS:
             raise ConfigError(f"muon.comm: unknown strategy {comm!r} (choose from {', '.join(COMMS)})")
         self.group = group
@@ -192,8 +211,12 @@ class ShardedMuonAdamW:
         lo, hi = self.layout.shard_range(self.rank)
         self.shard = self._flat_params()[lo:hi].clone()  # this rank's fp32 master values
         self.muon_index = [i for i, k in enumerate(self.kind) if k == "muon"]
-        self.owner = dict(zip(self.muon_index, assign_owners(
-            [tuple(self.params[i].shape) for i in self.muon_index], self.world, muon.ns_steps)))
+        self.owner = dict(
+            zip(
+                self.muon_index,
+                assign_owners([tuple(self.params[i].shape) for i in self.muon_index], self.world, muon.ns_steps),
+            )
+        )
 
         # Optimizer state as flat shard tensors (what DCP saves); per-slice views feed the math.
         n = hi - lo
@@ -206,17 +229,26 @@ class ShardedMuonAdamW:
         for s in self.layout.slices[self.rank]:
             if self.kind[s.index] == "muon":
                 continue
-            view = nn.Parameter(self.shard[s.shard_lo:s.shard_hi])  # shares storage with self.shard
+            view = nn.Parameter(self.shard[s.shard_lo : s.shard_hi])  # shares storage with self.shard
             groups[self.kind[s.index]].append(view)
             self._adamw_slices.append((s, view))
-        param_groups = [{"params": ps, "weight_decay": wd} for ps, wd in
-                         ((groups["adamw_decay"], adamw.weight_decay), (groups["adamw_no_decay"], 0.0)) if ps]
+        param_groups = [
+            {"params": ps, "weight_decay": wd}
+            for ps, wd in ((groups["adamw_decay"], adamw.weight_decay), (groups["adamw_no_decay"], 0.0))
+            if ps
+        ]
         # a rank whose shard holds only Muon matrices has no AdamW work
-        self.adamw = torch.optim.AdamW(param_groups, lr=adamw_lr, betas=tuple(adamw.betas), eps=adamw.eps,
-                                       foreach=False) if param_groups else None
+        self.adamw = (
+            torch.optim.AdamW(param_groups, lr=adamw_lr, betas=tuple(adamw.betas), eps=adamw.eps, foreach=False)
+            if param_groups
+            else None
+        )
         for s, view in self._adamw_slices:  # AdamW increments each param's own step counter
-            self.adamw.state[view] = {"step": torch.zeros(()), "exp_avg": self.exp_avg[s.shard_lo:s.shard_hi],
-                                      "exp_avg_sq": self.exp_avg_sq[s.shard_lo:s.shard_hi]}
+            self.adamw.state[view] = {
+                "step": torch.zeros(()),
+                "exp_avg": self.exp_avg[s.shard_lo : s.shard_hi],
+                "exp_avg_sq": self.exp_avg_sq[s.shard_lo : s.shard_hi],
+            }
 
     # ------------------------------------------------------------------ schedule
 
@@ -230,8 +262,9 @@ class ShardedMuonAdamW:
             p.grad = None
 
     def _flat_grads(self) -> Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                          for p in self.params])
+        return torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params]
+        )
 
     def _flat_params(self) -> Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])
@@ -242,8 +275,9 @@ class ShardedMuonAdamW:
         """Reduce-scatter: this rank's shard of the mean gradient (averaged in fp64)."""
         sizes = self.layout.shard_sizes()
         mine = sizes[self.rank]
-        received = exchange(self.meter, "grad_reduce_scatter", self._flat_grads(), sizes,
-                            [mine] * self.world, self.rank, self.group)
+        received = exchange(
+            self.meter, "grad_reduce_scatter", self._flat_grads(), sizes, [mine] * self.world, self.rank, self.group
+        )
         if self.world == 1:
             self._grad_shard.copy_(received)
         else:  # fp64: the mean of equal gradients is exactly that gradient, for any world size
@@ -266,7 +300,7 @@ class ShardedMuonAdamW:
         self.reduce_gradients()
         norm = self.clip_(max_grad_norm)
         for s, view in self._adamw_slices:
-            view.grad = self._grad_shard[s.shard_lo:s.shard_hi]
+            view.grad = self._grad_shard[s.shard_lo : s.shard_hi]
         if self.adamw is not None:
             self.adamw.step()
         self._muon_step()
@@ -280,16 +314,25 @@ class ShardedMuonAdamW:
         for s in self.layout.slices[self.rank]:
             if self.kind[s.index] != "muon":
                 continue
-            d = momentum_direction(self._grad_shard[s.shard_lo:s.shard_hi], self.momentum[s.shard_lo:s.shard_hi],
-                                   m.momentum, m.nesterov)
+            d = momentum_direction(
+                self._grad_shard[s.shard_lo : s.shard_hi],
+                self.momentum[s.shard_lo : s.shard_hi],
+                m.momentum,
+                m.nesterov,
+            )
             directions[s.index] = d.bfloat16()  # lossless: Newton-Schulz starts with .bfloat16()
         ortho = self._orthogonalise(directions)
         for s in self.layout.slices[self.rank]:
             if self.kind[s.index] != "muon":
                 continue
             shape = tuple(self.params[s.index].shape)
-            apply_update_(self.shard[s.shard_lo:s.shard_hi], ortho[s.index], lr, m.weight_decay,
-                          adjusted_lr(lr, m.adjust_lr_fn, shape))
+            apply_update_(
+                self.shard[s.shard_lo : s.shard_hi],
+                ortho[s.index],
+                lr,
+                m.weight_decay,
+                adjusted_lr(lr, m.adjust_lr_fn, shape),
+            )
 
     def _newton_schulz(self, index: int, flat: Tensor) -> Tensor:
         m = self.muon_cfg
@@ -305,8 +348,10 @@ class ShardedMuonAdamW:
         L, me, W = self.layout, self.rank, self.world
         # 1st all-to-all: my slice of every matrix goes to its owner (ordered by owner, then matrix)
         send = [directions[i] for r in range(W) for i in self.muon_index if self.owner[i] == r and i in directions]
-        send_splits = [sum(directions[i].numel() for i in self.muon_index if self.owner[i] == r and i in directions)
-                       for r in range(W)]
+        send_splits = [
+            sum(directions[i].numel() for i in self.muon_index if self.owner[i] == r and i in directions)
+            for r in range(W)
+        ]
         mine = [i for i in self.muon_index if self.owner[i] == me]
         recv_splits = [sum(s.size for i in mine for s in L.by_param[i] if s.rank == r) for r in range(W)]
         flat_send = torch.cat(send) if send else torch.empty(0, dtype=torch.bfloat16)
@@ -318,11 +363,11 @@ class ShardedMuonAdamW:
             for i in mine:
                 for s in L.by_param[i]:
                     if s.rank == r:
-                        full[i][s.param_lo:s.param_hi] = received[pos:pos + s.size]
+                        full[i][s.param_lo : s.param_hi] = received[pos : pos + s.size]
                         pos += s.size
         done = {i: self._newton_schulz(i, full[i]) for i in mine}
         # 2nd all-to-all: each rank gets back the orthogonalised slices of its shard
-        back = [done[i][s.param_lo:s.param_hi] for r in range(W) for i in mine for s in L.by_param[i] if s.rank == r]
+        back = [done[i][s.param_lo : s.param_hi] for r in range(W) for i in mine for s in L.by_param[i] if s.rank == r]
         flat_back = torch.cat(back) if back else torch.empty(0, dtype=torch.bfloat16)
         # the way back mirrors the way there: what I received I return, what I sent comes back
         returned = exchange(self.meter, "muon_from_owner", flat_back, recv_splits, send_splits, me, self.group)
@@ -331,14 +376,17 @@ class ShardedMuonAdamW:
             for i in self.muon_index:
                 if self.owner[i] == r and i in directions:
                     n = directions[i].numel()
-                    out[i] = returned[pos:pos + n]
+                    out[i] = returned[pos : pos + n]
                     pos += n
         return out
 
     def _via_allgather(self, directions: dict[int, Tensor]) -> dict[int, Tensor]:
         L, me, W = self.layout, self.rank, self.world
-        mine = torch.cat([directions[i] for i in self.muon_index if i in directions]) if directions \
+        mine = (
+            torch.cat([directions[i] for i in self.muon_index if i in directions])
+            if directions
             else torch.empty(0, dtype=torch.bfloat16)
+        )
         sizes = [sum(s.size for s in L.slices[r] if self.kind[s.index] == "muon") for r in range(W)]
         gathered = exchange(self.meter, "muon_allgather", mine.repeat(W), [mine.numel()] * W, sizes, me, self.group)
         full = {i: torch.empty(self.params[i].numel(), dtype=torch.bfloat16) for i in self.muon_index}
@@ -346,23 +394,30 @@ class ShardedMuonAdamW:
         for r in range(W):
             for s in L.slices[r]:
                 if self.kind[s.index] == "muon":
-                    full[s.index][s.param_lo:s.param_hi] = gathered[pos:pos + s.size]
+                    full[s.index][s.param_lo : s.param_hi] = gathered[pos : pos + s.size]
                     pos += s.size
         out = {}
         for i in self.muon_index:  # every rank orthogonalises every matrix
             ortho = self._newton_schulz(i, full[i])
             mine_slice = next((s for s in L.by_param[i] if s.rank == me), None)
             if mine_slice is not None:
-                out[i] = ortho[mine_slice.param_lo:mine_slice.param_hi]
+                out[i] = ortho[mine_slice.param_lo : mine_slice.param_hi]
         return out
 
     def _gather_parameters(self) -> None:
         sizes = self.layout.shard_sizes()
-        flat = exchange(self.meter, "param_allgather", self.shard.repeat(self.world), [self.shard.numel()] * self.world,
-                        sizes, self.rank, self.group)
+        flat = exchange(
+            self.meter,
+            "param_allgather",
+            self.shard.repeat(self.world),
+            [self.shard.numel()] * self.world,
+            sizes,
+            self.rank,
+            self.group,
+        )
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                p.copy_(flat[self.layout.offsets[i]:self.layout.offsets[i + 1]].view_as(p))
+                p.copy_(flat[self.layout.offsets[i] : self.layout.offsets[i + 1]].view_as(p))
 
     # ------------------------------------------------------------------ state
 
@@ -384,8 +439,9 @@ class ShardedMuonAdamW:
 # --------------------------------------------------------------------------- analytic traffic
 
 
-def muon_traffic(kinds: list[str], shapes: list[tuple[int, ...]], world: int, bytes_per_value: int = 2,
-                 ns_steps: int = 5) -> dict:
+def muon_traffic(
+    kinds: list[str], shapes: list[tuple[int, ...]], world: int, bytes_per_value: int = 2, ns_steps: int = 5
+) -> dict:
     """Per-rank Muon bytes (sent + received) of one optimizer step, computed from the layout the
     optimizer would use: `kinds` are the routes ("muon" or AdamW) in flat order."""
     layout = FlatLayout([math.prod(s) for s in shapes], world)
@@ -402,9 +458,14 @@ def muon_traffic(kinds: list[str], shapes: list[tuple[int, ...]], world: int, by
     to_bytes = lambda xs: [x * bytes_per_value for x in xs]  # noqa: E731
     ag, a2a = to_bytes(allgather), to_bytes(alltoall)
     return {
-        "world_size": world, "muon_matrices": len(muon), "muon_values": total, "bytes_per_value": bytes_per_value,
-        "allgather_bytes_per_rank_max": max(ag), "allgather_bytes_per_rank_mean": sum(ag) / world,
-        "alltoall_bytes_per_rank_max": max(a2a), "alltoall_bytes_per_rank_mean": sum(a2a) / world,
+        "world_size": world,
+        "muon_matrices": len(muon),
+        "muon_values": total,
+        "bytes_per_value": bytes_per_value,
+        "allgather_bytes_per_rank_max": max(ag),
+        "allgather_bytes_per_rank_mean": sum(ag) / world,
+        "alltoall_bytes_per_rank_max": max(a2a),
+        "alltoall_bytes_per_rank_mean": sum(a2a) / world,
         "ratio_mean": (sum(ag) / max(1, sum(a2a))),
         "ideal_ratio": world / 2,
     }
@@ -413,5 +474,6 @@ def muon_traffic(kinds: list[str], shapes: list[tuple[int, ...]], world: int, by
 def model_traffic(model: nn.Module, world: int, bytes_per_value: int = 2, ns_steps: int = 5) -> dict:
     """muon_traffic for a model (works on the meta device: only shapes are read)."""
     ordered = flat_order(model)
-    return muon_traffic([route for route, _ in ordered], [tuple(p.shape) for _, p in ordered], world,
-                        bytes_per_value, ns_steps)
+    return muon_traffic(
+        [route for route, _ in ordered], [tuple(p.shape) for _, p in ordered], world, bytes_per_value, ns_steps
+    )

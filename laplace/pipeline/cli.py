@@ -19,15 +19,24 @@ def model_facts(preset: str | None, cfg) -> dict:
     """`laplace info`: facts of a preset (or of params.yaml's model) from the real modules on meta."""
     from laplace.model.facts import model_facts as facts
 
-    model_cfg = preset_model_config(preset, vocab_size=None if preset == "laplace-3b" else cfg.tokenizer.vocab_size) \
-        if preset else cfg.model_config()
+    model_cfg = (
+        preset_model_config(preset, vocab_size=None if preset == "laplace-3b" else cfg.tokenizer.vocab_size)
+        if preset
+        else cfg.model_config()
+    )
     return {"preset": preset or cfg.model.preset, **facts(model_cfg)}
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a param, e.g. --set train.lr=0.01 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a param, e.g. --set train.lr=0.01 (repeatable)",
+    )
     p.add_argument("--root", default=".", help="project root holding data/, runs/, artifacts/, metrics/")
 
 
@@ -46,8 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--no-resume", action="store_true", help="start from step 0 even if checkpoints exist")
 
-    p = sub.add_parser("run", help="the whole pipeline through `dvc repro`; --set values are written to "
-                                   "params.yaml first (like dvc exp run --set-param)")
+    p = sub.add_parser(
+        "run",
+        help="the whole pipeline through `dvc repro`; --set values are written to "
+        "params.yaml first (like dvc exp run --set-param)",
+    )
     _add_config_args(p)
 
     p = sub.add_parser("summary", help="headline figures of the last pipeline run")
@@ -69,13 +81,19 @@ def _print_info(facts: dict, as_json: bool) -> None:
         print(json.dumps(facts, indent=2))
         return
     c = facts["config"]
-    print(f"preset {facts['preset']}: {c['n_layers']} layers, hidden {c['d_model']}, {c['n_heads']} heads, "
-          f"vocab {c['vocab_size']}")
+    print(
+        f"preset {facts['preset']}: {c['n_layers']} layers, hidden {c['d_model']}, {c['n_heads']} heads, "
+        f"vocab {c['vocab_size']}"
+    )
     print(f"  parameters              {facts['params']:,} ({facts['params'] / 1e9:.3f} B)")
-    print(f"  state per sequence      {facts['state_bytes_per_sequence']:,} bytes "
-          f"({facts['state_bytes_per_sequence'] / 1e6:.2f} MB)")
-    print(f"  KV cache at 8,192 (bf16) {facts['kv_cache_bytes_8192']:,} bytes "
-          f"({facts['kv_cache_bytes_8192'] / 1e9:.2f} GB)")
+    print(
+        f"  state per sequence      {facts['state_bytes_per_sequence']:,} bytes "
+        f"({facts['state_bytes_per_sequence'] / 1e6:.2f} MB)"
+    )
+    print(
+        f"  KV cache at 8,192 (bf16) {facts['kv_cache_bytes_8192']:,} bytes "
+        f"({facts['kv_cache_bytes_8192'] / 1e9:.2f} GB)"
+    )
     print(f"  KV / state              {facts['state_vs_kv_8192']:.1f}x")
 
 

@@ -50,6 +50,8 @@ class Paths:
     @property
     def tracking_file(self) -> Path:
         return self.root / "artifacts" / "tracking.json"
+
+
 def write_metrics(paths: Paths, stage: str, metrics: dict) -> dict:
     atomic_write_json(paths.metrics_file(stage), metrics)
     return metrics

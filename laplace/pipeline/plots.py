@@ -54,8 +54,13 @@ def latency_cdfs(traces: dict, workload: str, path: Path) -> None:
             continue
         for ax, key in zip(axes, ("ttft", "e2e")):
             values = sorted(trace[key])
-            ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
-                    label=policy, color=POLICY_COLORS.get(policy))
+            ax.step(
+                values,
+                [(i + 1) / len(values) for i in range(len(values))],
+                where="post",
+                label=policy,
+                color=POLICY_COLORS.get(policy),
+            )
     for ax, title in zip(axes, ("time to first token", "end-to-end latency")):
         ax.set_xscale("log")
         ax.set_xlabel("seconds")
@@ -95,10 +100,10 @@ def width_histogram(traces: dict, workload: str, path: Path) -> None:
     widths = sorted({s[3] for p in policies for s in traces[p][workload]["steps"] if s[0] == "decode"})
     bar = 0.8 / max(1, len(policies))
     for i, policy in enumerate(policies):
-        counts = [sum(1 for s in traces[policy][workload]["steps"] if s[0] == "decode" and s[3] == w)
-                  for w in widths]
-        ax.bar([j + i * bar for j in range(len(widths))], counts, width=bar, label=policy,
-               color=POLICY_COLORS.get(policy))
+        counts = [sum(1 for s in traces[policy][workload]["steps"] if s[0] == "decode" and s[3] == w) for w in widths]
+        ax.bar(
+            [j + i * bar for j in range(len(widths))], counts, width=bar, label=policy, color=POLICY_COLORS.get(policy)
+        )
     ax.set_xticks([j + bar * (len(policies) - 1) / 2 for j in range(len(widths))], [str(w) for w in widths])
     ax.set_xlabel("decode width (rows computed)")
     ax.set_ylabel("steps")
@@ -114,16 +119,23 @@ def memory_plot(report: dict, path: Path) -> None:
     measured = {int(c): v for c, v in (report.get("decode_rss_bytes") or {}).items()}
     kv_ctx = [int(c) for c in report.get("kv_bytes", {})]
     top = max(kv_ctx + list(measured) + [32768])
-    contexts = [2 ** i for i in range(7, top.bit_length()) if 2 ** i <= top] + [top]
+    contexts = [2**i for i in range(7, top.bit_length()) if 2**i <= top] + [top]
     contexts = sorted(set(contexts))
     fig, (ax, ax_rss) = plt.subplots(1, 2, figsize=(11, 4.0))
-    for key, label, color in (("model_config", "probed model", "tab:blue"),
-                              ("laplace_3b_config", "Laplace 3B", "tab:red")):
+    for key, label, color in (
+        ("model_config", "probed model", "tab:blue"),
+        ("laplace_3b_config", "Laplace 3B", "tab:red"),
+    ):
         cfg = ModelConfig(**report[key])
         state = report["state_bytes_measured"] if key == "model_config" else report["laplace_3b_state_bytes"]
         ax.plot(contexts, [state] * len(contexts), "-", color=color, label=f"{label}: GLA state")
-        ax.plot(contexts, [kv_cache_bytes(cfg, c) for c in contexts], "--", color=color,
-                label=f"{label}: transformer KV (bf16)")
+        ax.plot(
+            contexts,
+            [kv_cache_bytes(cfg, c) for c in contexts],
+            "--",
+            color=color,
+            label=f"{label}: transformer KV (bf16)",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
@@ -168,8 +180,10 @@ def accuracy_plot(result: dict, path: Path) -> None:
     ax_ctx.set_ylabel("MQAR accuracy")
     ax_pairs.set_xlabel("key-value pairs")
     if result.get("state_floats"):
-        title = (f"MQAR, a GLA trained here on <= {result['train_pairs']} pairs at {result['train_seq_len']} "
-                 f"tokens (state {result['state_floats']:,} floats per sequence)")
+        title = (
+            f"MQAR, a GLA trained here on <= {result['train_pairs']} pairs at {result['train_seq_len']} "
+            f"tokens (state {result['state_floats']:,} floats per sequence)"
+        )
     else:
         title = "MQAR"
     fig.suptitle(title)

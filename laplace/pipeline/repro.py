@@ -70,8 +70,12 @@ def stage_exit_status(dvc_status: int, output_tail: str) -> int:
     return int(found[-1]) if found else dvc_status
 
 
-def repro(root: Path, stage: str | None = None, on_line: Callable[[str], None] = print,
-          env_extra: dict[str, str] | None = None) -> tuple[int, str]:
+def repro(
+    root: Path,
+    stage: str | None = None,
+    on_line: Callable[[str], None] = print,
+    env_extra: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """`dvc repro` (or `dvc repro --single-item STAGE`) in `root`."""
     args = ["repro"] + (["--single-item", stage] if stage else [])
     return run_streaming(dvc_command(*args), Path(root), subprocess_env(env_extra), on_line)

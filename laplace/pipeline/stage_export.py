@@ -14,8 +14,10 @@ def run(cfg: Config, paths: Paths) -> dict:
     if found is None:
         raise InputError(f"no complete checkpoint under {paths.checkpoints}: run the train stage first")
     if found.step < cfg.train.steps:
-        raise InputError(f"latest checkpoint is step {found.step} of {cfg.train.steps}: training has not finished, "
-                         "refusing to export")
+        raise InputError(
+            f"latest checkpoint is step {found.step} of {cfg.train.steps}: training has not finished, "
+            "refusing to export"
+        )
     summary = export_model(found, paths.data_dir / "tokenizer.json", paths.export_dir)
     summary["export_dir"] = str(paths.export_dir.relative_to(paths.root))
     return write_metrics(paths, "export", summary)

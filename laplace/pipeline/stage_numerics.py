@@ -18,16 +18,23 @@ def run(cfg: Config, paths: Paths) -> dict:
     if not metrics["passed"]:
         print(metrics["gate_table"], file=sys.stderr)
         missed = [k for k, g in metrics["gates"].items() if not g["passed"]]
-        raise GateFailed(f"{len(missed)} numerics gate(s) missed: {'; '.join(missed)} "
-                         f"(table above, figures in {paths.metrics_file('numerics')})")
+        raise GateFailed(
+            f"{len(missed)} numerics gate(s) missed: {'; '.join(missed)} "
+            f"(table above, figures in {paths.metrics_file('numerics')})"
+        )
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
     from laplace.evals.numerics import run_numerics
 
-    return worker_main("numerics worker", lambda cfg, args: run_numerics(cfg, args.export_dir, args.data_dir), argv,
-                       paths=("export-dir", "data-dir"), summary=lambda r: r["gate_table"])
+    return worker_main(
+        "numerics worker",
+        lambda cfg, args: run_numerics(cfg, args.export_dir, args.data_dir),
+        argv,
+        paths=("export-dir", "data-dir"),
+        summary=lambda r: r["gate_table"],
+    )
 
 
 if __name__ == "__main__":

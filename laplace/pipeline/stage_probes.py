@@ -14,8 +14,14 @@ from laplace.pipeline.workers import run_worker_from_warmup_cache, worker_main
 
 
 def run(cfg: Config, paths: Paths) -> dict:
-    args = ["--export-dir", str(paths.export_dir), "--data-dir", str(paths.data_dir),
-            "--plots-dir", str(paths.plots_dir)]
+    args = [
+        "--export-dir",
+        str(paths.export_dir),
+        "--data-dir",
+        str(paths.data_dir),
+        "--plots-dir",
+        str(paths.plots_dir),
+    ]
     metrics = run_worker_from_warmup_cache(__name__, cfg, args, paths.warmup_cache)
     return write_metrics(paths, "probes", metrics)
 
@@ -29,18 +35,26 @@ def probe_and_plot(cfg: Config, export_dir: Path, data_dir: Path, plots_dir: Pat
     metrics, figures = run_probes(cfg, export_dir, data_dir)
     accuracy_plot(figures["mqar"], plots_dir / "probes_mqar.png")
     if cfg.probes.train_mqar:
-        write_rows(plots_dir / "probes_mqar.json",
-                   [{"context": c, "pairs": n, "accuracy": a} for c, row in figures["mqar"]["accuracy"].items()
-                    for n, a in row.items()])
+        write_rows(
+            plots_dir / "probes_mqar.json",
+            [
+                {"context": c, "pairs": n, "accuracy": a}
+                for c, row in figures["mqar"]["accuracy"].items()
+                for n, a in row.items()
+            ],
+        )
     memory_plot(figures["memory"], plots_dir / "probes_memory.png")
     write_rows(plots_dir / "probes_passkey.json", figures["passkey"])
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
-    return worker_main("probes worker", lambda cfg, args: probe_and_plot(cfg, args.export_dir, args.data_dir,
-                                                                           args.plots_dir), argv,
-                       paths=("export-dir", "data-dir", "plots-dir"))
+    return worker_main(
+        "probes worker",
+        lambda cfg, args: probe_and_plot(cfg, args.export_dir, args.data_dir, args.plots_dir),
+        argv,
+        paths=("export-dir", "data-dir", "plots-dir"),
+    )
 
 
 if __name__ == "__main__":

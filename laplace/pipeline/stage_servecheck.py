@@ -39,8 +39,9 @@ def run(cfg: Config, paths: Paths) -> dict:
     return metrics
 
 
-def replay_policies(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path,
-                    scratch: Path) -> tuple[dict, dict]:
+def replay_policies(
+    cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path, scratch: Path
+) -> tuple[dict, dict]:
     """Run the three policies, each in a fresh worker process; returns (metrics, traces)."""
     scratch.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -53,8 +54,14 @@ def replay_policies(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache:
             elif policy == "padded":
                 cache = Path(tmp) / "cache"
                 shutil.copytree(warmup_cache, cache)  # the warmup artifact stays untouched
-            results[policy] = run_worker(__name__, cfg, args + ["--policy", policy],
-                                         compile_env(cache), Path.cwd(), scratch / f"serve-{policy}.json")
+            results[policy] = run_worker(
+                __name__,
+                cfg,
+                args + ["--policy", policy],
+                compile_env(cache),
+                Path.cwd(),
+                scratch / f"serve-{policy}.json",
+            )
     return combine(cfg, results)
 
 
@@ -80,15 +87,18 @@ def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
     padded_compiles = sum(w["compile_events"] for w in results["padded"]["workloads"].values())
     same_outputs = all(
         results["padded"]["workloads"][k]["outputs_digest"] == results[p]["workloads"][k]["outputs_digest"]
-        for p in ("exact", "eager") for k in results[p]["workloads"] if k in results["padded"]["workloads"]
+        for p in ("exact", "eager")
+        for k in results[p]["workloads"]
+        if k in results["padded"]["workloads"]
     )
     states = set(cost["state_bytes_per_sequence"].values())
     gates = {
         "padded_zero_compiles": padded_compiles == 0,
         "decode_cost_ratio": cost["ratio"] <= cfg.serve.max_decode_cost_ratio,
         "state_bytes_constant": len(states) == 1,
-        "every_request_served": all(w["served"] == w["requests"] for r in results.values()
-                                    for w in r["workloads"].values()),
+        "every_request_served": all(
+            w["served"] == w["requests"] for r in results.values() for w in r["workloads"].values()
+        ),
     }
     metrics["gates"] = gates
     metrics["greedy_outputs_identical_across_policies"] = same_outputs
@@ -102,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
     return worker_main(
         "serve-check worker: replay the workloads under one policy",
-        lambda cfg, args: replay_policy(cfg, args.policy, args.export_dir, args.data_dir), argv,
-        paths=("export-dir", "data-dir"), options={"policy": {"choices": POLICIES}},
+        lambda cfg, args: replay_policy(cfg, args.policy, args.export_dir, args.data_dir),
+        argv,
+        paths=("export-dir", "data-dir"),
+        options={"policy": {"choices": POLICIES}},
     )
 
 

@@ -20,11 +20,14 @@ def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
     metrics, history, checkpoint = run_training(cfg, paths, resume=resume)
     metrics = dict(metrics)
     metrics["checkpoint"] = str(checkpoint.relative_to(paths.root)) if checkpoint else None
-    write_rows(paths.plots_dir / "train_loss.json",
-               [{"step": h["step"], "loss": h["loss"], "tokens_per_s": h.get("tokens_per_s")}
-                for h in history if "loss" in h])
-    write_rows(paths.plots_dir / "val_loss.json",
-               [{"step": h["step"], "val_loss": h["val_loss"]} for h in history if "val_loss" in h])
+    write_rows(
+        paths.plots_dir / "train_loss.json",
+        [{"step": h["step"], "loss": h["loss"], "tokens_per_s": h.get("tokens_per_s")} for h in history if "loss" in h],
+    )
+    write_rows(
+        paths.plots_dir / "val_loss.json",
+        [{"step": h["step"], "val_loss": h["val_loss"]} for h in history if "val_loss" in h],
+    )
     training_curve(history, paths.plots_dir / "train_curve.png")
     write_metrics(paths, "train", metrics)
     return metrics
@@ -39,11 +42,21 @@ def run_training(cfg: Config, paths: Paths, resume: bool = True, stop_at_step: i
     from laplace.pipeline.repro import subprocess_env
     from laplace.pipeline.workers import run_worker
 
-    args = ["--data-dir", str(paths.data_dir), "--run-dir", str(paths.run_dir)] + \
-        (["--no-resume"] if not resume else []) + (["--stop-at-step", str(stop_at_step)] if stop_at_step else [])
+    args = (
+        ["--data-dir", str(paths.data_dir), "--run-dir", str(paths.run_dir)]
+        + (["--no-resume"] if not resume else [])
+        + (["--stop-at-step", str(stop_at_step)] if stop_at_step else [])
+    )
     with tempfile.TemporaryDirectory(prefix="laplace-train-") as tmp:
-        result = run_worker(__name__, cfg, args, subprocess_env(), paths.root, Path(tmp) / "result.json",
-                            launcher=distributed.torchrun_launcher(cfg.train))
+        result = run_worker(
+            __name__,
+            cfg,
+            args,
+            subprocess_env(),
+            paths.root,
+            Path(tmp) / "result.json",
+            launcher=distributed.torchrun_launcher(cfg.train),
+        )
     return result["metrics"], result["history"], Path(result["checkpoint"]) if result["checkpoint"] else None
 
 
@@ -57,12 +70,22 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(cfg: Config, args) -> dict:
         result = train(cfg, args.data_dir, args.run_dir, resume=not args.no_resume, stop_at_step=args.stop_at_step)
-        return {"metrics": result.metrics, "history": result.history,
-                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
+        return {
+            "metrics": result.metrics,
+            "history": result.history,
+            "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+        }
 
-    return worker_main("distributed training worker (run by torchrun)", body, argv, paths=("data-dir", "run-dir"),
-                       options={"stop-at-step": {"type": int, "default": None, "required": False},
-                                "no-resume": {"action": "store_true", "required": False}})
+    return worker_main(
+        "distributed training worker (run by torchrun)",
+        body,
+        argv,
+        paths=("data-dir", "run-dir"),
+        options={
+            "stop-at-step": {"type": int, "default": None, "required": False},
+            "no-resume": {"action": "store_true", "required": False},
+        },
+    )
 
 
 if __name__ == "__main__":

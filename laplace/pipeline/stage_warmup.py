@@ -65,10 +65,12 @@ def main(argv: list[str] | None = None) -> int:
 
     return worker_main(
         "warmup worker: compile every serving graph once",
-        lambda cfg, args: compile_serving_graphs(cfg, args.vocab_size), argv,
+        lambda cfg, args: compile_serving_graphs(cfg, args.vocab_size),
+        argv,
         options={"vocab-size": {"type": int}},
-        summary=lambda r: f"compiled {r['graphs']} graphs in {r['seconds']['total_s']:.1f}s "
-                          f"(process {r['process_s']:.1f}s)",
+        summary=lambda r: (
+            f"compiled {r['graphs']} graphs in {r['seconds']['total_s']:.1f}s (process {r['process_s']:.1f}s)"
+        ),
     )
 
 

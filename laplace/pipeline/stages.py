@@ -32,11 +32,15 @@ STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
         Stage("tokenize", "stage_tokenize", "tokenize", "tokenize the corpus into packed shards"),
-        Stage("warmup", "stage_warmup", "warmup", "compile every decode width and prefill bucket into a cache artifact"),
+        Stage(
+            "warmup", "stage_warmup", "warmup", "compile every decode width and prefill bucket into a cache artifact"
+        ),
         Stage("train", "stage_train", "train", "train (resumes from the last complete checkpoint)"),
         Stage("export", "stage_export", "export", "export the final checkpoint"),
         Stage("serve-check", "stage_servecheck", "serve", "replay workloads: exact vs padded vs eager serving"),
-        Stage("numerics", "stage_numerics", "numerics", "compiled vs eager vs fp64 on prefill, decode and a training step"),
+        Stage(
+            "numerics", "stage_numerics", "numerics", "compiled vs eager vs fp64 on prefill, decode and a training step"
+        ),
         Stage("probes", "stage_probes", "probes", "MQAR and passkey retrieval, state vs KV-cache memory"),
         Stage("track", "stage_track", None, "log the pipeline run to MLflow and register the model"),
     )

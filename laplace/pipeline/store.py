@@ -24,7 +24,7 @@ def project_root(start: str | Path = ".") -> Path:
     path = Path(start).resolve()
     parts = path.parts
     for i in range(len(parts) - 3):
-        if parts[i:i + 3] == (".dvc", "tmp", "exps"):
+        if parts[i : i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
     return path
 
@@ -63,9 +63,11 @@ def _is_http(uri: str) -> bool:
 
 def unavailable_message(uri: str, reason: str, retry_seconds: float, during: str = "") -> str:
     what = "server" if _is_http(uri) else "store"
-    return (f"MLflow tracking {what} {redact(uri)} unreachable{during} ({reason}; retried for "
-            f"{retry_seconds:g}s, tracking.retry_seconds): nothing was lost, the stage results stay in "
-            "metrics/ and plots/; rerun `laplace track` (or `dvc repro`) once it is back to log them")
+    return (
+        f"MLflow tracking {what} {redact(uri)} unreachable{during} ({reason}; retried for "
+        f"{retry_seconds:g}s, tracking.retry_seconds): nothing was lost, the stage results stay in "
+        "metrics/ and plots/; rerun `laplace track` (or `dvc repro`) once it is back to log them"
+    )
 
 
 def _short_reason(exc: BaseException) -> str:
@@ -88,8 +90,7 @@ def _probe(uri: str, timeout: float) -> str | None:
     insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true")
     verify = False if insecure else os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
     try:  # one plain request, no urllib3 retries: MLflow's own client would retry for minutes
-        response = requests.get(uri.rstrip("/") + "/health", timeout=timeout, verify=verify,
-                                allow_redirects=False)
+        response = requests.get(uri.rstrip("/") + "/health", timeout=timeout, verify=verify, allow_redirects=False)
     except requests.RequestException as exc:
         return _short_reason(exc)
     return None if response.status_code < 500 else f"HTTP {response.status_code}"
@@ -111,8 +112,12 @@ def wait_for_tracking(uri: str, retry_seconds: float) -> float:
         if remaining <= 0:
             raise TrackingUnavailable(unavailable_message(uri, reason, retry_seconds))
         if not warned:
-            log.warning("MLflow tracking server %s unreachable (%s); retrying for up to %gs (tracking.retry_seconds)",
-                        redact(uri), reason, retry_seconds)
+            log.warning(
+                "MLflow tracking server %s unreachable (%s); retrying for up to %gs (tracking.retry_seconds)",
+                redact(uri),
+                reason,
+                retry_seconds,
+            )
             warned = True
         time.sleep(min(delay, remaining))
         delay = min(2 * delay, _MAX_BACKOFF_S)
@@ -132,13 +137,19 @@ def _retrying(fn, uri: str, deadline: float, retry_seconds: float):
             return fn()
         except Exception as exc:
             if not _transient(exc):
-                raise RuntimeError(f"MLflow tracking store {redact(uri)} refused the request: "
-                                   f"{redact(' '.join(str(exc).split()))[:300]}") from exc
+                raise RuntimeError(
+                    f"MLflow tracking store {redact(uri)} refused the request: "
+                    f"{redact(' '.join(str(exc).split()))[:300]}"
+                ) from exc
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TrackingUnavailable(unavailable_message(uri, _short_reason(exc), retry_seconds)) from exc
-            log.warning("MLflow tracking store %s failed (%s); retrying in %.1fs", redact(uri), _short_reason(exc),
-                        min(delay, remaining))
+            log.warning(
+                "MLflow tracking store %s failed (%s); retrying in %.1fs",
+                redact(uri),
+                _short_reason(exc),
+                min(delay, remaining),
+            )
             time.sleep(min(delay, remaining))
             delay = min(2 * delay, _MAX_BACKOFF_S)
 

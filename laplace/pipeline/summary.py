@@ -13,6 +13,7 @@ from laplace.pipeline.stages import STAGES
 
 def read(paths: Paths) -> dict:
     """Each stage's metrics (empty when absent) and the tracking record, keyed by metrics name."""
+
     def load(p: Path) -> dict:
         return json.loads(p.read_text()) if p.exists() else {}
 
@@ -29,42 +30,81 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
     """(topic, lines) for every stage that has results, in pipeline order."""
     out: list[tuple[str, list[str]]] = []
     if tok := info.get("tokenize"):
-        out.append(("corpus", [f"{tok['documents_train'] + tok['documents_val']:,} documents, "
-                               f"{tok['tokens_train']:,} train / {tok['tokens_val']:,} val tokens"]))
+        out.append(
+            (
+                "corpus",
+                [
+                    f"{tok['documents_train'] + tok['documents_val']:,} documents, "
+                    f"{tok['tokens_train']:,} train / {tok['tokens_val']:,} val tokens"
+                ],
+            )
+        )
     if tr := info.get("train"):
-        out.append(("training", [f"{tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f} "
-                                 f"(ppl {tr['val_ppl']:.1f}), {tr['tokens_per_s'] or 0:,.0f} tokens/s"]))
+        out.append(
+            (
+                "training",
+                [
+                    f"{tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f} "
+                    f"(ppl {tr['val_ppl']:.1f}), {tr['tokens_per_s'] or 0:,.0f} tokens/s"
+                ],
+            )
+        )
     if ex := info.get("export"):
         out.append(("model", [f"{root / ex['export_dir']} ({ex['parameters']:,} parameters)"]))
     if wu := info.get("warmup"):
-        out.append(("warmup", [f"{wu['graphs']} graphs compiled in {wu['compile_seconds_total']:.1f}s cold, "
-                               f"{wu['warm_start_seconds_total']:.1f}s warm ({wu['warm_speedup']:.1f}x)"]))
+        out.append(
+            (
+                "warmup",
+                [
+                    f"{wu['graphs']} graphs compiled in {wu['compile_seconds_total']:.1f}s cold, "
+                    f"{wu['warm_start_seconds_total']:.1f}s warm ({wu['warm_speedup']:.1f}x)"
+                ],
+            )
+        )
     if sv := info.get("serve"):
         exact, padded = sv["exact"], sv["padded"]
         ratio_key = next(k for k in sv if k.startswith("decode_cost_ratio_"))
-        out.append(("serving", [
-            f"{sv['headline_workload']}: padded {padded['output_tokens_per_s']:.0f} tokens/s, "
-            f"{padded['compile_events']} compiles, TTFT p99 {padded['ttft_p99_s']:.3f}s | exact "
-            f"{exact['output_tokens_per_s']:.0f} tokens/s, compiles {exact['compile_step_share']:.1%} of steps, "
-            f"{exact['compile_time_share']:.1%} of decode time",
-            f"{ratio_key} = {sv[ratio_key]:.3f}; gates {_verdict(sv['passed'])}"]))
+        out.append(
+            (
+                "serving",
+                [
+                    f"{sv['headline_workload']}: padded {padded['output_tokens_per_s']:.0f} tokens/s, "
+                    f"{padded['compile_events']} compiles, TTFT p99 {padded['ttft_p99_s']:.3f}s | exact "
+                    f"{exact['output_tokens_per_s']:.0f} tokens/s, "
+                    f"compiles {exact['compile_step_share']:.1%} of steps, "
+                    f"{exact['compile_time_share']:.1%} of decode time",
+                    f"{ratio_key} = {sv[ratio_key]:.3f}; gates {_verdict(sv['passed'])}",
+                ],
+            )
+        )
     if nm := info.get("numerics"):
         f32, b16 = nm["fp32"]["prefill"], nm["bf16"]["prefill"]
-        out.append(("numerics", [
-            f"fp32 compiled vs fp64 rel RMS {f32['rel_rms_compiled_vs_fp64']:.1e}, max |compiled-eager| "
-            f"{nm['max_abs_logit_diff_fp32']:.1e}; bf16 compiled {b16['rel_rms_compiled_vs_fp64']:.1e} vs eager "
-            f"{b16['rel_rms_eager_vs_fp64']:.1e}; gates {_verdict(nm['passed'])}"]))
+        out.append(
+            (
+                "numerics",
+                [
+                    f"fp32 compiled vs fp64 rel RMS {f32['rel_rms_compiled_vs_fp64']:.1e}, max |compiled-eager| "
+                    f"{nm['max_abs_logit_diff_fp32']:.1e}; "
+                    f"bf16 compiled {b16['rel_rms_compiled_vs_fp64']:.1e} vs eager "
+                    f"{b16['rel_rms_eager_vs_fp64']:.1e}; gates {_verdict(nm['passed'])}"
+                ],
+            )
+        )
     if pr := info.get("probes"):
         lines = []
         if grid := pr.get("mqar_trained_accuracy") or {}:
             ctx = sorted(grid, key=int)
             easy, hard = grid[ctx[0]], grid[ctx[-1]]
-            lines.append(f"MQAR-trained GLA: {max(easy.values()):.0%} at {ctx[0]} tokens, "
-                         f"{min(hard.values()):.0%} at {ctx[-1]}; exported model MQAR "
-                         f"{max(pr['mqar_accuracy'].values()):.0%}, passkey {pr['passkey_accuracy_overall']:.0%}")
-        lines.append(f"state {pr['state_bytes_measured']:,} B/sequence vs KV@8192 {pr['kv_bytes_8192']:,} B; "
-                     f"3B: {pr['laplace_3b_state_bytes'] / 1e6:.1f} MB vs {pr['laplace_3b_kv_bytes_8192'] / 1e9:.2f} GB "
-                     f"({pr['laplace_3b_state_vs_kv_8192']:.1f}x); gates {_verdict(pr['passed'])}")
+            lines.append(
+                f"MQAR-trained GLA: {max(easy.values()):.0%} at {ctx[0]} tokens, "
+                f"{min(hard.values()):.0%} at {ctx[-1]}; exported model MQAR "
+                f"{max(pr['mqar_accuracy'].values()):.0%}, passkey {pr['passkey_accuracy_overall']:.0%}"
+            )
+        lines.append(
+            f"state {pr['state_bytes_measured']:,} B/sequence vs KV@8192 {pr['kv_bytes_8192']:,} B; "
+            f"3B: {pr['laplace_3b_state_bytes'] / 1e6:.1f} MB vs {pr['laplace_3b_kv_bytes_8192'] / 1e9:.2f} GB "
+            f"({pr['laplace_3b_state_vs_kv_8192']:.1f}x); gates {_verdict(pr['passed'])}"
+        )
         out.append(("probes", lines))
     if trk := info.get("tracking"):
         version = f", registered {trk['model_name']} v{trk['model_version']}" if trk.get("model_version") else ""
@@ -74,9 +114,11 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
 
 
 def next_steps(root: Path) -> list[str]:
-    return ["dvc metrics show | dvc plots show   (open dvc_plots/index.html)",
-            f"mlflow ui --backend-store-uri sqlite:///{root / 'mlflow.db'} --host 127.0.0.1 --port 5000",
-            "make prefect-server; make prefect-worker; prefect deployment run 'laplace-pipeline/tiny'"]
+    return [
+        "dvc metrics show | dvc plots show   (open dvc_plots/index.html)",
+        f"mlflow ui --backend-store-uri sqlite:///{root / 'mlflow.db'} --host 127.0.0.1 --port 5000",
+        "make prefect-server; make prefect-worker; prefect deployment run 'laplace-pipeline/tiny'",
+    ]
 
 
 def as_text(info: dict, root: Path) -> str:
@@ -88,6 +130,7 @@ def as_text(info: dict, root: Path) -> str:
 
 
 def as_markdown(info: dict, root: Path) -> str:
-    table = "\n".join(f"| {topic} | {'<br>'.join(t.replace('|', '/') for t in texts)} |"
-                      for topic, texts in rows(info, root))
+    table = "\n".join(
+        f"| {topic} | {'<br>'.join(t.replace('|', '/') for t in texts)} |" for topic, texts in rows(info, root)
+    )
     return f"# Laplace pipeline\n\n| stage | figures |\n|---|---|\n{table}\n"

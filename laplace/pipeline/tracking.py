@@ -112,8 +112,9 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
         elif isinstance(model_input, str):
             prompts = [model_input]
         elif isinstance(model_input, dict):
-            prompts = list(model_input["prompt"]) if not isinstance(model_input["prompt"], str) \
-                else [model_input["prompt"]]
+            prompts = (
+                list(model_input["prompt"]) if not isinstance(model_input["prompt"], str) else [model_input["prompt"]]
+            )
         else:
             prompts = [str(p) for p in model_input]
         # MLflow fills missing params from the signature's defaults (the run's generate: section);
@@ -124,9 +125,11 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
         with torch.inference_mode():
             for prompt in prompts:
                 ids = generate_ids(
-                    self.model, self.tokenizer.encode(prompt).ids,
+                    self.model,
+                    self.tokenizer.encode(prompt).ids,
                     int(params.get("max_new_tokens", defaults.max_new_tokens)),
-                    float(params.get("temperature", 0.0)), float(params.get("top_p", 1.0)),
+                    float(params.get("temperature", 0.0)),
+                    float(params.get("top_p", 1.0)),
                     int(params.get("seed", defaults.seed)),
                     stop_ids=(eos,) if eos is not None else (),
                 )
@@ -181,9 +184,11 @@ def log_pipeline_run(
     experiment_id = _retrying(ensure_experiment, uri, deadline, retry_seconds)
     gate_results = gates(metrics_by_stage)
     champion = bool(gate_results) and all(v is True for v in gate_results.values())
-    all_tags = {**tags, "params_hash": params_hash,
-                **{f"gate.{k}": {True: "passed", False: "failed", None: "missing"}[v]
-                   for k, v in gate_results.items()}}
+    all_tags = {
+        **tags,
+        "params_hash": params_hash,
+        **{f"gate.{k}": {True: "passed", False: "failed", None: "missing"}[v] for k, v in gate_results.items()},
+    }
     try:  # MLflow's own run-context tags (user, source, git) come from the environment too
         from mlflow.tracking.context.registry import resolve_tags
 
@@ -203,10 +208,21 @@ def log_pipeline_run(
         with mlflow.start_run(experiment_id=experiment_id, run_name=redact(run_name, secrets), tags=all_tags) as run:
             run_id = run.info.run_id
             version = _log_run_contents(
-                client, run_id, params=params, secrets=secrets, metrics_by_stage=metrics_by_stage,
-                step_series=step_series, plots_dir=plots_dir, tokenizer_path=tokenizer_path, export_dir=export_dir,
-                dataset_path=dataset_path, dataset_digest=dataset_digest, model_name=model_name, register=register,
-                champion=champion)
+                client,
+                run_id,
+                params=params,
+                secrets=secrets,
+                metrics_by_stage=metrics_by_stage,
+                step_series=step_series,
+                plots_dir=plots_dir,
+                tokenizer_path=tokenizer_path,
+                export_dir=export_dir,
+                dataset_path=dataset_path,
+                dataset_digest=dataset_digest,
+                model_name=model_name,
+                register=register,
+                champion=champion,
+            )
     except Exception as exc:  # the server went away mid-run: the same one line as above
         if isinstance(exc, TrackingUnavailable) or not _connection_lost(exc):
             raise
@@ -219,8 +235,13 @@ def log_pipeline_run(
             else:
                 os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = saved
     if hide_url:
-        log.info("MLflow run %s: %s/#/experiments/%s/runs/%s", run_id, redact(uri, secrets).rstrip("/"),
-                 experiment_id, run_id)
+        log.info(
+            "MLflow run %s: %s/#/experiments/%s/runs/%s",
+            run_id,
+            redact(uri, secrets).rstrip("/"),
+            experiment_id,
+            run_id,
+        )
     return {
         "tracking_uri": redact(uri, secrets),
         "experiment_id": experiment_id,
@@ -232,9 +253,23 @@ def log_pipeline_run(
     }
 
 
-def _log_run_contents(client, run_id: str, *, params, secrets, metrics_by_stage, step_series, plots_dir,
-                      tokenizer_path, export_dir, dataset_path, dataset_digest, model_name, register,
-                      champion) -> int | str | None:
+def _log_run_contents(
+    client,
+    run_id: str,
+    *,
+    params,
+    secrets,
+    metrics_by_stage,
+    step_series,
+    plots_dir,
+    tokenizer_path,
+    export_dir,
+    dataset_path,
+    dataset_digest,
+    model_name,
+    register,
+    champion,
+) -> int | str | None:
     """Params, metrics, dataset input, artifacts and the model of the active run; the model version."""
     import mlflow
     from mlflow.data.dataset_source_registry import resolve_dataset_source
@@ -244,18 +279,22 @@ def _log_run_contents(client, run_id: str, *, params, secrets, metrics_by_stage,
 
     now = int(time.time() * 1000)
     param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(params.items())]
-    metrics = [Metric(k, v, now, 0) for stage, m in sorted(metrics_by_stage.items())
-               for k, v in sorted(flatten_metrics(stage, m).items())]
+    metrics = [
+        Metric(k, v, now, 0)
+        for stage, m in sorted(metrics_by_stage.items())
+        for k, v in sorted(flatten_metrics(stage, m).items())
+    ]
     metrics += [Metric(k, float(v), now, int(step)) for k, series in step_series.items() for step, v in series]
     for i in range(0, len(param_items), 100):
-        client.log_batch(run_id, params=param_items[i:i + 100])
+        client.log_batch(run_id, params=param_items[i : i + 100])
     for i in range(0, len(metrics), 500):
-        client.log_batch(run_id, metrics=metrics[i:i + 500])
+        client.log_batch(run_id, metrics=metrics[i : i + 500])
     if dataset_path is not None and dataset_digest:
         # MLflow caps digests at 36 characters: a DVC md5 (".dir" included) fits, the manifest's
         # sha256 (the fallback outside DVC) is cut to its first 36 hex digits
-        dataset = MetaDataset(source=resolve_dataset_source(str(dataset_path)), name="tokenized",
-                              digest=dataset_digest[:36])
+        dataset = MetaDataset(
+            source=resolve_dataset_source(str(dataset_path)), name="tokenized", digest=dataset_digest[:36]
+        )
         mlflow.log_input(dataset, context="training")
     if plots_dir is not None and plots_dir.exists():
         mlflow.log_artifacts(str(plots_dir), "plots")
@@ -271,8 +310,12 @@ def _log_run_contents(client, run_id: str, *, params, secrets, metrics_by_stage,
     signature = infer_signature(
         model_input=pd.DataFrame({"prompt": ["The function"]}),
         model_output=["text"],
-        params={"max_new_tokens": int(params.get("generate.max_new_tokens", GenerateSection().max_new_tokens)),
-                "temperature": 0.0, "top_p": 1.0, "seed": int(params.get("generate.seed", GenerateSection().seed))},
+        params={
+            "max_new_tokens": int(params.get("generate.max_new_tokens", GenerateSection().max_new_tokens)),
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "seed": int(params.get("generate.seed", GenerateSection().seed)),
+        },
     )
     info = mlflow.pyfunc.log_model(
         name="model",

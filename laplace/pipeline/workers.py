@@ -56,8 +56,15 @@ def compile_env(cache_dir: Path | None) -> dict[str, str]:
     return env
 
 
-def run_worker(module: str, cfg: Config, args: list[str], env: dict[str, str], cwd: Path, out: Path,
-               launcher: list[str] | None = None) -> dict:
+def run_worker(
+    module: str,
+    cfg: Config,
+    args: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    out: Path,
+    launcher: list[str] | None = None,
+) -> dict:
     """Run `python -m module` on the effective config; its result is the JSON it writes to `out`.
     `launcher` replaces `python` (e.g. torchrun's command line, from laplace.distributed)."""
     from laplace.fileio import atomic_write_json
@@ -66,8 +73,9 @@ def run_worker(module: str, cfg: Config, args: list[str], env: dict[str, str], c
     cfg_file = out.with_suffix(".config.json")
     atomic_write_json(cfg_file, cfg.to_dict())
     cmd = [*(launcher or [sys.executable]), "-m", module, "--config-json", str(cfg_file), "--out", str(out), *args]
-    status, tail = run_streaming(cmd, cwd, env, lambda line: print(f"  [{module.rsplit('.', 1)[-1]}] {line}",
-                                                                     flush=True))
+    status, tail = run_streaming(
+        cmd, cwd, env, lambda line: print(f"  [{module.rsplit('.', 1)[-1]}] {line}", flush=True)
+    )
     if status != 0:
         last = tail.splitlines()[-1] if tail else ""
         if status == INPUT_ERROR_EXIT:

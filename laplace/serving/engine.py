@@ -181,8 +181,10 @@ class DecodeEngine:
         if max_queue < 1:
             raise ConfigError(f"serve.max_queue: must be >= 1, got {max_queue}")
         if max(prefill_buckets) < max_prompt_tokens:
-            raise ConfigError(f"serve.prefill_buckets: the largest bucket {max(prefill_buckets)} is shorter than "
-                             f"serve.max_prompt_tokens={max_prompt_tokens}")
+            raise ConfigError(
+                f"serve.prefill_buckets: the largest bucket {max(prefill_buckets)} is shorter than "
+                f"serve.max_prompt_tokens={max_prompt_tokens}"
+            )
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_slots = max_slots
@@ -243,8 +245,9 @@ class DecodeEngine:
     def _decode_eager(self, tokens: Tensor, slots: Tensor, recurrent: Tensor, conv: Tensor | None) -> Tensor:
         return self.model.decode_step(tokens, State(recurrent, conv), slots)
 
-    def _prefill_eager(self, tokens: Tensor, slots: Tensor, lengths: Tensor, recurrent: Tensor,
-                       conv: Tensor | None) -> Tensor:
+    def _prefill_eager(
+        self, tokens: Tensor, slots: Tensor, lengths: Tensor, recurrent: Tensor, conv: Tensor | None
+    ) -> Tensor:
         return self.model.prefill(tokens, State(recurrent, conv), slots, lengths)
 
     def decode_rows(self, tokens: Tensor, slots: Tensor) -> Tensor:
@@ -264,12 +267,12 @@ class DecodeEngine:
         for w in self.ladder:
             tokens = torch.full((w,), self.pad_id, dtype=torch.long, device=self.device)
             slots = torch.full((w,), dummy, dtype=torch.long, device=self.device)
-            out["decode"][w] = self._timed(lambda: self.decode_rows(tokens, slots))[1]
+            out["decode"][w] = self._timed(lambda t=tokens, s=slots: self.decode_rows(t, s))[1]
         for b in self.buckets:
             tokens = torch.full((1, b), self.pad_id, dtype=torch.long, device=self.device)
             slots = torch.tensor([dummy], device=self.device)
             lengths = torch.tensor([b], device=self.device)
-            out["prefill"][b] = self._timed(lambda: self.prefill_rows(tokens, slots, lengths))[1]
+            out["prefill"][b] = self._timed(lambda t=tokens, s=slots, n=lengths: self.prefill_rows(t, s, n))[1]
         self.state.zero_()
         return out
 
@@ -301,11 +304,18 @@ class DecodeEngine:
                 raise Rejected(f"prompt token at position {i} is not an integer id: {reprlib.repr(t)}")
             if not 0 <= t < vocab:
                 raise Rejected(f"prompt token id {t} at position {i} is outside the vocabulary [0, {vocab})")
-        if not (_is_real(req.temperature) and _is_real(req.top_p) and math.isfinite(req.temperature)
-                and req.temperature >= 0 and 0 < req.top_p <= 1):
-            raise Rejected(f"temperature must be >= 0 (finite) and top_p in (0, 1], got "
-                           f"{reprlib.repr(req.temperature)}, {reprlib.repr(req.top_p)}")
-        if not (_is_int(req.seed) and -2**63 <= req.seed < 2**64):  # what torch.Generator.manual_seed takes
+        if not (
+            _is_real(req.temperature)
+            and _is_real(req.top_p)
+            and math.isfinite(req.temperature)
+            and req.temperature >= 0
+            and 0 < req.top_p <= 1
+        ):
+            raise Rejected(
+                f"temperature must be >= 0 (finite) and top_p in (0, 1], got "
+                f"{reprlib.repr(req.temperature)}, {reprlib.repr(req.top_p)}"
+            )
+        if not (_is_int(req.seed) and -(2**63) <= req.seed < 2**64):  # what torch.Generator.manual_seed takes
             raise Rejected(f"seed must be an integer in [-2**63, 2**64), got {reprlib.repr(req.seed)}")
 
     def _reject(self, req: Request, reason: str) -> Completion:
@@ -345,8 +355,9 @@ class DecodeEngine:
         self.now += seconds
 
     def _admit(self, req: Request) -> None:
-        done = Completion(req.id, "done", prompt_tokens=len(req.prompt_ids), arrival_s=req.arrival_s,
-                          admitted_s=self.now)
+        done = Completion(
+            req.id, "done", prompt_tokens=len(req.prompt_ids), arrival_s=req.arrival_s, admitted_s=self.now
+        )
         gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
         n = len(req.prompt_ids)
         bucket = fit(n, self.buckets)
@@ -359,8 +370,9 @@ class DecodeEngine:
 
         def run():
             self.state.zero_(slots.to(self.device))  # a reused slot starts clean
-            logits = self.prefill_rows(tokens.to(self.device), slots.to(self.device),
-                                       torch.tensor([n], device=self.device))
+            logits = self.prefill_rows(
+                tokens.to(self.device), slots.to(self.device), torch.tensor([n], device=self.device)
+            )
             return self._sample([live], logits)
 
         try:
@@ -380,7 +392,8 @@ class DecodeEngine:
         slots = torch.tensor([r.slot for r in rows] + [self.pool.dummy] * pad)
         before = compiled_graph_count()
         next_tokens, seconds = self._timed(
-            lambda: self._sample(rows, self.decode_rows(tokens.to(self.device), slots.to(self.device))))
+            lambda: self._sample(rows, self.decode_rows(tokens.to(self.device), slots.to(self.device)))
+        )
         self._record("decode", seconds, width, len(rows), before)
         for row, token in zip(rows, next_tokens):
             self._emit(row, token)
@@ -393,7 +406,7 @@ class DecodeEngine:
         for i, row in enumerate(rows):
             r = row.request
             if r.temperature > 0:
-                out.append(int(sample_next(logits[i:i + 1], r.temperature, r.top_p, row.generator)))
+                out.append(int(sample_next(logits[i : i + 1], r.temperature, r.top_p, row.generator)))
             else:
                 out.append(greedy[i])
         return out

@@ -191,10 +191,14 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
         result["workloads"][kind] = summarize(engine.steps, done, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s)
         result["traces"][kind] = trace(engine.steps, done)
         result["workloads"][kind]["outputs_digest"] = hash(tuple(tuple(c.output_ids) for c in done)) & 0xFFFFFFFF
-        print(f"{policy}/{kind}: {result['workloads'][kind]['output_tokens_per_s']:.0f} tokens/s, "
-              f"{result['workloads'][kind]['compile_events']} compile events", flush=True)
+        print(
+            f"{policy}/{kind}: {result['workloads'][kind]['output_tokens_per_s']:.0f} tokens/s, "
+            f"{result['workloads'][kind]['compile_events']} compile events",
+            flush=True,
+        )
     if policy == "padded":
         with stance:
-            result["decode_cost"] = decode_cost(engine, cfg.serve.decode_contexts, cfg.serve.decode_timing_steps,
-                                                 text[: max(cfg.serve.decode_contexts)])
+            result["decode_cost"] = decode_cost(
+                engine, cfg.serve.decode_contexts, cfg.serve.decode_timing_steps, text[: max(cfg.serve.decode_contexts)]
+            )
     return result

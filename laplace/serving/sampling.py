@@ -60,8 +60,7 @@ def generate_ids(
     return out
 
 
-def generate_text(model_dir, prompt: str, max_new_tokens: int, temperature: float, top_p: float,
-                  seed: int) -> dict:
+def generate_text(model_dir, prompt: str, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict:
     """Generate from an export directory: the prompt, the completion, token count and rate."""
     import time
 
@@ -71,8 +70,19 @@ def generate_text(model_dir, prompt: str, max_new_tokens: int, temperature: floa
     prompt_ids = tokenizer.encode(prompt).ids
     start = time.perf_counter()
     with torch.inference_mode():
-        ids = generate_ids(model, prompt_ids, max_new_tokens, temperature, top_p, seed,
-                           stop_ids=(config["eos_id"],) if config.get("eos_id") is not None else ())
+        ids = generate_ids(
+            model,
+            prompt_ids,
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+            stop_ids=(config["eos_id"],) if config.get("eos_id") is not None else (),
+        )
     seconds = time.perf_counter() - start
-    return {"prompt": prompt, "completion": tokenizer.decode(ids), "new_tokens": len(ids),
-            "tokens_per_s": len(ids) / max(seconds, 1e-9)}
+    return {
+        "prompt": prompt,
+        "completion": tokenizer.decode(ids),
+        "new_tokens": len(ids),
+        "tokens_per_s": len(ids) / max(seconds, 1e-9),
+    }

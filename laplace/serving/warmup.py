@@ -39,9 +39,11 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
         "backend": backend,
         "device": str(device),
         "graphs": len(seconds["decode"]) + len(seconds["prefill"]),
-        "seconds": {"decode_s": {str(k): v for k, v in seconds["decode"].items()},
-                    "prefill_s": {str(k): v for k, v in seconds["prefill"].items()},
-                    "total_s": total},
+        "seconds": {
+            "decode_s": {str(k): v for k, v in seconds["decode"].items()},
+            "prefill_s": {str(k): v for k, v in seconds["prefill"].items()},
+            "total_s": total,
+        },
         "process_s": time.perf_counter() - started,
         "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
     }

@@ -35,7 +35,9 @@ def arrival_times(kind: str, n: int, rate: float, burst_cv: float, rng: np.rando
 
 def log_uniform(lo: int, hi: int, n: int, rng: np.random.Generator) -> np.ndarray:
     if not 1 <= lo <= hi:
-        raise ConfigError(f"serve.prompt_tokens/output_tokens: length range must satisfy 1 <= min <= max, got [{lo}, {hi}]")
+        raise ConfigError(
+            f"serve.prompt_tokens/output_tokens: length range must satisfy 1 <= min <= max, got [{lo}, {hi}]"
+        )
     return np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), size=n))).astype(int).clip(lo, hi)
 
 
@@ -50,7 +52,7 @@ def build_requests(kind: str, serve: ServeSection, text_tokens: np.ndarray, seed
     return [
         Request(
             id=i,
-            prompt_ids=[int(t) for t in text_tokens[s:s + p]],
+            prompt_ids=[int(t) for t in text_tokens[s : s + p]],
             max_new_tokens=int(o),
             temperature=serve.temperature,
             top_p=serve.top_p,

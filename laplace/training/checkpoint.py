@@ -111,7 +111,7 @@ def model_tensors(path: Path) -> dict[str, torch.Tensor]:
                 if key.startswith("model."):
                     if any(offsets.get(key, {}).get(SAVED_OFFSETS_KEY, [0])):
                         raise CheckpointError(f"{file}: parameter {key} is stored sharded, expected whole")
-                    out[key[len("model."):]] = f.get_tensor(key)
+                    out[key[len("model.") :]] = f.get_tensor(key)
     if not out:
         raise CheckpointError(f"{path}: holds no parameters")
     return out
@@ -193,8 +193,10 @@ def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any
     dist.barrier()
     error = ""
     try:
-        dcp.save(_dcp_state(model, optimizer, mesh),
-                 storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True))
+        dcp.save(
+            _dcp_state(model, optimizer, mesh),
+            storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True),
+        )
     except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure: all ranks land here
         error = _root_cause(exc)
     dist.barrier()
@@ -211,8 +213,9 @@ def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any
             shutil.rmtree(staging, ignore_errors=True)
         previous = list_checkpoints(root)
         kept = f"the previous checkpoint {previous[0][1].name} is intact" if previous else "no earlier checkpoint"
-        raise CheckpointError(f"could not write checkpoint {final.name} in {root}: "
-                              f"{error or 'failed on rank 0'}; {kept}")
+        raise CheckpointError(
+            f"could not write checkpoint {final.name} in {root}: {error or 'failed on rank 0'}; {kept}"
+        )
     if rank == 0:
         prune_checkpoints(root, keep)
     dist.barrier()

@@ -48,8 +48,12 @@ def join(device: torch.device) -> Group:
         # After a restart torchrun may hand out the same store, still holding the dead workers'
         # addresses: a rank that reads one first times out connecting. Keys per attempt avoid that.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"laplace/attempt_{attempt}", store),
-                                rank=rank, world_size=world)
+        dist.init_process_group(
+            backend_for(device),
+            store=dist.PrefixStore(f"laplace/attempt_{attempt}", store),
+            rank=rank,
+            world_size=world,
+        )
     else:  # one rank, no network: an in-memory store
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return Group(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), True)
@@ -88,11 +92,21 @@ def needs_torchrun(t: TrainSection) -> bool:
 def torchrun_launcher(t: TrainSection) -> list[str]:
     """`torchrun ...` from the train section (standalone unless a rendezvous endpoint is set); the
     module and its arguments follow."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.nproc_per_node}",
-           f"--max-restarts={t.max_restarts}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={t.nproc_per_node}",
+        f"--max-restarts={t.max_restarts}",
+    ]
     if t.rdzv_endpoint:
-        cmd += [f"--nnodes={t.nnodes}", f"--node-rank={t.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={t.rdzv_id}"]
+        cmd += [
+            f"--nnodes={t.nnodes}",
+            f"--node-rank={t.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={t.rdzv_endpoint}",
+            f"--rdzv-id={t.rdzv_id}",
+        ]
     else:
         cmd += ["--standalone"]
     return cmd

@@ -49,13 +49,21 @@ def run_fingerprint(cfg: Config, model_cfg, manifest: dict) -> str:
     """Hash of everything that decides the trained weights: a checkpoint resumes only the run it
     came from (same data, model, schedule and optimizers)."""
     train_knobs = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _BOOKKEEPING}
-    blob = json.dumps({
-        "seed": cfg.seed, "model": model_cfg.to_dict(), "train": train_knobs,
-        "adamw": dataclasses.asdict(cfg.adamw), "muon": dataclasses.asdict(cfg.muon),
-        "data": {"tokenizer": manifest.get("tokenizer_sha256"),
-                 "train": manifest.get("files", {}).get("train.bin", {}).get("sha256"),
-                 "val": manifest.get("files", {}).get("val.bin", {}).get("sha256")},
-    }, sort_keys=True)
+    blob = json.dumps(
+        {
+            "seed": cfg.seed,
+            "model": model_cfg.to_dict(),
+            "train": train_knobs,
+            "adamw": dataclasses.asdict(cfg.adamw),
+            "muon": dataclasses.asdict(cfg.muon),
+            "data": {
+                "tokenizer": manifest.get("tokenizer_sha256"),
+                "train": manifest.get("files", {}).get("train.bin", {}).get("sha256"),
+                "val": manifest.get("files", {}).get("val.bin", {}).get("sha256"),
+            },
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -121,7 +129,8 @@ def train(
     model_cfg = cfg.model_config(vocab_size=manifest["vocab_size"])
     if manifest["vocab_size"] > model_cfg.vocab_size:
         raise ConfigError(
-            f"model.vocab_size: tokenizer vocab {manifest['vocab_size']} is larger than model.vocab_size {model_cfg.vocab_size}"
+            f"model.vocab_size: tokenizer vocab {manifest['vocab_size']} is larger than model.vocab_size "
+            f"{model_cfg.vocab_size}"
         )
     group = distributed.join(device)
     try:
@@ -135,14 +144,46 @@ def train(
         torch.manual_seed(cfg.seed)
         model = LaplaceLM(model_cfg).to(device)
         optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon, comm=cfg.muon.comm)
-        return _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train_tokens,
-                     val_batches, Path(run_dir), resume, stop_at_step, on_log, before_step, progress)
+        return _loop(
+            cfg,
+            model,
+            optimizer,
+            group,
+            mesh,
+            device,
+            manifest,
+            model_cfg,
+            train_tokens,
+            val_batches,
+            Path(run_dir),
+            resume,
+            stop_at_step,
+            on_log,
+            before_step,
+            progress,
+        )
     finally:
         distributed.leave(group)
 
 
-def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train_tokens, val_batches, run_dir,
-          resume, stop_at_step, on_log, before_step, progress) -> TrainResult:
+def _loop(
+    cfg,
+    model,
+    optimizer,
+    group,
+    mesh,
+    device,
+    manifest,
+    model_cfg,
+    train_tokens,
+    val_batches,
+    run_dir,
+    resume,
+    stop_at_step,
+    on_log,
+    before_step,
+    progress,
+) -> TrainResult:
     from laplace.optim.sharded import traffic_metrics
     from laplace.training.distributed import all_mean, barrier
 
@@ -157,8 +198,11 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
             previous = run_dir / "previous"
             shutil.rmtree(previous, ignore_errors=True)
             ckpt_root.rename(previous)
-            log.warning("checkpoints in %s belong to another run (settings or data changed); moved to %s, "
-                        "training from step 0", ckpt_root, previous)
+            log.warning(
+                "checkpoints in %s belong to another run (settings or data changed); moved to %s, training from step 0",
+                ckpt_root,
+                previous,
+            )
         barrier()
         found = None
     if found is not None:
@@ -166,8 +210,13 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
         start_step, history = int(trainer["step"]), list(trainer.get("history", []))
         optimizer.set_adamw_steps(start_step)
         if group.is_main:
-            log.info("resumed from %s (step %d, saved at world size %s, now %d)", found, start_step,
-                     trainer.get("world_size"), group.world)
+            log.info(
+                "resumed from %s (step %d, saved at world size %s, now %d)",
+                found,
+                start_step,
+                trainer.get("world_size"),
+                group.world,
+            )
 
     step_fn = torch.compile(model, fullgraph=True, dynamic=False) if t.compile else model
 
@@ -182,8 +231,15 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
 
     tokens_per_step = t.batch_size * t.seq_len
     last_path = None
-    bar = tqdm(range(start_step, t.steps), initial=start_step, total=t.steps, disable=not progress or not group.is_main,
-               desc="train", unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        range(start_step, t.steps),
+        initial=start_step,
+        total=t.steps,
+        disable=not progress or not group.is_main,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+    )
     window_start, window_tokens = time.perf_counter(), 0
     run_start, run_tokens, steps_run = time.perf_counter(), 0, 0
     optimizer.meter.reset()
@@ -199,8 +255,9 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
             loss = cross_entropy(step_fn(x), y)
         mean_loss = all_mean(loss)  # every rank sees the same value, so every rank stops together
         if not torch.isfinite(mean_loss):
-            raise TrainingDiverged(f"loss is {mean_loss.item()} at step {step + 1}; last good checkpoint kept in "
-                                   f"{ckpt_root}")
+            raise TrainingDiverged(
+                f"loss is {mean_loss.item()} at step {step + 1}; last good checkpoint kept in {ckpt_root}"
+            )
         loss.backward()
         grad_norm = optimizer.step(max_grad_norm=t.grad_clip)
         optimizer.zero_grad()
@@ -212,8 +269,13 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
         row = None
         if done % t.log_every == 0 or done == t.steps:
             elapsed = time.perf_counter() - window_start
-            row = {"step": done, "loss": mean_loss.item(), "lr_scale": scale, "grad_norm": grad_norm,
-                   "tokens_per_s": window_tokens / max(elapsed, 1e-9)}
+            row = {
+                "step": done,
+                "loss": mean_loss.item(),
+                "lr_scale": scale,
+                "grad_norm": grad_norm,
+                "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+            }
             window_start, window_tokens = time.perf_counter(), 0
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
         if done % t.eval_every == 0 or done == t.steps:
@@ -223,8 +285,13 @@ def _loop(cfg, model, optimizer, group, mesh, device, manifest, model_cfg, train
             history.append(row)
             if group.is_main:
                 # a plain line per logged step: visible in log files, where the progress bar is not
-                log.info("step %d/%d loss %.4f%s", done, t.steps, row["loss"],
-                         f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else "")
+                log.info(
+                    "step %d/%d loss %.4f%s",
+                    done,
+                    t.steps,
+                    row["loss"],
+                    f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else "",
+                )
                 if on_log:
                     on_log(row)
         if done % t.checkpoint_every == 0 or done == t.steps or (stop_at_step is not None and done >= stop_at_step):
