@@ -68,3 +68,19 @@ def test_broken_yaml_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(p)
     assert "is not valid YAML" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("seed: 1\ntrain:\n  lr: 0.1\n   steps: 3\n", 4),  # bad indentation: that line
+        ("seed: 1\ntrain:\n  lr 0.1\n  steps: 3\n", 3),  # a key without its colon
+        ('seed: 1\ndata:\n  hub_name: "sample\n  hub_split: train\n', 3),  # an unclosed quote
+        ("seed: 1\nserve:\n  widths: [1, 2\n  max_slots: 2\n", 3),  # an unclosed bracket
+    ],
+)
+def test_a_yaml_error_names_the_line_to_fix(tmp_path, text, line):
+    params = tmp_path / "params.yaml"
+    params.write_text(text)
+    with pytest.raises(ConfigError, match=rf"params\.yaml: line {line} is not valid YAML"):
+        load_config(params)

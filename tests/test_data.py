@@ -381,20 +381,20 @@ def test_open_split_detects_corruption(tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     train.write_bytes(bytes(raw))
     open_split(out, "train")  # same size: only the checksum notices
-    with pytest.raises(DataError, match=r"train\.bin: sha256 does not match"):
+    with pytest.raises(DataError, match=r"train\.bin fails its sha256 checksum"):
         open_split(out, "train", verify=True)
 
     train.write_bytes(bytes(raw[:-2]))
-    with pytest.raises(DataError, match=r"train\.bin: \d+ bytes, manifest says"):
+    with pytest.raises(DataError, match=r"train\.bin is truncated or resized \(\d+ bytes, the manifest says"):
         open_split(out, "train")
 
     (out / "val.bin").unlink()
-    with pytest.raises(DataError, match=r"val\.bin: missing"):
+    with pytest.raises(DataError, match=r"val\.bin is missing"):
         open_split(out, "val")
     with pytest.raises(DataError, match="split must be one of"):
         open_split(out, "test")
     (out / "manifest.json").unlink()
-    with pytest.raises(DataError, match=r"manifest\.json: no manifest"):
+    with pytest.raises(DataError, match=r"manifest\.json is missing .*run the tokenize stage first"):
         open_split(out, "train")
 
 

@@ -147,13 +147,13 @@ def test_kill_9_of_one_rank_under_torchrun_restarts_and_finishes_the_same(tokeni
 
 DIE_WRITING_MANIFEST = """
 import os, signal, sys
-from laplace.training import checkpoint
-write = checkpoint.write_manifest
-def die_at_step_6(directory, step):
-    if step == 6:  # shards and trainer.json are written, the manifest is not: SIGKILL now
+from laplace import manifest
+write = manifest.write_manifest
+def die_at_step_6(directory, kind, *args, **fields):
+    if kind == "checkpoint" and fields.get("step") == 6:  # shards and trainer.json are written: SIGKILL now
         os.kill(os.getpid(), signal.SIGKILL)
-    write(directory, step)
-checkpoint.write_manifest = die_at_step_6
+    return write(directory, kind, *args, **fields)
+manifest.write_manifest = die_at_step_6
 from laplace.pipeline.cli import main
 sys.exit(main(["train"]))
 """

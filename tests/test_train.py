@@ -84,7 +84,7 @@ def test_changed_settings_do_not_resume_a_foreign_checkpoint(data_dir, tmp_path,
     with caplog.at_level(logging.WARNING):
         second = train(cfg, data_dir, tmp_path, progress=False)
     assert second.metrics["resumed_from_step"] == 0 and "belong to another run" in caplog.text
-    assert (tmp_path / "previous" / first.checkpoint.name / "MANIFEST.json").exists()  # kept, not lost
+    assert (tmp_path / "previous" / first.checkpoint.name / "manifest.json").exists()  # kept, not lost
     # bookkeeping knobs do not make a different run
     third = train(small_config(steps=5, lr=0.001, eval_every=2, log_every=5), data_dir, tmp_path, progress=False)
     assert third.metrics["resumed_from_step"] == 5
@@ -136,7 +136,7 @@ def test_export_is_byte_reproducible_and_generates(data_dir, tmp_path):
     found = ckpt.load_checkpoint(result.checkpoint)
     export_model(found, data_dir / "tokenizer.json", tmp_path / "a")
     export_model(found, data_dir / "tokenizer.json", tmp_path / "b")
-    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "manifest.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     model, tok, config = load_export(tmp_path / "a")
     prompt = tok.encode("The function returns").ids
@@ -156,8 +156,13 @@ def test_export_rejects_a_mismatched_tokenizer(data_dir, tmp_path):
     other = tmp_path / "other_tok"
     tokenize_corpus(DataSection(max_documents=100, num_proc=1), TokenizerSection(vocab_size=300), other, 1)
     (tmp_path / "exp" / "tokenizer.json").write_bytes((other / "tokenizer.json").read_bytes())
+    with pytest.raises(ExportError, match=r"tokenizer\.json is truncated or resized"):
+        load_export(tmp_path / "exp")  # the manifest notices the replaced file
+    from laplace import manifest
+
+    manifest.write_manifest(tmp_path / "exp", "export", step=3)  # a manifest rewritten to match the swap
     with pytest.raises(ExportError, match="not the tokenizer this model was trained with"):
-        load_export(tmp_path / "exp")
+        load_export(tmp_path / "exp")  # the tokenizer's own hash in config.json still does
 
 
 def test_top_p_keeps_only_the_nucleus():

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm.auto import tqdm
 
+from laplace import manifest
 from laplace.config import DataSection, TokenizerSection
 from laplace.data.readers import _Corpus, _read_corpus
-from laplace.data.shards import MANIFEST_FORMAT, MANIFEST_NAME
+from laplace.data.shards import KIND
 from laplace.data.tokenizer import (
     EOS_TOKEN,
     TOKENIZER_NAME,
@@ -27,7 +28,7 @@ from laplace.data.tokenizer import (
     train_tokenizer,
 )
 from laplace.errors import DataError
-from laplace.fileio import atomic_open, atomic_write_bytes, json_bytes, sha256_file
+from laplace.fileio import atomic_open, atomic_write_bytes
 
 if TYPE_CHECKING:
     import datasets
@@ -214,7 +215,7 @@ def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # A half-rewritten directory must not look complete.
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    (out_dir / manifest.MANIFEST).unlink(missing_ok=True)
 
     corpus = _read_corpus(data)
     plan = _plan_split(corpus, data, seed)
@@ -245,18 +246,20 @@ def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path,
     if train.tokens == 0 or val.tokens == 0:  # cannot happen (every document ends in EOS); guards the trainer
         raise DataError(f"{out_dir}: empty split after tokenizing ({train.tokens} train, {val.tokens} val tokens)")
 
-    files = {
+    written = {
         name: {"bytes": shard.bytes, "sha256": shard.sha256} for name, shard in (("train.bin", train), ("val.bin", val))
     }
-    files[TOKENIZER_NAME] = {"bytes": tokenizer_path.stat().st_size, "sha256": sha256_file(tokenizer_path)}
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "vocab_size": vocab_size,
-        "dtype": dtype.name,
-        "eos_id": eos_id,
-        "tokenizer_sha256": tokenizer_sha256(tokenizer),
-        "source": {"kind": data.source, "fingerprint": plan.fingerprint, "description": corpus.description},
-        "settings": {
+    manifest.write_manifest(
+        out_dir,
+        KIND,
+        ["train.bin", "val.bin", TOKENIZER_NAME],
+        known=written,
+        vocab_size=vocab_size,
+        dtype=dtype.name,
+        eos_id=eos_id,
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
+        source={"kind": data.source, "fingerprint": plan.fingerprint, "description": corpus.description},
+        settings={
             "seed": seed,
             "min_chars": data.min_chars,
             "val_fraction": data.val_fraction,
@@ -266,12 +269,10 @@ def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path,
             if tok_cfg.path
             else {"vocab_size": tok_cfg.vocab_size, "min_frequency": tok_cfg.min_frequency},
         },
-        "documents": {"train": train.documents, "val": val.documents, "total_read": plan.total_read},
-        "skipped": {"empty": plan.empty, "too_short": plan.too_short, "undecodable": plan.undecodable},
-        "tokens": {"train": train.tokens, "val": val.tokens},
-        "files": files,
-    }
-    atomic_write_bytes(out_dir / MANIFEST_NAME, json_bytes(manifest))
+        documents={"train": train.documents, "val": val.documents, "total_read": plan.total_read},
+        skipped={"empty": plan.empty, "too_short": plan.too_short, "undecodable": plan.undecodable},
+        tokens={"train": train.tokens, "val": val.tokens},
+    )
 
     seconds = time.perf_counter() - started
     total_tokens = train.tokens + val.tokens

@@ -1,4 +1,4 @@
-"""The exported model: model.safetensors + config.json + tokenizer.json, byte-reproducible.
+"""The exported model: model.safetensors + config.json + tokenizer.json + manifest.json, byte-reproducible.
 
 The same checkpoint always exports to the same bytes (no timestamps, sorted keys),
 so a pipeline re-run that changes nothing upstream does not invalidate downstream
@@ -14,13 +14,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from laplace import manifest
 from laplace.data.tokenizer import load_tokenizer, tokenizer_sha256
 from laplace.errors import InputError
-from laplace.fileio import atomic_write_json, replace_dir, sha256_file, staging_dir
+from laplace.fileio import atomic_write_json, replace_dir, staging_dir
 from laplace.model.config import ModelConfig, validate_model_config
 from laplace.model.lm import LaplaceLM, torch_dtype
 
 FORMAT = 1
+KIND = "export"
 
 
 class ExportError(InputError):
@@ -49,9 +51,9 @@ def export_model(checkpoint, tokenizer_path: Path, out_dir: Path) -> dict:
             "tokenizer_sha256": tokenizer_sha256(tokenizer),
             "eos_id": tokenizer.token_to_id("<|endoftext|>"),
             "parameters": sum(t.numel() for t in tensors.values()),
-            "model_sha256": sha256_file(tmp / "model.safetensors"),
         }
         atomic_write_json(tmp / "config.json", config)
+        manifest.write_manifest(tmp, KIND, step=checkpoint.step)  # sizes and sha256 of the three files, last
         replace_dir(tmp, Path(out_dir))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -75,6 +77,9 @@ def load_export(export_dir: Path, device: torch.device | str = "cpu", dtype: tor
     """(model in eval mode, tokenizer, config dict) from an export directory; checks they belong together."""
     export_dir = Path(export_dir)
     config = read_export_config(export_dir)
+    ok, reason = manifest.verify(export_dir, KIND)
+    if not ok:
+        raise ExportError(reason)
     model_cfg = validate_model_config(ModelConfig(**config["model"]))
     tokenizer = load_tokenizer(export_dir / "tokenizer.json")
     if tokenizer_sha256(tokenizer) != config["tokenizer_sha256"]:
@@ -84,8 +89,6 @@ def load_export(export_dir: Path, device: torch.device | str = "cpu", dtype: tor
             f"tokenizer vocab {tokenizer.get_vocab_size()} does not fit the model vocab {model_cfg.vocab_size}"
         )
     weights = export_dir / "model.safetensors"
-    if sha256_file(weights) != config["model_sha256"]:
-        raise ExportError(f"{weights} fails its sha256 checksum")
     with torch.device("meta"):
         model = LaplaceLM(model_cfg)
     tensors = load_file(str(weights))

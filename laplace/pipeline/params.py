@@ -47,12 +47,39 @@ def read_params(path: str | Path) -> dict:
     if not path.exists():
         raise ConfigError(f"{path}: no such params file")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        where = yaml_error_where(text, exc)
+        raise ConfigError(f"{path}: {where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     return raw or {}
+
+
+def yaml_error_where(text: str, exc: yaml.YAMLError) -> str:
+    """`line N` of the mistake. PyYAML often notices one only on a later line (its problem mark):
+    an unclosed quote or bracket where it began (its context mark), and a key missing its colon
+    (`lr 0.1`) where the plain scalar swallowing the next line began. Indentation errors are at
+    the problem mark."""
+    problem, context = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
+    what = getattr(exc, "context", None) or ""
+    mark = context if context is not None and ("scanning" in what or "flow" in what) else problem
+    if problem is not None and getattr(exc, "problem", "") == "mapping values are not allowed here":
+        key_scalar, previous = None, None  # the last plain scalar that stood where a key goes
+        try:
+            for token in yaml.scan(text):
+                if isinstance(token, yaml.ScalarToken):
+                    is_value = (
+                        isinstance(previous, yaml.ValueToken) and previous.start_mark.line == token.start_mark.line
+                    )
+                    key_scalar = None if is_value else token.start_mark
+                previous = token
+        except yaml.YAMLError:
+            pass
+        if key_scalar is not None and key_scalar.line < problem.line:
+            mark = key_scalar
+    return f"line {mark.line + 1}" if mark is not None else "somewhere"
 
 
 def load_config(path: str | Path = "params.yaml", overrides: list[str] | dict | None = None) -> Config:

@@ -5,7 +5,8 @@ Layout of one checkpoint (runs/train/checkpoints/step_000100/):
                                                     the parameters (replicated, written once) and
                                                     that rank's flat shards of the optimizer state
     trainer.json                                    step, history, run fingerprint, world size
-    MANIFEST.json                                   sizes and sha256 of the files above, written last
+    manifest.json                                   sizes and sha256 of the files above, written last
+                                                    (laplace.manifest, as for data and exports)
 
 Every rank writes into one hidden staging directory; rank 0 then writes trainer.json
 and the manifest, fsyncs and renames the directory into place. A load at another world
@@ -27,11 +28,12 @@ from typing import Any
 
 import torch
 
-from laplace.fileio import atomic_write_json, replace_dir, sha256_file
+from laplace import manifest
+from laplace.fileio import atomic_write_json, replace_dir
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "MANIFEST.json"
+KIND = "checkpoint"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -47,34 +49,9 @@ class Checkpoint:
     trainer: dict[str, Any]
 
 
-def write_manifest(directory: Path, step: int) -> None:
-    files = {
-        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
-    }
-    atomic_write_json(directory / MANIFEST, {"format": 1, "step": step, "files": files})
-
-
 def verify_manifest(directory: Path) -> tuple[bool, str]:
-    """(ok, reason): every file listed exists with the recorded size and checksum."""
-    manifest_path = directory / MANIFEST
-    if not manifest_path.exists():
-        return False, f"{manifest_path} is missing (interrupted write?)"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as exc:
-        return False, f"{manifest_path} is unreadable ({exc})"
-    for name, meta in files.items():
-        p = directory / name
-        if not p.exists():
-            return False, f"{p} is missing"
-        if p.stat().st_size != meta["bytes"]:
-            return False, f"{p} is truncated or resized ({p.stat().st_size} bytes, manifest says {meta['bytes']})"
-        if sha256_file(p) != meta["sha256"]:
-            return False, f"{p} fails its sha256 checksum"
-    return True, ""
+    """(ok, reason): the checkpoint's manifest is complete and every file matches it."""
+    return manifest.verify(directory, KIND)
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -203,7 +180,7 @@ def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any
     if rank == 0 and not error:
         try:
             atomic_write_json(staging / "trainer.json", {**trainer, "step": step, "world_size": dist.get_world_size()})
-            write_manifest(staging, step)
+            manifest.write_manifest(staging, KIND, step=step)
             replace_dir(staging, final)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
