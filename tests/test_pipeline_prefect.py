@@ -48,8 +48,10 @@ def mlflow_runs(repo):
 
 def test_deployment_runs_through_server_and_worker(tmp_path):
     """`prefect deployment run` through a real server and process worker, with overrides as flow
-    parameters; the train stage's process is killed -9 once (a transient fault), Prefect retries
-    it and the pipeline completes."""
+    parameters. Two transient faults: the warmup stage's compile worker (a `python -m
+    laplace.pipeline.stage_warmup` below `laplace warmup`) and the train stage's process are each
+    killed -9 once; a killed worker is a crash, not bad input, so Prefect retries both stages and
+    the pipeline completes."""
     repo = copy_project(tmp_path / "laplace", {**TINY_PARAMS, "pipeline.retries": 1, "pipeline.retry_delay_s": 0})
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
@@ -68,7 +70,7 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
         text=True,
         start_new_session=True,
     )
-    worker, watcher, done, killed = None, None, threading.Event(), []
+    worker, watchers, done, killed, killed_worker = None, [], threading.Event(), [], []
     try:
         wait_healthy(f"{api}/health", server)
         run([str(BIN / "prefect"), "work-pool", "create", "laplace", "--type", "process"], repo, env=e)
@@ -81,8 +83,14 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        watcher = threading.Thread(target=kill_once, args=(worker.pid, "train", done, killed))
-        watcher.start()
+        watchers = [
+            threading.Thread(target=kill_once, args=(worker.pid, is_laplace_command("train"), done, killed)),
+            threading.Thread(
+                target=kill_once, args=(worker.pid, is_module("laplace.pipeline.stage_warmup"), done, killed_worker)
+            ),
+        ]
+        for watcher in watchers:
+            watcher.start()
         out = run(
             [
                 str(BIN / "prefect"),
@@ -102,12 +110,13 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
         assert "Completed" in out.stdout + out.stderr
     finally:
         done.set()
-        if watcher is not None:
+        for watcher in watchers:
             watcher.join()
         if worker is not None:
             stop(worker)
         stop(server)
     assert killed, "the train stage was never seen running"  # it died once, so Prefect's retry finished it
+    assert killed_worker, "the warmup worker was never seen running"  # a crash, retried (exit 2 would not be)
     runs = mlflow_runs(repo)
     assert len(runs) == 1 and runs[0].data.tags["launcher"] == "prefect"
     assert runs[0].data.tags.get("prefect_flow_run_id")
@@ -131,15 +140,25 @@ def test_bad_params_fail_the_flow_before_any_stage(tmp_path):
     assert not (repo / "data").exists() and not (repo / "dvc.lock").exists()
 
 
-def kill_once(parent: int, command: str, done: threading.Event, killed: list) -> None:
-    """Watch the processes below `parent`; SIGKILL the first `laplace <command>` process."""
+def is_laplace_command(command: str):
+    """Matches the argv of `laplace <command>`."""
+    return lambda argv: argv[-1:] == [command] and any(a.endswith("/laplace") or a == "laplace" for a in argv)
+
+
+def is_module(module: str):
+    """Matches the argv of `python -m <module> ...`."""
+    return lambda argv: module in argv and argv[argv.index(module) - 1] == "-m"
+
+
+def kill_once(parent: int, matches, done: threading.Event, killed: list) -> None:
+    """Watch the processes below `parent`; SIGKILL the first whose argv `matches`."""
     while not done.is_set() and not killed:
         for pid in descendants(parent):
             try:
                 argv = [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if a]
             except OSError:
                 continue
-            if argv[-1:] == [command] and any(a.endswith("/laplace") or a == "laplace" for a in argv):
+            if matches(argv):
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
