@@ -7,7 +7,8 @@ the state S is [B, H, K, V]. `g` is the per-channel log forget gate (<= 0).
 
 - `naive_gla`: token by token, the reference the tests trust.
 - `chunk_gla`: training and prefill; exact down to a per-token decay of e^-10 (see
-  `_intra_chunk_scores`).
+  `_intra_chunk_scores`), which it clamps its gate at, for |q * scale| and |k| below
+  ~6e3 (see `chunk_gla`).
 - `gla_step`: one decode token on an explicit state.
 
 All three run in plain PyTorch operators (no device kernels), accumulate gates
@@ -157,7 +158,20 @@ def chunk_gla(
 
     `lengths` [B] marks right padding: positions >= lengths[b] are exact no-ops for
     the state (their k, v and g are zeroed with `where`, so NaN padding cannot leak).
-    T need not be a multiple of the chunk size. Exact for g >= min_log_decay(sub_chunk_size).
+    T need not be a multiple of the chunk size.
+
+    Domain: the sub-chunk factorisation multiplies q and k by factors up to e^EXP_BUDGET
+    (e^80) when decays sit at the floor, so it is exact for g >= min_log_decay(sub_chunk_size)
+    and |q * scale|, |k| < 3.4e38 / e^80 ~ 6.1e3 (fp32; activations of a normed model are
+    orders of magnitude smaller). Below the floor g is clamped to it, so the op never returns
+    NaN for a strong decay: it then computes the recurrence of the clamped gate (a retention of
+    4.5e-5 per token at sub-chunk 16), which is what the GLA layer feeds every form anyway.
+
+    Gradients: those of q, k and v match the fp64 naive form to ~1e-7. The gate's gradient is a
+    difference of query-side and key-side sums (as in fla's dg = revcumsum(q*dq - k*dk)), whose
+    absolute error stays ~1e-6 of the q*dq scale; under strong decays the true gate gradient
+    shrinks, so its relative error grows: ~2e-6 at g in [-3, -0.75], ~2e-4 at [-10, -5]
+    (tests/test_gla.py states both bounds).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -173,6 +187,7 @@ def chunk_gla(
             k = torch.where(real, k, 0.0)
             v = torch.where(real, v, 0.0)
             g = torch.where(real, g, 0.0)
+        g = g.clamp_min(min_log_decay(sub))  # the floor of exactness; NaN padding was zeroed above
         S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
         # Long sequences run in cache-sized segments carrying the state (the same math):
         # one pass over 8,192 tokens spills the last-level cache and costs 5x 2,048, not 4x.

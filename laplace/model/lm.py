@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from laplace.model.config import ModelConfig
-from laplace.model.gla import chunk_gla, gla_step, min_log_decay
+from laplace.model.gla import accum_dtype, chunk_gla, gla_step, min_log_decay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -188,8 +188,12 @@ class GatedLinearAttention(nn.Module):
             k, ck = self.k_conv(k, ck, lengths)
             v, cv = self.v_conv(v, cv, lengths)
             new_conv = torch.cat([cq, ck, cv], dim=-1)
-        gk = F.logsigmoid(self.gk_proj(x).float()) / cfg.gate_logit_normalizer
-        # fla's clamp_min: keeps the chunked form exact; every form sees the same clamped gate
+        # gate math in fp32 for fp32/bf16 models, in fp64 for the fp64 reference
+        gk = F.logsigmoid(self.gk_proj(x).to(accum_dtype(x))) / cfg.gate_logit_normalizer
+        # Always clamped at the floor where the chunked form is exact, so every form (chunked,
+        # recurrent, naive) sees the same gate. fla's GLA has an optional clamp_min, off by default;
+        # ours is on because our chunked form needs it. It only touches retentions below 4.5e-5 per
+        # token (gate logits below -160 at the default normaliser 16), which training never reaches.
         gk = gk.clamp_min(min_log_decay(cfg.sub_chunk_size))
         B, T = x.shape[:2]
         H = self.n_heads
