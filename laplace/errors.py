@@ -1,8 +1,10 @@
-"""The errors that mean "your input or a gate is wrong": never worth a retry.
+"""Errors with a meaning for every front door.
 
-Every front door maps an `InputError` to exit status 2 (the Prefect flow does not retry
-it); anything else is a crash (exit status 1, or the signal that killed a worker) and is
-retried. Library modules raise subclasses that name the file, field or knob at fault.
+An `InputError` means "your input or a gate is wrong": exit status 2, which the Prefect
+flow never retries. Library modules raise subclasses that name the file, field or knob at
+fault. Anything else is a crash (exit status 1, or the signal that killed a worker) and is
+retried; a `Failure` is a crash we can explain in one line (a full disk, a killed worker,
+an unreachable tracking server): one line instead of a traceback, with its own exit status.
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ INPUT_ERROR_EXIT = 2
 
 class InputError(ValueError):
     """Bad input (params, data, a model directory) or a missed gate; the message is one line."""
+
+
+class Failure(RuntimeError):
+    """A failure that is not the input's fault (a crashed worker, a full disk, a server down):
+    reported in one line with a status other than 2, so the Prefect flow retries it."""
+
+    exit_status = 1
 
 
 class ConfigError(InputError):

@@ -202,7 +202,8 @@ def test_disk_full_while_writing_is_a_clear_error_and_the_previous_checkpoint_su
     out = subprocess.run(
         [sys.executable, "-c", DISK_FULL_AT_STEP_5], cwd=root, env=env(), capture_output=True, text=True, timeout=600
     )
-    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.returncode == 1, out.stderr[-2000:]  # not bad input: a retry may find the space freed
+    assert "Traceback" not in out.stderr
     error = out.stderr.strip().splitlines()[-1]
     assert error.startswith("laplace train: error: could not write checkpoint step_000006"), error
     assert "File too large" in error and "the previous checkpoint step_000004 is intact" in error

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from laplace.errors import INPUT_ERROR_EXIT, InputError
+from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
 from laplace.model.config import preset_model_config
 from laplace.pipeline import stages, summary
 from laplace.pipeline.layout import Paths
@@ -100,15 +100,12 @@ def _print_info(facts: dict, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from laplace.pipeline.store import TrackingUnavailable
-    from laplace.pipeline.workers import WorkerFailed
-
     try:
         return _run(args)
     except InputError as exc:  # bad params or data, a missed gate: exit 2, never retried
         print(f"laplace {args.command}: error: {exc}", file=sys.stderr)
         return INPUT_ERROR_EXIT
-    except (TrackingUnavailable, WorkerFailed) as exc:  # transient: Prefect retries a non-2 status
+    except Failure as exc:  # a full disk, a killed worker, a server down: one line, retried by Prefect
         print(f"laplace {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_status if exc.exit_status > 0 else 1
 

@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+from laplace.errors import Failure
 from laplace.pipeline.redact import redact
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def tracking_uri(root: str | Path = ".") -> str:
     return tracking_store(root)[0]
 
 
-class TrackingUnavailable(RuntimeError):
+class TrackingUnavailable(Failure):
     """The tracking server did not answer within tracking.retry_seconds. Transient: the CLI
     exits with `exit_status` (75, EX_TEMPFAIL), which the Prefect flow retries; the stage
     results stay on disk and a rerun of the track stage logs them."""

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from laplace.config import Config, config_from_dict
-from laplace.errors import INPUT_ERROR_EXIT, InputError
+from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
 
 
-class WorkerFailed(RuntimeError):
+class WorkerFailed(Failure):
     """A stage worker crashed or was killed (not bad input): worth a retry."""
 
     def __init__(self, message: str, exit_status: int):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from laplace import manifest
+from laplace.errors import Failure
 from laplace.fileio import atomic_write_json, replace_dir
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ KIND = "checkpoint"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Failure):
     pass
 
 
