@@ -139,7 +139,9 @@ def decode_cost(engine, contexts: list[int], steps: int, text) -> dict:
     times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
     with torch.inference_mode():
         for i in range(steps + 4):
-            for ctx in contexts:
+            # the order flips every round: on a loaded machine the second of two back-to-back
+            # steps is the one more often preempted, which must not bias either context
+            for ctx in contexts if i % 2 == 0 else contexts[::-1]:
                 start = time.perf_counter()
                 tokens[ctx] = engine.decode_rows(tokens[ctx], slots[ctx]).argmax(-1)
                 if i >= 4:  # the first rounds warm caches
