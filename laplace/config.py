@@ -85,26 +85,35 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    source: Literal["python-docs", "hub", "files"] = knob(
-        "python-docs", doc="python-docs: offline default; hub: a Hugging Face dataset; files: local files"
+    source: Literal["python-docs", "files", "hub"] = knob(
+        "python-docs",
+        doc="python-docs: offline default (data.path, else the Python install); files: data.path; hub: a dataset",
     )
-    hub_path: str = knob("HuggingFaceFW/fineweb-edu")
+    path: str = knob(
+        "data/python-docs",
+        lambda v: None if v.strip() else "must name a file or directory",
+        "the corpus: a directory (walked) or one file; the tokenize stage's DVC dependency",
+    )
+    hub_path: str = knob("HuggingFaceFW/fineweb-edu", doc="a hub dataset name, or a local dataset directory")
     hub_name: str = knob("sample-10BT")
     hub_split: str = knob("train")
-    hub_streaming: bool = knob(True)
     text_field: str = knob("text")
-    files: list[str] = knob([], doc="local .txt / .jsonl / .json / .parquet files or globs")
-    max_documents: int = knob(0, _non_negative, "0 = no cap")
-    max_tokens: int = knob(0, _non_negative, "0 = no cap")
+    max_documents: int = knob(0, _non_negative, "0 = no cap; else shared evenly among the slices")
+    max_tokens: int = knob(0, _non_negative, "train tokens, 0 = no cap; else shared evenly among the slices")
     min_chars: int = knob(64, _positive, "shorter documents are skipped (and counted)")
+    max_document_chars: int = knob(1_000_000, _positive, "longer text files are cut at blank lines into documents")
     val_fraction: float = knob(0.05, _fraction)
-    num_proc: int = knob(2, _positive)
+    on_bad_file: Literal["skip", "error"] = knob("skip", doc="undecodable or binary input: skip it (logged) or stop")
+    slices: int = knob(16, _positive, "input slices (files hashed by path, hub shards): the unit of work and reuse")
+    shard_tokens: int = knob(100_000_000, _positive, "tokens per shard file (the last of each slice is shorter)")
+    num_proc: int = knob(2, _positive, "tokenizer worker processes")
 
 
 @dataclass(frozen=True)
 class TokenizerSection:
     vocab_size: int = knob(4096, lambda v: None if v >= 260 else "must be >= 260 (256 bytes + specials)")
     min_frequency: int = knob(2, _positive)
+    sample_bytes: int = knob(100_000_000, _positive, "the BPE trains on a seeded sample of at most this much text")
     path: str = knob("", doc="an existing tokenizer.json to use instead of training one")
 
 
@@ -422,7 +431,7 @@ def config_from_dict(raw: dict) -> Config:
 def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:
     """(key, value) of every knob naming a file or directory to read. data.hub_path is a hub
     id or a local directory; hub ids never contain a '..' component, so the check is safe for both."""
-    return [(f"data.files[{i}]", f) for i, f in enumerate(cfg.data.files)] + [
+    return [("data.path", cfg.data.path)] + [
         ("tokenizer.path", cfg.tokenizer.path),
         ("data.hub_path", cfg.data.hub_path),
     ]

@@ -34,7 +34,7 @@ def client(repo):
     return MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
 
 
-STAGES = ["tokenize", "warmup", "train", "export", "serve-check", "numerics", "probes", "track"]
+STAGES = ["corpus", "tokenize", "warmup", "train", "export", "serve-check", "numerics", "probes", "track"]
 
 
 def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
@@ -180,6 +180,6 @@ def test_push_and_pull_through_the_default_remote(repo, first_run):
     shutil.rmtree(repo / "data" / "tokenized")
     shutil.rmtree(repo / ".dvc" / "cache")
     run(DVC + ["pull"], repo)
-    assert (repo / "data" / "tokenized" / "train.bin").exists()
+    assert (repo / "data" / "tokenized" / "manifest.json").exists()
     assert (repo / "dvc-remote").is_dir()
     assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout

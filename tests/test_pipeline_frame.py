@@ -12,7 +12,7 @@ from laplace.pipeline.stages import PIPELINE, STAGES
 
 from project import ROOT, TINY_PARAMS, copy_project, run
 
-ORDER = ["tokenize", "warmup", "train", "export", "serve-check", "numerics", "probes", "track"]
+ORDER = ["corpus", "tokenize", "warmup", "train", "export", "serve-check", "numerics", "probes", "track"]
 
 
 def test_dvc_yaml_matches_the_stage_registry():

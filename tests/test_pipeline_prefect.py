@@ -181,7 +181,7 @@ def test_a_rejected_stage_is_not_retried(tmp_path):
             "pipeline.retries": 2,
             "pipeline.retry_delay_s": 0,
             "data.source": "files",
-            "data.files": [str(tmp_path / "empty.txt")],
+            "data.path": str(tmp_path / "empty.txt"),
         },
     )
     out = run(["python", "flows/pipeline.py"], repo, env=direct_flow_env(tmp_path), check=False, timeout=300)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from laplace.data.readers import load_corpus
+from laplace.data.readers import iter_documents
 from laplace.errors import ConfigError
 from laplace.pipeline import stage_track
 from laplace.pipeline.cli import main
@@ -241,8 +241,8 @@ def test_servers_we_start_bind_to_loopback():
 @pytest.mark.parametrize(
     "override,key,value",
     [
-        ({"data.files": ["../x.txt"]}, "data.files[0]", "../x.txt"),
-        ({"data.files": ["corpus/*.txt", "corpus/../../../etc/*.conf"]}, "data.files[1]", "corpus/../../../etc/*.conf"),
+        ({"data.path": "../x.txt"}, "data.path", "../x.txt"),
+        ({"data.path": "corpus/../../../etc"}, "data.path", "corpus/../../../etc"),
         ({"tokenizer.path": "../../etc/passwd"}, "tokenizer.path", "../../etc/passwd"),
         ({"data.hub_path": "../private-corpus"}, "data.hub_path", "../private-corpus"),
     ],
@@ -268,13 +268,13 @@ def test_escape_is_rejected_before_anything_runs_or_is_written(tmp_path, monkeyp
                 "--set",
                 "data.source=files",
                 "--set",
-                "data.files=[../../etc/passwd]",
+                "data.path=../../etc/passwd",
             ]
         )
         == 2
     )
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("laplace tokenize: error: data.files[0]: '../../etc/passwd' resolves outside the project")
+    assert err[-1].startswith("laplace tokenize: error: data.path: '../../etc/passwd' resolves outside the project")
     assert not (tmp_path / "data").exists() and not (tmp_path / "metrics").exists()
     before = params.read_text()
     with pytest.raises(ConfigError, match=r"^tokenizer.path: '\.\./t.json' resolves outside"):
@@ -296,9 +296,11 @@ def test_absolute_paths_outside_and_relative_paths_inside_are_read(tmp_path, mon
         {
             "data.source": "files",
             "data.max_documents": 0,
-            "data.files": [str(outside / "far.txt"), "./corpus/../corpus/*.txt"],
+            "data.path": str(outside / "far.txt"),
             "tokenizer.path": str(outside / "tokenizer.json"),
         },
     )
-    assert cfg.data.files[0] == str(outside / "far.txt") and cfg.tokenizer.path == str(outside / "tokenizer.json")
-    assert list(load_corpus(cfg.data)["text"]) == [far, near]
+    assert cfg.data.path == str(outside / "far.txt") and cfg.tokenizer.path == str(outside / "tokenizer.json")
+    assert list(iter_documents(cfg.data)) == [far]
+    inside = load_config(ROOT / "params.yaml", {"data.source": "files", "data.path": "./corpus/../corpus"})
+    assert list(iter_documents(inside.data)) == [near]

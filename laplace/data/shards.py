@@ -1,4 +1,5 @@
-"""The token shards on disk: the manifest and read-only memory maps of train.bin / val.bin."""
+"""The token shards on disk: the manifest, and a split as one virtual array over its memory-mapped
+shards (what the sampler, validation and the evals index into)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import numpy as np
 from laplace import manifest
 from laplace.errors import DataError, one_line
 
-KIND = "tokenized"
+KIND = "tokenized"  # the output directory's manifest
+SHARD_KIND = "token-shard"  # each shard directory's manifest
 SPLITS = ("train", "val")
+TOKENS = "tokens.bin"
 
 
 def read_manifest(dir: str | Path) -> dict:
@@ -21,23 +24,120 @@ def read_manifest(dir: str | Path) -> dict:
     return found
 
 
-def open_split(dir: str | Path, split: str, verify: bool = False) -> np.memmap:
-    """Read-only memmap of train.bin or val.bin; verify=True also checks its sha256."""
+class TokenShards:
+    """A split's shards, in order, read as one flat read-only array of token ids.
+
+    Indexing takes an int, a slice or an integer array (the sampler's windows) and returns
+    numpy values; windows may cross shard boundaries, so the sampler sees exactly the
+    concatenation of the shards (the old single train.bin), whatever the shard size.
+    Shards are memory-mapped on first use.
+    """
+
+    def __init__(self, root: Path, entries: list[dict], dtype: np.dtype, expected: dict[str, dict]):
+        self.root, self.dtype = Path(root), dtype
+        self.paths = [e["path"] for e in entries]
+        self.expected = expected  # manifest entries of each tokens.bin (bytes, sha256)
+        sizes = np.array([int(e["tokens"]) for e in entries], dtype=np.int64)
+        self.offsets = np.concatenate(([0], np.cumsum(sizes)))
+        self._maps: dict[int, np.memmap] = {}
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def shard(self, i: int) -> np.memmap:
+        if i not in self._maps:
+            size = int(self.offsets[i + 1] - self.offsets[i])
+            self._maps[i] = np.memmap(self.root / self.paths[i] / TOKENS, dtype=self.dtype, mode="r", shape=(size,))
+        return self._maps[i]
+
+    def _gather(self, flat: np.ndarray) -> np.ndarray:
+        if flat.size and (flat.min() < 0 or flat.max() >= len(self)):
+            raise IndexError(f"token index out of range [0, {len(self)})")
+        which = np.searchsorted(self.offsets, flat, side="right") - 1
+        out = np.empty(flat.shape, dtype=self.dtype)
+        for i in np.unique(which):
+            mask = which == i
+            out[mask] = self.shard(int(i))[flat[mask] - self.offsets[i]]
+        return out
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, np.integer)):
+            index = int(key) + (len(self) if key < 0 else 0)
+            return self._gather(np.array([index]))[0]
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                return self._gather(np.arange(start, stop, step))
+            return self._range(start, stop)
+        return self._gather(np.asarray(key, dtype=np.int64))
+
+    def _range(self, start: int, stop: int) -> np.ndarray:
+        if stop <= start:
+            return np.empty(0, dtype=self.dtype)
+        first = int(np.searchsorted(self.offsets, start, side="right") - 1)
+        last = int(np.searchsorted(self.offsets, stop - 1, side="right") - 1)
+        parts = [
+            self.shard(i)[max(start - self.offsets[i], 0) : min(stop, self.offsets[i + 1]) - self.offsets[i]]
+            for i in range(first, last + 1)
+        ]
+        return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self._range(0, len(self))
+        return whole if dtype is None else whole.astype(dtype)
+
+    def verify(self, indices: list[int] | None = None, checksum: bool = True) -> str:
+        """ "" when the shards (all, or those at `indices`) match the manifest, else the first problem."""
+        for i in range(len(self.paths)) if indices is None else indices:
+            name = f"{self.paths[i]}/{TOKENS}"
+            if reason := manifest.verify_file(self.root, name, self.expected[name], checksum=checksum):
+                return reason
+        return ""
+
+
+def open_split(dir: str | Path, split: str, verify: bool = False) -> TokenShards:
+    """The train or val split as one read-only TokenShards; sizes are always checked (cheap),
+    verify=True also checks every shard's sha256 (see verify_share for a once-per-job check)."""
     if split not in SPLITS:
         raise DataError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    name = f"{split}.bin"
-    path = Path(dir) / name
     found = read_manifest(dir)
+    where = Path(dir) / manifest.MANIFEST
     try:
-        expected = found["files"][name]
-        tokens = int(found["tokens"][split])
+        entries = found["shards"][split]
         dtype = np.dtype(found["dtype"]).newbyteorder("<")
+        expected = {f"{e['path']}/{TOKENS}": found["files"][f"{e['path']}/{TOKENS}"] for e in entries}
+        for e in entries:
+            if expected[f"{e['path']}/{TOKENS}"].get("bytes") != int(e["tokens"]) * dtype.itemsize:
+                raise ValueError(f"{e['path']} lists {e['tokens']} tokens but a different byte count")
     except (KeyError, TypeError, ValueError) as exc:
-        raise DataError(f"{Path(dir) / manifest.MANIFEST}: incomplete entry for {name} ({one_line(exc)})") from exc
-    if tokens == 0:
-        raise DataError(f"{path}: holds no tokens")
-    if expected.get("bytes") != tokens * dtype.itemsize:
-        raise DataError(f"{path}: the manifest lists {expected.get('bytes')} bytes for {tokens} tokens of {dtype.name}")
-    if reason := manifest.verify_file(Path(dir), name, expected, checksum=verify):
+        raise DataError(f"{where}: incomplete entry for the {split} split ({one_line(exc)})") from exc
+    tokens = TokenShards(Path(dir), entries, dtype, expected)
+    if len(tokens) == 0:
+        raise DataError(f"{Path(dir)}: the {split} split holds no tokens")
+    if reason := tokens.verify(checksum=verify):
         raise DataError(reason)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(tokens,))
+    return tokens
+
+
+def verify_share(splits: list[TokenShards], rank: int, world_size: int) -> str:
+    """Check the sha256 of this rank's share of the shards (every world_size-th, from `rank`):
+    with the verdicts combined across ranks, each shard is read once per job, not once per rank."""
+    everything = [(s, i) for s in splits for i in range(len(s.paths))]
+    for split, i in everything[rank::world_size]:
+        if reason := split.verify([i]):
+            return reason
+    return ""
+
+
+def data_digests(found: dict) -> dict:
+    """What identifies the tokenized data a run trained on: the tokenizer and each split's shards."""
+    files = found.get("files", {})
+    out = {"tokenizer": found.get("tokenizer_sha256")}
+    for split in SPLITS:
+        shards = found.get("shards", {}).get(split, [])
+        out[split] = [files.get(f"{e['path']}/{TOKENS}", {}).get("sha256") for e in shards]
+    return out

@@ -1,70 +1,66 @@
-"""The tokenize stage's work: corpus -> tokenizer.json, train.bin, val.bin, manifest.json."""
+"""The tokenize stage's work: a corpus -> tokenizer.json and fixed-size token shards, streamed,
+in parallel, resumable.
+
+    survey   each slice (a worker per slice) hashes its input and keeps its share of a seeded
+             sample for the tokenizer (the train documents with the smallest keyed hash, at most
+             tokenizer.sample_bytes in all)
+    train    the byte-level BPE on that sample (or tokenizer.path), reused when the sample is unchanged
+    encode   each slice is streamed through the tokenizer into shards of data.shard_tokens tokens,
+             <split>/<slice>-<part>/{tokens.bin, manifest.json}; a shard is finished when its
+             manifest is written, and records where in the slice it ends
+    assemble the new output directory is built beside the old one (unchanged shards hard-linked,
+             never rewritten), the manifest written last, and swapped in
+
+Work goes to `.<out>.partial/` beside the output: a killed run resumes from the shards it
+finished there; a failed one leaves the previous output untouched. The worker pool is ours
+(multiprocessing, not datasets.map) so that it dies with the stage: workers get SIGKILL when
+the stage process dies (PR_SET_PDEATHSIG) and are terminated when it fails or gets SIGTERM.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import hashlib
+import heapq
+import json
 import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from laplace import manifest
 from laplace.config import DataSection, TokenizerSection
-from laplace.data.readers import _Corpus, _read_corpus
-from laplace.data.shards import KIND
-from laplace.data.tokenizer import (
-    EOS_TOKEN,
-    TOKENIZER_NAME,
-    _DocumentEncoder,
-    _quiet_forked_tokenizers,
-    load_tokenizer,
-    tokenizer_sha256,
-    train_tokenizer,
+from laplace.data.readers import (
+    SliceStats,
+    Unit,
+    corpus_units,
+    plan_slices,
+    slice_documents,
+    stable_hash,
+    unit_fingerprint,
+    write_python_docs,
 )
+from laplace.data.shards import KIND, SHARD_KIND, SPLITS, TOKENS
+from laplace.data.tokenizer import EOS_TOKEN, TOKENIZER_NAME, load_tokenizer, tokenizer_sha256, train_reaching
 from laplace.errors import DataError
-from laplace.fileio import atomic_open, atomic_write_bytes
-
-if TYPE_CHECKING:
-    import datasets
+from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, replace_dir
 
 log = logging.getLogger(__name__)
 
-# Documents tokenized per datasets.map call: bounds memory (results are kept in
-# memory, not in the datasets cache) and lets data.max_tokens stop early.
-DOCS_PER_ROUND = 20_000
-
-
-@contextlib.contextmanager
-def _datasets_progress_bars_off():
-    """One bar of ours instead of one datasets.map bar per round."""
-    import datasets
-
-    was_enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            datasets.enable_progress_bars()
-
-
-@dataclass
-class _Plan:
-    """Which documents are kept and where they go."""
-
-    train: list[int]
-    val: list[int]
-    total_read: int
-    empty: int
-    too_short: int
-    undecodable: int
-    fingerprint: str
+FORMAT = 2  # bump when the bytes a slice produces change for the same input and settings
+_ENCODE_BATCH_CHARS = 1 << 20  # documents are encoded in batches of about this much text
+_LISTED_BAD = 100  # bad files named in the manifest (all are logged)
 
 
 def _val_score(text: str, seed: int) -> float:
@@ -74,228 +70,659 @@ def _val_score(text: str, seed: int) -> float:
     return int.from_bytes(digest, "little") / 2.0**64
 
 
-def _plan_split(corpus: _Corpus, data: DataSection, seed: int) -> _Plan:
-    dataset = corpus.dataset
-    fingerprint = hashlib.sha256()
-    train, val = [], []
-    scores: dict[int, float] = {}
-    empty = too_short = 0
-    index = 0
-    for batch in tqdm(
-        dataset.iter(batch_size=4096), total=-(-len(dataset) // 4096), desc="scan corpus", unit="batch", leave=False
-    ):
-        for text in batch["text"]:
-            encoded = (text or "").encode("utf-8")
-            fingerprint.update(len(encoded).to_bytes(8, "little") + encoded)
-            stripped = len(text.strip()) if text else 0
-            if stripped == 0:
-                empty += 1
-            elif stripped < data.min_chars:
-                too_short += 1
-            else:
-                scores[index] = _val_score(text, seed)
-                (val if scores[index] < data.val_fraction else train).append(index)
-            index += 1
-    fingerprint.update(f"undecodable={corpus.undecodable}".encode())
+def staging_dir(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.partial"
 
-    total_read = len(dataset) + corpus.undecodable
-    kept = len(train) + len(val)
-    if kept == 0:
-        raise DataError(
-            f"corpus has no usable text: {total_read} documents read, all empty, shorter than "
-            f"data.min_chars={data.min_chars} or not valid UTF-8"
-        )
-    if kept == 1:
-        raise DataError(
-            f"corpus has only 1 usable document (of {total_read} read); need at least 2, one for training "
-            f"and one for validation (lower data.min_chars={data.min_chars} or add text)"
-        )
-    # Both splits must be non-empty: move the document closest to the threshold.
-    if not val:
-        moved = min(train, key=lambda i: (scores[i], i))
-        train.remove(moved)
-        val.append(moved)
-    elif not train:
-        moved = max(val, key=lambda i: (scores[i], i))
-        val.remove(moved)
-        train.append(moved)
-    return _Plan(train, val, total_read, empty, too_short, corpus.undecodable, fingerprint.hexdigest())
+
+def _quota(total: int, slot: int, slots: int) -> int:
+    """slot's even share of a cap (0 = no cap); every slot gets at least 1 when capped."""
+    if not total:
+        return 0
+    return max(1, total // slots + (slot < total % slots))
+
+
+# --------------------------------------------------------------------------- the worker pool
+
+
+def _die_with_parent(parent: int) -> None:
+    """Pool initializer: exit when the stage process dies, whatever kills it (SIGKILL included)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """SIGTERM raises SystemExit in the main thread, so `finally` blocks stop the workers and tidy up."""
+    if multiprocessing.current_process().name != "MainProcess" or not _is_main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def _pool(num_proc: int) -> Iterator[Callable]:
+    """map_unordered(fn, jobs): in num_proc spawned workers, or in this process when num_proc is 1."""
+    if num_proc <= 1:
+        yield lambda fn, jobs: map(fn, jobs)
+        return
+    pool = multiprocessing.get_context("spawn").Pool(num_proc, initializer=_die_with_parent, initargs=(os.getpid(),))
+    try:
+        yield lambda fn, jobs: pool.imap_unordered(fn, jobs)
+        pool.close()
+        pool.join()
+    finally:
+        pool.terminate()  # no-op after a clean join; kills the workers on any failure or SIGTERM
+        pool.join()
+
+
+# --------------------------------------------------------------------------- survey: fingerprints and the sample
 
 
 @dataclass
-class _Shard:
-    documents: int
-    tokens: int
-    sha256: str
-    bytes: int
+class _SurveyJob:
+    slice: int
+    units: list[Unit]
+    data: DataSection
+    seed: int
+    quota: int
+    sample_bytes: int  # 0: no sample needed (tokenizer.path)
 
 
-def _text_batches(dataset: datasets.Dataset, batch_size: int = 1000) -> Iterator[list[str]]:
-    for batch in dataset.iter(batch_size=batch_size):
-        yield batch["text"]
+@dataclass
+class _Survey:
+    slice: int
+    fingerprints: dict[str, str]
+    problems: dict[str, str]
+    sample: list[tuple[int, str]] = field(default_factory=list)  # (keyed hash, text), smallest hashes
 
 
-def _write_split(
-    dataset: datasets.Dataset,
-    path: Path,
-    encoder: _DocumentEncoder,
-    dtype: np.dtype,
-    num_proc: int,
-    max_tokens: int,
-    fingerprint: str,
-    label: str,
-) -> _Shard:
-    """Tokenize `dataset` into the flat shard at `path`.
+def _bounded_sample(texts: Iterator[str], seed: int, budget: int) -> list[tuple[int, str]]:
+    """The texts with the smallest keyed hashes whose sizes add up to at most `budget` bytes."""
+    heap: list[tuple[int, str]] = []  # max-heap on the hash (negated)
+    size = 0
+    for text in texts:
+        key = stable_hash("sample", str(seed), text)
+        if heap and size >= budget and key > -heap[0][0]:
+            continue
+        heapq.heappush(heap, (-key, text))
+        size += len(text.encode("utf-8"))
+        while size > budget and heap:
+            _, dropped = heapq.heappop(heap)
+            size -= len(dropped.encode("utf-8"))
+    return sorted((-k, t) for k, t in heap)
 
-    With max_tokens > 0 the shard stops at the first document boundary at or past max_tokens:
-    it holds whole documents, each ending in EOS, and at most one document more than the cap.
+
+def _survey(job: _SurveyJob) -> _Survey:
+    data = job.data
+    found = {u.name: unit_fingerprint(u, data) for u in job.units}
+    problems = {name: problem for name, (_, problem) in found.items() if problem}
+    if problems and data.on_bad_file == "error":
+        name = sorted(problems)[0]
+        where = next(u.location for u in job.units if u.name == name)
+        raise DataError(f"{where}: {problems[name]} (data.on_bad_file: error; set it to skip to leave such input out)")
+    survey = _Survey(job.slice, {name: digest for name, (digest, _) in found.items()}, problems)
+    if job.sample_bytes:
+        docs = slice_documents(job.units, problems, data, job.quota, SliceStats())
+        train = (t for t in docs if _val_score(t, job.seed) >= data.val_fraction)
+        survey.sample = _bounded_sample(train, job.seed, job.sample_bytes)
+    return survey
+
+
+# --------------------------------------------------------------------------- encode: one slice into shards
+
+
+@dataclass
+class _EncodeJob:
+    slice: int
+    units: list[Unit]
+    problems: dict[str, str]
+    data: DataSection
+    seed: int
+    quota_documents: int
+    quota_tokens: int
+    tokenizer_json: str
+    eos_id: int
+    dtype: str
+    key: str
+    staging: str
+
+
+def _shard_name(slice_index: int, part: int) -> str:
+    return f"{slice_index:05d}-{part:04d}"
+
+
+class _SplitWriter:
+    """One split of one slice as consecutive shards of exactly shard_tokens tokens (the last shorter).
+
+    A document may straddle two shards; each finished shard's manifest records how many of the
+    split's documents it completes (`docs_done`) and how many tokens of the next one it already
+    holds (`carry`), which is all a resumed run needs to continue byte for byte.
     """
-    import datasets
-    import pyarrow.compute as pc
 
-    features = datasets.Features({"ids": datasets.List(datasets.Value(dtype.name))})
-    digest = hashlib.sha256()
-    documents = tokens = 0
-    started = time.perf_counter()
-    with (
-        atomic_open(path) as handle,
-        tqdm(total=len(dataset), desc=f"tokenize {label}", unit="doc") as progress,
-        _datasets_progress_bars_off(),
-        _quiet_forked_tokenizers(num_proc),
-    ):
-        for start in range(0, len(dataset), DOCS_PER_ROUND):
-            if max_tokens and tokens >= max_tokens:
-                break
-            stop = min(start + DOCS_PER_ROUND, len(dataset))
-            encoded = dataset.select(
-                range(start, stop)
-            ).map(
-                encoder,
-                batched=True,
-                num_proc=num_proc if num_proc > 1 and stop - start > 1 else None,
-                remove_columns=dataset.column_names,
-                features=features,
-                keep_in_memory=True,  # token ids go straight to the shard, not to the datasets cache
-                new_fingerprint=hashlib.sha256(f"{fingerprint}:{label}:{start}".encode()).hexdigest()[:16],
+    def __init__(self, root: Path, split: str, slice_index: int, key: str, shard_tokens: int, dtype: np.dtype):
+        self.dir, self.split, self.slice, self.key = root / split, split, slice_index, key
+        self.shard_tokens, self.dtype = shard_tokens, dtype
+        self.finished: list[dict] = []  # shard entries, in order
+        self.docs_done = self.carry = self.tokens = 0
+        self._handle = self._tmp = None
+        self._digest = hashlib.sha256()
+        self._in_shard = 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._resume()
+
+    def _resume(self) -> None:
+        """Adopt this slice's finished shards from an interrupted run of the same key; drop the rest."""
+        part = 0
+        while True:
+            path = self.dir / _shard_name(self.slice, part)
+            found, _ = manifest.read_manifest(path, SHARD_KIND)
+            entry = (found or {}).get("files", {}).get(TOKENS, {})
+            ok = (
+                found is not None
+                and found.get("key") == self.key
+                and not manifest.verify_file(path, TOKENS, entry, False)
             )
-            for table in encoded.with_format("arrow").iter(batch_size=1024):
-                column = table.column("ids")
-                lengths = pc.list_value_length(column).to_numpy()
-                ids = pc.list_flatten(column).to_numpy()
-                if max_tokens:
-                    # Keep documents while the shard is still short of max_tokens.
-                    before = tokens + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-                    keep = int(np.count_nonzero(before < max_tokens))
-                    lengths = lengths[:keep]
-                    ids = ids[: int(lengths.sum())]
-                block = np.ascontiguousarray(ids, dtype=dtype).tobytes()
-                handle.write(block)
-                digest.update(block)
-                documents += len(lengths)
-                tokens += len(ids)
-                progress.update(len(lengths))
-                rate = tokens / max(time.perf_counter() - started, 1e-9)
-                progress.set_postfix(tokens=tokens, tok_per_s=f"{rate:.3g}")
-                if max_tokens and tokens >= max_tokens:
-                    break
-    return _Shard(documents, tokens, digest.hexdigest(), tokens * dtype.itemsize)
+            if not ok:
+                break
+            self.finished.append(_shard_entry(self.split, self.slice, part, found))
+            self.docs_done, self.carry = found["docs_done"], found["carry"]
+            self.tokens += found["tokens"]
+            part += 1
+        for stale in self.dir.glob(f"{self.slice:05d}-*"):
+            if stale.name >= _shard_name(self.slice, part):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def skip(self, doc_index: int) -> int | None:
+        """Tokens of document `doc_index` already in finished shards (None: all of them)."""
+        if doc_index < self.docs_done:
+            return None
+        return self.carry if doc_index == self.docs_done else 0
+
+    def write(self, ids: np.ndarray, doc_index: int, skip: int) -> None:
+        written = skip
+        while written < len(ids):
+            if self._handle is None:
+                self._open()
+            take = min(len(ids) - written, self.shard_tokens - self._in_shard)
+            block = ids[written : written + take].tobytes()
+            self._handle.write(block)
+            self._digest.update(block)
+            written += take
+            self._in_shard += take
+            self.tokens += take
+            if self._in_shard == self.shard_tokens:
+                done = written == len(ids)
+                self._close(doc_index + 1 if done else doc_index, 0 if done else written)
+
+    def finish(self, documents: int) -> None:
+        if self._handle is not None:
+            self._close(documents, 0)
+
+    def _open(self) -> None:
+        part = len(self.finished)
+        self._tmp = self.dir / f".{_shard_name(self.slice, part)}.tmp-{os.getpid()}"
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp.mkdir()
+        self._handle = open(self._tmp / TOKENS, "wb")
+        self._digest, self._in_shard = hashlib.sha256(), 0
+
+    def _close(self, docs_done: int, carry: int) -> None:
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        part = len(self.finished)
+        fields = dict(
+            split=self.split, slice=self.slice, part=part, tokens=self._in_shard, dtype=self.dtype.name,
+            key=self.key, docs_done=docs_done, carry=carry,
+        )  # fmt: skip
+        entry = {"bytes": self._in_shard * self.dtype.itemsize, "sha256": self._digest.hexdigest()}
+        written = manifest.write_manifest(self._tmp, SHARD_KIND, [TOKENS], known={TOKENS: entry}, **fields)
+        final = self.dir / _shard_name(self.slice, part)
+        os.replace(self._tmp, final)
+        fsync_dir(self.dir)
+        self.finished.append(_shard_entry(self.split, self.slice, part, written))
+        self.docs_done, self.carry = docs_done, carry
+        self._handle = self._tmp = None
+
+
+def _shard_entry(split: str, slice_index: int, part: int, found: dict) -> dict:
+    tokens_file = found["files"][TOKENS]
+    return {
+        "path": f"{split}/{_shard_name(slice_index, part)}",
+        "tokens": found["tokens"],
+        "bytes": tokens_file["bytes"],
+        "sha256": tokens_file["sha256"],
+    }
+
+
+def _encode(job: _EncodeJob) -> dict:
+    from tokenizers import Tokenizer
+
+    data = job.data
+    record_path = Path(job.staging) / "slices" / f"{job.slice:05d}.json"
+    if record_path.is_file():
+        record = json.loads(record_path.read_text())
+        if record.get("key") == job.key:
+            return record
+    tokenizer = Tokenizer.from_str(job.tokenizer_json)
+    tokenizer.encode_special_tokens = True
+    dtype = np.dtype(job.dtype)
+    writers = {s: _SplitWriter(Path(job.staging), s, job.slice, job.key, data.shard_tokens, dtype) for s in SPLITS}
+    stats = SliceStats()
+    counts = {s: 0 for s in SPLITS}
+    cut = 0
+    batch: list[tuple[str, int, int, str]] = []  # (split, doc index, tokens to skip, text)
+
+    def flush() -> None:
+        encodings = tokenizer.encode_batch_fast([text for *_, text in batch], add_special_tokens=False)
+        for (split, index, skip, _), encoding in zip(batch, encodings):
+            ids = np.fromiter((*encoding.ids, job.eos_id), dtype=dtype, count=len(encoding.ids) + 1)
+            writers[split].write(ids, index, skip)
+        batch.clear()
+
+    chars = 0
+    for text in slice_documents(job.units, job.problems, data, job.quota_documents, stats):
+        split = "val" if _val_score(text, job.seed) < data.val_fraction else "train"
+        writer = writers[split]
+        index = counts[split]
+        skip = writer.skip(index)
+        if split == "train" and job.quota_tokens and skip == 0:  # a document not yet started
+            if any(s == "train" for s, *_ in batch):
+                flush()  # the cap needs the exact token count so far
+                chars = 0
+            if writer.tokens >= job.quota_tokens:
+                cut += 1
+                continue
+        counts[split] += 1
+        if skip is None:
+            continue
+        batch.append((split, index, skip, text))
+        chars += len(text)
+        if chars >= _ENCODE_BATCH_CHARS:
+            flush()
+            chars = 0
+    if batch:
+        flush()
+    for split, writer in writers.items():
+        writer.finish(counts[split])
+    stats.bad = stats.bad[:_LISTED_BAD]  # all are counted (undecodable); the first are named
+    record = {
+        "key": job.key,
+        "slice": job.slice,
+        "stats": asdict(stats),
+        "documents": counts,
+        "cut_by_max_tokens": cut,
+        "shards": {s: w.finished for s, w in writers.items()},
+    }
+    record_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(record_path, record)
+    return record
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+@contextlib.contextmanager
+def _datasets_cache_in(directory: Path):
+    """Point `datasets`' cache (local JSONL/Parquet builders, hub metadata) at a directory we remove
+    afterwards: nothing corpus-sized is left in the user's ~/.cache."""
+    saved = os.environ.get("HF_DATASETS_CACHE")
+    os.environ["HF_DATASETS_CACHE"] = str(directory)
+    config = sys.modules.get("datasets.config")
+    before = getattr(config, "HF_DATASETS_CACHE", None)
+    if config is not None:
+        config.HF_DATASETS_CACHE = str(directory)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("HF_DATASETS_CACHE", None)
+        else:
+            os.environ["HF_DATASETS_CACHE"] = saved
+        if config is not None:
+            config.HF_DATASETS_CACHE = before
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _remove_temporaries(staging: Path) -> None:
+    """Half-written shards of killed workers; finished shards stay for the next run to resume from."""
+    for split in SPLITS:
+        for tmp in (staging / split).glob(".*.tmp-*") if (staging / split).is_dir() else []:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _previous(out_dir: Path) -> dict:
+    found, _ = manifest.read_manifest(out_dir, KIND)
+    return found if found is not None and found.get("pipeline_format") == FORMAT else {}
+
+
+def _settings(data: DataSection, tok_cfg: TokenizerSection, seed: int) -> dict:
+    return {
+        "seed": seed,
+        "min_chars": data.min_chars,
+        "max_document_chars": data.max_document_chars,
+        "val_fraction": data.val_fraction,
+        "on_bad_file": data.on_bad_file,
+        "text_field": data.text_field,
+        "max_documents": data.max_documents,
+        "max_tokens": data.max_tokens,
+        "slices": data.slices,
+        "shard_tokens": data.shard_tokens,
+        "tokenizer": {"path": tok_cfg.path}
+        if tok_cfg.path
+        else {
+            "vocab_size": tok_cfg.vocab_size,
+            "min_frequency": tok_cfg.min_frequency,
+            "sample_bytes": tok_cfg.sample_bytes,
+        },
+    }
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _describe_source(data: DataSection, units: list[Unit]) -> str:
+    import platform
+
+    if data.source == "hub":
+        return f"hub: {data.hub_path!r} ({data.hub_name}) split {data.hub_split!r}, field {data.text_field!r}, streamed"
+    if data.source == "python-docs":
+        return f"python-docs: Python {platform.python_version()} reference topics and stdlib docstrings"
+    return f"files: {data.path} ({len(units)} files)"
+
+
+def _sample_tokenizer(surveys: list[_Survey], budget: int) -> list[tuple[int, str]]:
+    """The global sample: the smallest keyed hashes over all slices, at most `budget` bytes."""
+    merged = sorted(item for s in surveys for item in s.sample)
+    chosen, size = [], 0
+    for key, text in merged:
+        size += len(text.encode("utf-8"))
+        if size > budget:
+            break
+        chosen.append((key, text))
+    return chosen
+
+
+def _tokenizer_bytes(
+    tok_cfg: TokenizerSection, surveys: list[_Survey], settings: dict, previous: dict, out_dir: Path, staging: Path
+) -> tuple[bytes, str]:
+    """tokenizer.json's bytes and the key of what made it: reused when the key is unchanged."""
+    if tok_cfg.path:
+        source = Path(tok_cfg.path)
+        load_tokenizer(source)  # validate before copying
+        raw = source.read_bytes()
+        return raw, hashlib.sha256(raw).hexdigest()
+    sample = _sample_tokenizer(surveys, tok_cfg.sample_bytes)
+    key = _digest([settings["tokenizer"], settings["seed"], hashlib.sha256(repr(sample).encode()).hexdigest()])
+    if previous.get("tokenizer_key") == key and (out_dir / TOKENIZER_NAME).is_file():
+        return (out_dir / TOKENIZER_NAME).read_bytes(), key
+    staged = staging / TOKENIZER_NAME
+    if staged.is_file() and (staging / "tokenizer.key").is_file() and (staging / "tokenizer.key").read_text() == key:
+        return staged.read_bytes(), key
+    if not sample:
+        raise DataError(
+            "corpus has no usable text: no train document of at least "
+            f"data.min_chars={settings['min_chars']} characters that is valid UTF-8"
+        )
+    size = sum(len(t.encode("utf-8")) for _, t in sample)
+    log.info("training the tokenizer on a sample of %d documents (%.1f MB)", len(sample), size / 1e6)
+    note = f"the sample ({len(sample)} documents, {size:,} bytes; tokenizer.sample_bytes={tok_cfg.sample_bytes:,})"
+    trained = train_reaching((t for _, t in sample), tok_cfg.vocab_size, tok_cfg.min_frequency, note)
+    raw = trained.to_str(pretty=True).encode("utf-8")
+    atomic_write_bytes(staged, raw)
+    atomic_write_bytes(staging / "tokenizer.key", key.encode())
+    return raw, key
+
+
+def _reusable(previous: dict, out_dir: Path, index: int, key: str) -> dict | None:
+    """The previous output's record of slice `index` when it was made with `key` and its shards are there."""
+    record = previous.get("slices", {}).get(f"{index:05d}")
+    if not record or record.get("key") != key:
+        return None
+    for shards in record["shards"].values():
+        for shard in shards:
+            path = out_dir / shard["path"] / TOKENS
+            if not path.is_file() or path.stat().st_size != shard["bytes"]:
+                return None
+    return record
 
 
 def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, seed: int) -> dict:
-    """The tokenize stage: corpus -> tokenizer.json, train.bin, val.bin, manifest.json in out_dir.
+    """The tokenize stage: corpus -> out_dir/{tokenizer.json, train/*, val/*, manifest.json}.
 
-    Documents with len(text.strip()) < data.min_chars are skipped and counted. Each document goes
-    to validation when a keyed hash of (seed, text) falls below data.val_fraction, so the split
-    is deterministic and identical documents never straddle it; both splits get at least one.
-    The tokenizer is trained on the train split only, unless tokenizer.path names one to reuse.
-    data.max_tokens caps train.bin at a document boundary (see _write_split). Running twice gives
-    byte-identical files. Returns flat metrics (counts, seconds, tokens_per_s).
+    Documents with len(text.strip()) < data.min_chars are skipped and counted; bad files are
+    skipped and named (data.on_bad_file). A document goes to validation when a keyed hash of
+    (seed, text) falls below data.val_fraction. The same input and settings give byte-identical
+    files whatever data.num_proc. Returns flat metrics (counts, seconds, tokens_per_s).
     """
-    started = time.perf_counter()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # A half-rewritten directory must not look complete.
-    (out_dir / manifest.MANIFEST).unlink(missing_ok=True)
+    staging = staging_dir(out_dir)
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        with _sigterm_unwinds(), _datasets_cache_in(staging / "hf-cache"):
+            metrics = _tokenize(data, tok_cfg, out_dir, staging, seed)
+    finally:
+        _remove_temporaries(staging)
+        shutil.rmtree(out_dir.parent / f".{out_dir.name}.next", ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    return metrics
 
-    corpus = _read_corpus(data)
-    plan = _plan_split(corpus, data, seed)
-    train_docs = corpus.dataset.select(plan.train)
-    val_docs = corpus.dataset.select(plan.val)
 
-    tokenizer_path = out_dir / TOKENIZER_NAME
-    if tok_cfg.path:
-        source_path = Path(tok_cfg.path)
-        load_tokenizer(source_path)  # validate before copying
-        atomic_write_bytes(tokenizer_path, source_path.read_bytes())
-    else:
-        trained = train_tokenizer(_text_batches(train_docs), tok_cfg.vocab_size, tok_cfg.min_frequency)
-        atomic_write_bytes(tokenizer_path, trained.to_str(pretty=True).encode("utf-8"))
-    tokenizer = load_tokenizer(tokenizer_path)
-    eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    if eos_id is None:
-        raise DataError(f"{tok_cfg.path or tokenizer_path}: tokenizer has no {EOS_TOKEN!r} token")
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+def _tokenize(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, staging: Path, seed: int) -> dict:
+    started = time.perf_counter()
+    if data.source == "python-docs" and not Path(data.path).exists():
+        # Outside DVC (no corpus stage ran): the same files the corpus stage writes, generated once
+        # here rather than in every worker; the shards are identical either way.
+        data = dataclasses.replace(data, path=str(staging / "python-docs"))
+        write_python_docs(Path(data.path))
+    units = corpus_units(data)
+    slices = plan_slices(units, data.slices)
+    busy = [i for i, s in enumerate(slices) if s]
+    docs_quota = {i: _quota(data.max_documents, k, len(busy)) for k, i in enumerate(busy)}
+    tokens_quota = {i: _quota(data.max_tokens, k, len(busy)) for k, i in enumerate(busy)}
+    settings = _settings(data, tok_cfg, seed)
+    previous = _previous(out_dir)
+    workers = max(1, min(data.num_proc, len(busy)))
 
-    encoder = _DocumentEncoder(tokenizer.to_str(), eos_id)
-    run_key = f"{plan.fingerprint}:{tokenizer_sha256(tokenizer)}"
-    train = _write_split(
-        train_docs, out_dir / "train.bin", encoder, dtype, data.num_proc, data.max_tokens, run_key, "train"
-    )
-    val = _write_split(val_docs, out_dir / "val.bin", encoder, dtype, data.num_proc, 0, run_key, "val")
-    if train.tokens == 0 or val.tokens == 0:  # cannot happen (every document ends in EOS); guards the trainer
-        raise DataError(f"{out_dir}: empty split after tokenizing ({train.tokens} train, {val.tokens} val tokens)")
+    with _pool(workers) as map_unordered:
+        jobs = [
+            _SurveyJob(i, slices[i], data, seed, docs_quota[i], 0 if tok_cfg.path else tok_cfg.sample_bytes)
+            for i in busy
+        ]
+        surveys = []
+        for survey in tqdm(map_unordered(_survey, jobs), total=len(jobs), desc="survey slices", unit="slice"):
+            surveys.append(survey)
+        surveys.sort(key=lambda s: s.slice)
+        raw_tokenizer, tokenizer_key = _tokenizer_bytes(tok_cfg, surveys, settings, previous, out_dir, staging)
 
-    written = {
-        name: {"bytes": shard.bytes, "sha256": shard.sha256} for name, shard in (("train.bin", train), ("val.bin", val))
-    }
-    manifest.write_manifest(
+        tokenizer = _tokenizer_from(raw_tokenizer, tok_cfg.path or str(staging / TOKENIZER_NAME))
+        eos_id = tokenizer.token_to_id(EOS_TOKEN)
+        vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+        tok_sha = tokenizer_sha256(tokenizer)
+        tokenizer_json = tokenizer.to_str()
+
+        records: dict[int, dict] = {}
+        reused: set[int] = set()
+        encode_jobs = []
+        for survey in surveys:
+            i = survey.slice
+            key = _digest(
+                {
+                    "format": FORMAT,
+                    "tokenizer": tok_sha,
+                    "settings": {k: v for k, v in settings.items() if k != "tokenizer"},
+                    "dtype": dtype.name,
+                    "quota": [docs_quota[i], tokens_quota[i]],
+                    "units": [(u.name, u.kind, survey.fingerprints[u.name]) for u in slices[i]],
+                }
+            )
+            if (record := _reusable(previous, out_dir, i, key)) is not None:
+                records[i] = record
+                reused.add(i)
+                continue
+            encode_jobs.append(
+                _EncodeJob(
+                    i, slices[i], survey.problems, data, seed, docs_quota[i], tokens_quota[i],
+                    tokenizer_json, eos_id, dtype.name, key, str(staging),
+                )
+            )  # fmt: skip
+        progress = tqdm(total=len(busy), initial=len(reused), desc="tokenize slices", unit="slice")
+        tokens_done = 0
+        with progress:
+            for record in map_unordered(_encode, encode_jobs):
+                records[record["slice"]] = record
+                tokens_done += sum(s["tokens"] for shards in record["shards"].values() for s in shards)
+                rate = tokens_done / max(time.perf_counter() - started, 1e-9)
+                progress.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:.3g}")
+                progress.update(1)
+
+    bad = [line for i in busy for line in records[i]["stats"]["bad"]]
+    for line in bad:
+        log.warning("skipped %s", line)
+    totals = {s: sum(sh["tokens"] for i in busy for sh in records[i]["shards"][s]) for s in SPLITS}
+    documents = {s: sum(records[i]["documents"][s] for i in busy) for s in SPLITS}
+    stats = {k: sum(records[i]["stats"][k] for i in busy) for k in ("read", "empty", "too_short", "undecodable")}
+    if totals["train"] == 0 or totals["val"] == 0:
+        raise DataError(
+            f"corpus has no usable text for both splits: {stats['read']} documents read, {documents['train']} "
+            f"for training and {documents['val']} for validation ({stats['empty']} empty, {stats['too_short']} "
+            f"shorter than data.min_chars={data.min_chars}, {stats['undecodable']} not valid UTF-8); add text "
+            f"or raise data.val_fraction={data.val_fraction}"
+        )
+
+    _assemble(
         out_dir,
-        KIND,
-        ["train.bin", "val.bin", TOKENIZER_NAME],
-        known=written,
-        vocab_size=vocab_size,
-        dtype=dtype.name,
-        eos_id=eos_id,
-        tokenizer_sha256=tokenizer_sha256(tokenizer),
-        source={"kind": data.source, "fingerprint": plan.fingerprint, "description": corpus.description},
-        settings={
-            "seed": seed,
-            "min_chars": data.min_chars,
-            "val_fraction": data.val_fraction,
-            "max_documents": data.max_documents,
-            "max_tokens": data.max_tokens,
-            "tokenizer": {"path": tok_cfg.path}
-            if tok_cfg.path
-            else {"vocab_size": tok_cfg.vocab_size, "min_frequency": tok_cfg.min_frequency},
+        staging,
+        records,
+        reused,
+        busy,
+        raw_tokenizer,
+        {
+            "pipeline_format": FORMAT,
+            "vocab_size": vocab_size,
+            "dtype": dtype.name,
+            "eos_id": eos_id,
+            "tokenizer_sha256": tok_sha,
+            "tokenizer_key": tokenizer_key,
+            "source": {"kind": data.source, "description": _describe_source(data, units), "files": len(units)},
+            "settings": settings,
+            "documents": {**documents, "total_read": stats["read"] + stats["undecodable"]},
+            "skipped": {k: stats[k] for k in ("empty", "too_short", "undecodable")},
+            "bad_input": bad[:_LISTED_BAD],
+            "tokens": totals,
         },
-        documents={"train": train.documents, "val": val.documents, "total_read": plan.total_read},
-        skipped={"empty": plan.empty, "too_short": plan.too_short, "undecodable": plan.undecodable},
-        tokens={"train": train.tokens, "val": val.tokens},
     )
-
     seconds = time.perf_counter() - started
-    total_tokens = train.tokens + val.tokens
+    shards = {s: sum(len(records[i]["shards"][s]) for i in busy) for s in SPLITS}
     metrics = {
-        "documents_read": plan.total_read,
-        "documents_train": train.documents,
-        "documents_val": val.documents,
-        "documents_cut_by_max_tokens": len(plan.train) - train.documents,
-        "skipped_empty": plan.empty,
-        "skipped_too_short": plan.too_short,
-        "skipped_undecodable": plan.undecodable,
-        "tokens_train": train.tokens,
-        "tokens_val": val.tokens,
+        "documents_read": stats["read"] + stats["undecodable"],
+        "documents_train": documents["train"],
+        "documents_val": documents["val"],
+        "documents_cut_by_max_tokens": sum(records[i]["cut_by_max_tokens"] for i in busy),
+        "skipped_empty": stats["empty"],
+        "skipped_too_short": stats["too_short"],
+        "skipped_undecodable": stats["undecodable"],
+        "tokens_train": totals["train"],
+        "tokens_val": totals["val"],
+        "shards_train": shards["train"],
+        "shards_val": shards["val"],
+        "slices": len(busy),
+        "slices_reused": len(reused),
         "vocab_size": vocab_size,
+        "workers": workers,
         "seconds": seconds,
-        "tokens_per_s": total_tokens / max(seconds, 1e-9),
+        "tokens_per_s": (totals["train"] + totals["val"]) / max(seconds, 1e-9),
     }
     log.info(
-        "tokenized %d documents into %d train + %d val tokens in %.1fs (%.0f tokens/s)",
-        plan.total_read,
-        metrics["tokens_train"],
-        metrics["tokens_val"],
-        seconds,
-        metrics["tokens_per_s"],
-    )
+        "tokenized %d documents into %d train + %d val tokens in %d+%d shards (%d of %d slices reused) "
+        "in %.1fs (%.0f tokens/s)",
+        metrics["documents_read"], totals["train"], totals["val"], shards["train"], shards["val"],
+        len(reused), len(busy), seconds, metrics["tokens_per_s"],
+    )  # fmt: skip
     return metrics
+
+
+def _tokenizer_from(raw: bytes, where: str):
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:
+        raise DataError(f"{where}: not a valid tokenizer.json ({exc})") from exc
+    tokenizer.encode_special_tokens = True
+    if tokenizer.token_to_id(EOS_TOKEN) is None:
+        raise DataError(f"{where}: tokenizer has no {EOS_TOKEN!r} token")
+    return tokenizer
+
+
+def _assemble(
+    out_dir: Path,
+    staging: Path,
+    records: dict[int, dict],
+    reused: set[int],
+    busy: list[int],
+    raw_tokenizer: bytes,
+    fields: dict,
+) -> None:
+    """Build the new output beside the old one and swap it in; the manifest is written last.
+
+    Shards of reused slices are hard links to the old files (the same inode: neither rewritten nor
+    rehashed by DVC); new ones are moved from the staging directory.
+    """
+    nxt = out_dir.parent / f".{out_dir.name}.next"
+    shutil.rmtree(nxt, ignore_errors=True)
+    nxt.mkdir(parents=True)
+    known: dict[str, dict] = {}
+    names: list[str] = []
+    order: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    for i in busy:
+        for split in SPLITS:
+            for shard in records[i]["shards"][split]:
+                source = (out_dir if i in reused else staging) / shard["path"]
+                target = nxt / shard["path"]
+                target.mkdir(parents=True)
+                for name in (TOKENS, manifest.MANIFEST):
+                    if i in reused:
+                        os.link(source / name, target / name)
+                    else:
+                        os.replace(source / name, target / name)
+                names += [f"{shard['path']}/{TOKENS}", f"{shard['path']}/{manifest.MANIFEST}"]
+                known[f"{shard['path']}/{TOKENS}"] = {"bytes": shard["bytes"], "sha256": shard["sha256"]}
+                order[split].append({"path": shard["path"], "tokens": shard["tokens"]})
+    old_tokenizer = out_dir / TOKENIZER_NAME
+    if old_tokenizer.is_file() and old_tokenizer.read_bytes() == raw_tokenizer:
+        os.link(old_tokenizer, nxt / TOKENIZER_NAME)
+    else:
+        atomic_write_bytes(nxt / TOKENIZER_NAME, raw_tokenizer)
+    names.append(TOKENIZER_NAME)
+    manifest.write_manifest(
+        nxt,
+        KIND,
+        names,
+        known=known,
+        shards=order,
+        slices={f"{i:05d}": records[i] for i in busy},
+        **fields,
+    )
+    replace_dir(nxt, out_dir)

@@ -3,10 +3,8 @@ tokenize workers run."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,6 +40,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int) -
     return tokenizer
 
 
+def train_reaching(texts: Iterable[str], vocab_size: int, min_frequency: int, sample_note: str) -> Tokenizer:
+    """train_tokenizer, and a DataError when the text cannot reach vocab_size: a smaller vocabulary
+    would silently disagree with tokenizer.vocab_size (and the model's vocabulary that follows it)."""
+    tokenizer = train_tokenizer(texts, vocab_size, min_frequency)
+    reached = tokenizer.get_vocab_size(with_added_tokens=True)
+    if reached < vocab_size:
+        raise DataError(
+            f"tokenizer.vocab_size: {vocab_size} asked, but {sample_note} reaches only {reached} tokens "
+            f"(at tokenizer.min_frequency={min_frequency}): set tokenizer.vocab_size to {reached} or give more text"
+        )
+    return tokenizer
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """A tokenizer.json. Text is never encoded as special tokens: a literal "<|endoftext|>" in a
     document stays text (this runtime flag is not saved in tokenizer.json, so it is set here)."""
@@ -60,40 +71,3 @@ def tokenizer_sha256(tok: Tokenizer) -> str:
     """sha256 of the tokenizer's canonical JSON (sorted keys), independent of file formatting."""
     canonical = json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-class _DocumentEncoder:
-    """datasets.map function: the token ids of each text followed by EOS.
-
-    Holds the tokenizer as JSON so worker processes rebuild it with encode_special_tokens set
-    (that flag does not survive pickling).
-    """
-
-    def __init__(self, tokenizer_json: str, eos_id: int):
-        self.tokenizer_json = tokenizer_json
-        self.eos_id = eos_id
-        self._tokenizer: Tokenizer | None = None
-
-    def __getstate__(self):
-        return {"tokenizer_json": self.tokenizer_json, "eos_id": self.eos_id, "_tokenizer": None}
-
-    def __call__(self, batch: dict) -> dict:
-        if self._tokenizer is None:
-            self._tokenizer = Tokenizer.from_str(self.tokenizer_json)
-            self._tokenizer.encode_special_tokens = True
-        encodings = self._tokenizer.encode_batch_fast(batch["text"], add_special_tokens=False)
-        return {"ids": [encoding.ids + [self.eos_id] for encoding in encodings]}
-
-
-@contextlib.contextmanager
-def _quiet_forked_tokenizers(num_proc: int):
-    """Forked map workers must not use tokenizers' thread pool (it may deadlock after a fork);
-    saying so up front also silences tokenizers' fork warning. The parent keeps its threads."""
-    if num_proc <= 1 or "TOKENIZERS_PARALLELISM" in os.environ:
-        yield
-        return
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        os.environ.pop("TOKENIZERS_PARALLELISM", None)

@@ -21,6 +21,11 @@ class Paths:
         return self.root / "data" / "tokenized"
 
     @property
+    def python_docs_dir(self) -> Path:
+        """The default corpus as files (the corpus stage writes it; data.path names it)."""
+        return self.root / "data" / "python-docs"
+
+    @property
     def run_dir(self) -> Path:
         return self.root / "runs" / "train"
 

@@ -31,7 +31,8 @@ class Stage:
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage("tokenize", "stage_tokenize", "tokenize", "tokenize the corpus into packed shards"),
+        Stage("corpus", "stage_corpus", "corpus", "write the default python-docs corpus to data/python-docs"),
+        Stage("tokenize", "stage_tokenize", "tokenize", "tokenize the corpus (data.path) into token shards"),
         Stage(
             "warmup", "stage_warmup", "warmup", "compile every decode width and prefill bucket into a cache artifact"
         ),

@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from laplace.config import Config
 from laplace.data.sampler import sample_batch, validation_batches
-from laplace.data.shards import open_split, read_manifest
-from laplace.errors import ConfigError, InputError
+from laplace.data.shards import data_digests, open_split, read_manifest, verify_share
+from laplace.errors import ConfigError, DataError, InputError
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import keep_cpu_allocations, resolve_device
 from laplace.training import checkpoint as ckpt
@@ -56,11 +56,7 @@ def run_fingerprint(cfg: Config, model_cfg, manifest: dict) -> str:
             "train": train_knobs,
             "adamw": dataclasses.asdict(cfg.adamw),
             "muon": dataclasses.asdict(cfg.muon),
-            "data": {
-                "tokenizer": manifest.get("tokenizer_sha256"),
-                "train": manifest.get("files", {}).get("train.bin", {}).get("sha256"),
-                "val": manifest.get("files", {}).get("val.bin", {}).get("sha256"),
-            },
+            "data": data_digests(manifest),
         },
         sort_keys=True,
     )
@@ -137,8 +133,12 @@ def train(
         if t.batch_size % group.world:
             raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by the world size {group.world}")
         mesh = init_device_mesh(device.type, (group.world,))
-        train_tokens = open_split(data_dir, "train", verify=True)
-        val_tokens = open_split(data_dir, "val", verify=True)
+        train_tokens = open_split(data_dir, "train")
+        val_tokens = open_split(data_dir, "val")
+        # each shard's sha256 is read once per job (by one rank), and every rank learns the verdict
+        problem = verify_share([train_tokens, val_tokens], group.rank, group.world)
+        if distributed.all_mean(torch.tensor(float(bool(problem)), device=device)) > 0:
+            raise DataError(problem or "a token shard failed its sha256 check on another rank (see its log)")
         val_batches = validation_batches(val_tokens, t.batch_size, t.seq_len, t.eval_batches)
 
         torch.manual_seed(cfg.seed)

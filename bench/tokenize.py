@@ -1,0 +1,165 @@
+"""Tokenization throughput and memory: laplace's streaming sharded pipeline vs nanoGPT's FineWeb
+approach, side by side on the same text, the same tokenizer and the same number of processes.
+
+    python bench/tokenize.py --sizes-mb 100 1000 --workers 2
+
+The text is JSON Lines files of real English (the python-docs corpus, each copy of a document
+numbered so none repeats exactly) until each size is reached. Both sides use one tokenizer.json
+(trained once, not timed) and `workers` processes:
+
+* laplace: `tokenize_corpus` (survey + encode passes, fixed-size shards, manifests).
+* nanoGPT: the structure of its fineweb.py: a multiprocessing Pool encodes documents
+  (`imap(..., chunksize=16)`), the main process fills a preallocated uint16 buffer of
+  shard_size tokens and writes each full shard.
+
+Peak RSS is the largest sum over the whole process tree (sampled every 0.1 s with psutil).
+Results go to bench/results/tokenize.json; figures are copied by hand into bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a script, this file would shadow the standard library's `tokenize` (which numpy's imports
+# reach): its folder comes off the module path before anything else is imported.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_corpus(directory: Path, size_bytes: int, files: int = 32) -> int:
+    from laplace.data.pydocs import python_docs_documents
+
+    docs = python_docs_documents()
+    directory.mkdir(parents=True, exist_ok=True)
+    handles = [open(directory / f"part-{i:03d}.jsonl", "w", encoding="utf-8") for i in range(files)]
+    written, n = 0, 0
+    while written < size_bytes:
+        text = f"Copy {n // len(docs)}. " + docs[n % len(docs)]
+        line = json.dumps({"text": text}) + "\n"
+        handles[n % files].write(line)
+        written += len(text.encode("utf-8"))
+        n += 1
+    for h in handles:
+        h.close()
+    return n
+
+
+def tree_peak_rss(proc: subprocess.Popen) -> tuple[int, float]:
+    peak = 0
+    root = psutil.Process(proc.pid)
+    start = time.perf_counter()
+    while proc.poll() is None:
+        try:
+            total = root.memory_info().rss + sum(c.memory_info().rss for c in root.children(recursive=True))
+        except psutil.Error:
+            total = 0
+        peak = max(peak, total)
+        time.sleep(0.1)
+    return peak, time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- one measured run
+
+
+def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: int) -> dict:
+    code = (
+        "import json, sys, os\n"
+        "sys.path.append(os.path.join(os.environ['BENCH_ROOT'], 'bench'))  # after the stdlib's tokenize\n"
+        "from tokenize_nanogpt import SHARD_TOKENS, nanogpt_style\n"
+        "from pathlib import Path\n"
+        f"which, corpus, tok, out, workers = {which!r}, Path({str(corpus)!r}), {tokenizer_path!r}, "
+        f"Path({str(out)!r}), {workers}\n"
+        "if which == 'laplace':\n"
+        "    from laplace.config import DataSection, TokenizerSection\n"
+        "    from laplace.data.tokenize import tokenize_corpus\n"
+        "    data = DataSection(source='files', path=str(corpus), num_proc=workers, slices=32,\n"
+        "                       shard_tokens=SHARD_TOKENS)\n"
+        "    m = tokenize_corpus(data, TokenizerSection(path=tok), out, seed=0)\n"
+        "    tokens = m['tokens_train'] + m['tokens_val']\n"
+        "else:\n"
+        "    tokens = nanogpt_style(corpus, tok, out, workers)\n"
+        "print(json.dumps({'tokens': tokens}))\n"
+    )
+    env = {**os.environ, "BENCH_ROOT": str(ROOT), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    peak = [0]
+    watcher = threading.Thread(target=lambda: peak.__setitem__(0, tree_peak_rss(proc)[0]))
+    watcher.start()
+    stdout, _ = proc.communicate()
+    watcher.join()
+    seconds = time.perf_counter() - started
+    if proc.returncode:
+        raise SystemExit(f"{which} failed with exit status {proc.returncode}")
+    tokens = json.loads(stdout.decode().strip().splitlines()[-1])["tokens"]
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_s_per_core": tokens / seconds / workers,
+        "peak_rss_mb": peak[0] / 1e6,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--scratch", default="/tmp/laplace-bench-tokenize")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tokenize.json"))
+    args = p.parse_args()
+    scratch = Path(args.scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+
+    tokenizer_path = scratch / "tokenizer.json"
+    if not tokenizer_path.exists():
+        from laplace.data.pydocs import python_docs_documents
+        from laplace.data.tokenizer import train_tokenizer
+
+        train_tokenizer(python_docs_documents(), 4096, 2).save(str(tokenizer_path))
+
+    results = {"workers": args.workers, "cpu": os.cpu_count(), "runs": {}}
+    for size in args.sizes_mb:
+        corpus = scratch / f"corpus-{size}mb"
+        if not corpus.exists():
+            make_corpus(corpus, size * 1_000_000)
+        row = {}
+        for which in ("laplace", "nanogpt"):
+            out = scratch / f"out-{which}-{size}mb"
+            subprocess.run(["rm", "-rf", str(out), str(out.parent / f".{out.name}.partial")], check=True)
+            row[which] = run_one(which, corpus, str(tokenizer_path), out, args.workers)
+            print(size, which, json.dumps(row[which]), flush=True)
+        row["ratio_tokens_per_s"] = row["laplace"]["tokens_per_s"] / row["nanogpt"]["tokens_per_s"]
+        row["ratio_peak_rss"] = row["laplace"]["peak_rss_mb"] / row["nanogpt"]["peak_rss_mb"]
+        results["runs"][f"{size}MB"] = row
+
+    # 100B tokens on 64 cores, from the largest run's per-core rate and per-worker memory.
+    largest = results["runs"][f"{max(args.sizes_mb)}MB"]["laplace"]
+    per_core = largest["tokens_per_s_per_core"]
+    seconds = 100e9 / (per_core * 64)
+    results["extrapolation_100B_tokens_64_cores"] = {
+        "hours": seconds / 3600,
+        "memory_gb": largest["peak_rss_mb"] / args.workers * 64 / 1e3,
+        "disk_shards_gb": 100e9 * 2 / 1e9,
+        "shards": int(np.ceil(100e9 / 100_000_000)),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

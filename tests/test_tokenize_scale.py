@@ -1,0 +1,226 @@
+"""Tokenization at scale, end to end: memory that does not grow with the corpus, kills (SIGKILL,
+SIGTERM) that leave no process behind and resume to byte-identical shards, the corpus as a DVC
+dependency (append -> tokenize reruns, unchanged shards kept), and training on sharded
+data that does not depend on the shard size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from laplace.config import DataSection, TokenizerSection, config_from_dict
+from laplace.data.pydocs import python_docs_documents
+from laplace.data.tokenize import staging_dir, tokenize_corpus
+from laplace.data.tokenizer import train_tokenizer
+
+from project import ROOT, TINY_PARAMS, commit_all, copy_project, descendants, env, run
+
+pytestmark = pytest.mark.slow
+
+
+def write_corpus(root: Path, megabytes: float, files: int = 8) -> None:
+    """JSON Lines of real English (python-docs, each copy numbered), `files` files."""
+    docs = python_docs_documents()
+    root.mkdir(parents=True, exist_ok=True)
+    handles = [open(root / f"part-{i:02d}.jsonl", "w", encoding="utf-8") for i in range(files)]
+    written = n = 0
+    while written < megabytes * 1e6:
+        text = f"Copy {n // len(docs)}. " + docs[n % len(docs)]
+        handles[n % files].write(json.dumps({"text": text}) + "\n")
+        written += len(text)
+        n += 1
+    for h in handles:
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer(python_docs_documents()[:400], 1024, 2).save(str(path))
+    return path
+
+
+CHILD = """
+import json, resource, sys
+from laplace.config import DataSection, TokenizerSection
+from laplace.data.tokenize import tokenize_corpus
+corpus, tok, out, shard_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+data = DataSection(source="files", path=corpus, num_proc=2, slices=4, shard_tokens=shard_tokens)
+metrics = tokenize_corpus(data, TokenizerSection(path=tok), out, seed=0)
+print(json.dumps({"self_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "workers_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+                  "tokens": metrics["tokens_train"] + metrics["tokens_val"]}))
+"""
+
+
+def child_env() -> dict:
+    return env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def tokenize_in_child(corpus: Path, tok: Path, out: Path, shard_tokens: int = 50_000) -> dict:
+    args = [sys.executable, "-c", CHILD, str(corpus), str(tok), str(out), str(shard_tokens)]
+    done = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, tokenizer_file):
+    """4x the text: the peak RSS of the stage process and of its largest worker stay within a
+    small constant (the old design held the whole corpus, ~3x its size, in one process)."""
+    small, large = tmp_path / "small", tmp_path / "large"
+    write_corpus(small, 4)
+    write_corpus(large, 16)
+    one = tokenize_in_child(small, tokenizer_file, tmp_path / "out-small")
+    four = tokenize_in_child(large, tokenizer_file, tmp_path / "out-large")
+    assert four["tokens"] > 3.5 * one["tokens"]
+    budget_kb = 12 * 1024  # 12 MB, against 12 MB more text (36+ MB held by the old design)
+    assert four["self_kb"] - one["self_kb"] < budget_kb, (one, four)
+    assert four["workers_kb"] - one["workers_kb"] < budget_kb, (one, four)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def finished_shards(staging: Path) -> list[Path]:
+    return [
+        p for split in ("train", "val") for p in (staging / split).glob("[0-9]*") if (p / "manifest.json").is_file()
+    ]
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_killed_tokenize_leaves_no_process_and_resumes_to_identical_shards(tmp_path, tokenizer_file, how):
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 6)
+    reference = tmp_path / "reference"
+    data = DataSection(source="files", path=str(corpus), num_proc=2, slices=4, shard_tokens=20_000)
+    tokenize_corpus(data, TokenizerSection(path=str(tokenizer_file)), reference, seed=0)
+
+    out = tmp_path / "out"
+    staging = staging_dir(out)
+    args = [sys.executable, "-c", CHILD, str(corpus), str(tokenizer_file), str(out), "20000"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env())
+    deadline = time.monotonic() + 300
+    workers: set[int] = set()
+    while len(finished_shards(staging)) < 4:
+        assert proc.poll() is None, "finished before it could be killed"
+        assert time.monotonic() < deadline
+        workers.update(descendants(proc.pid))
+        time.sleep(0.05)
+    workers.update(descendants(proc.pid))
+    assert workers, "the pool should be running"
+    kept = {p.relative_to(staging): (p / "tokens.bin").stat().st_ino for p in finished_shards(staging)}
+    proc.send_signal(how)
+    status = proc.wait(timeout=60)
+    assert status == (-signal.SIGKILL if how == signal.SIGKILL else 128 + signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in workers if alive(p)] == [], "orphaned worker processes"
+    assert not out.exists()  # nothing half-made in the output
+    if how == signal.SIGTERM:  # it tidied up: only finished shards remain, to resume from
+        assert [p for p in staging.rglob("*") if ".tmp-" in p.name] == []
+
+    tokenize_in_child(corpus, tokenizer_file, out, shard_tokens=20_000)
+    names = sorted(p.relative_to(reference) for p in reference.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    for name in names:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    for shard, inode in kept.items():  # a finished shard is moved into place, never rewritten
+        assert (out / shard / "tokens.bin").stat().st_ino == inode, shard
+    assert not staging.exists()
+
+
+def test_appending_to_the_corpus_reruns_tokenize_and_keeps_unchanged_shards(tmp_path):
+    repo = copy_project(
+        tmp_path / "repo",
+        {
+            **TINY_PARAMS,
+            "data.source": "files",
+            "data.path": "data/raw",
+            "data.slices": 4,
+            "data.val_fraction": 0.2,
+            "data.max_documents": 0,
+            "tokenizer.path": "tokenizer.json",  # fixed, so unchanged slices keep their shards
+        },
+    )
+    raw = repo / "data" / "raw"
+    raw.mkdir(parents=True)
+    for i, doc in enumerate(python_docs_documents()[:60]):
+        (raw / f"doc{i:02d}.md").write_text(doc)
+    train_tokenizer(python_docs_documents()[:300], 300, 2).save(str(repo / "tokenizer.json"))
+    dvc = str(Path(sys.executable).parent / "dvc")
+    run([dvc, "add", "data/raw"], repo)
+    assert (repo / "data" / "raw.dvc").is_file()
+    commit_all(repo, "corpus")
+    run([dvc, "repro", "tokenize"], repo)
+    assert "tokenize" not in run([dvc, "status", "tokenize"], repo).stdout
+    tokenized = repo / "data" / "tokenized"
+    before = {p.relative_to(tokenized): p.stat().st_ino for p in tokenized.rglob("tokens.bin")}
+
+    with open(raw / "doc05.md", "a") as f:
+        f.write("\n\nA paragraph appended to one file of the corpus.\n")
+    status = run([dvc, "status", "tokenize"], repo).stdout
+    assert "tokenize:" in status and "modified:" in status and "data/raw" in status
+    run([dvc, "add", "data/raw"], repo)
+    out = run([dvc, "repro", "tokenize"], repo).stdout
+    assert "Running stage 'tokenize'" in out
+    metrics = json.loads((repo / "metrics" / "tokenize.json").read_text())
+    assert metrics["slices_reused"] == metrics["slices"] - 1
+    after = {p.relative_to(tokenized): p.stat().st_ino for p in tokenized.rglob("tokens.bin")}
+    assert sum(after.get(p) == ino for p, ino in before.items()) >= len(before) - 2  # untouched, same inode
+    # Not covered yet: `dvc push` then `dvc pull data/raw.dvc tokenize` on a second clone restored
+    # data/tokenized but not data/raw (its .dir object was missing on the remote); see the report.
+
+
+def test_training_on_sharded_data_does_not_depend_on_the_shard_size(tmp_path):
+    """Bitwise: the sampler reads the shards as their concatenation (the old single train.bin),
+    so the same tokens cut into 1 shard or into many train to identical losses."""
+    from laplace.training.loop import train
+
+    cfg = config_from_dict(
+        {
+            "data": {"max_documents": 300, "num_proc": 1, "slices": 4},
+            "tokenizer": {"vocab_size": 400},
+            "model": {"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "chunk_size": 16,
+                      "sub_chunk_size": 8},
+            "train": {"steps": 6, "batch_size": 4, "seq_len": 32, "eval_every": 3, "eval_batches": 2,
+                      "checkpoint_every": 6, "warmup_steps": 1, "log_every": 1},
+        }
+    )  # fmt: skip
+    whole, small = tmp_path / "whole", tmp_path / "small"
+    tokenize_corpus(cfg.data, cfg.tokenizer, whole, cfg.seed)
+    import dataclasses
+
+    tokenize_corpus(dataclasses.replace(cfg.data, shard_tokens=1000), cfg.tokenizer, small, cfg.seed)
+    n_whole = len(json.loads((whole / "manifest.json").read_text())["shards"]["train"])
+    n_small = len(json.loads((small / "manifest.json").read_text())["shards"]["train"])
+    assert n_small > 3 * n_whole
+    first = train(cfg, whole, tmp_path / "run-whole", progress=False)
+    second = train(cfg, small, tmp_path / "run-small", progress=False)
+    losses = [(r["step"], r.get("loss"), r.get("val_loss")) for r in first.history]
+    assert losses == [(r["step"], r.get("loss"), r.get("val_loss")) for r in second.history]
+    assert any(v is not None for *_, v in losses)
+    shutil.rmtree(tmp_path / "run-whole")
+    assert np.isfinite(losses[-1][1]) and len(losses) >= 6
+
+
+def test_sigterm_handler_is_not_left_installed():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Exception):  # noqa: B017 - any failure inside the stage
+        tokenize_corpus(DataSection(source="files", path="/nonexistent/corpus"), TokenizerSection(), Path("/tmp/x"), 0)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert os.environ.get("HF_DATASETS_CACHE") is None or "partial" not in os.environ["HF_DATASETS_CACHE"]
