@@ -5,6 +5,7 @@ data that does not depend on the shard size."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -182,8 +183,23 @@ def test_appending_to_the_corpus_reruns_tokenize_and_keeps_unchanged_shards(tmp_
     assert metrics["slices_reused"] == metrics["slices"] - 1
     after = {p.relative_to(tokenized): p.stat().st_ino for p in tokenized.rglob("tokens.bin")}
     assert sum(after.get(p) == ino for p, ino in before.items()) >= len(before) - 2  # untouched, same inode
-    # Not covered yet: `dvc push` then `dvc pull data/raw.dvc tokenize` on a second clone restored
-    # data/tokenized but not data/raw (its .dir object was missing on the remote); see the report.
+
+    # dvc push to a remote both clones see, then a second clone pulls exactly the same data
+    remote = tmp_path / "remote"
+    run([dvc, "remote", "add", "-d", "-f", "shared", str(remote)], repo)
+    commit_all(repo, "tokenized, shared remote")
+    run([dvc, "push"], repo)
+    second = tmp_path / "second"
+    run(["git", "clone", "-q", str(repo), str(second)], tmp_path)
+    run([dvc, "pull", "data/raw.dvc", "tokenize"], second)
+    for part in ("data/raw", "data/tokenized"):
+        assert tree_digest(second / part) == tree_digest(repo / part), part
+    assert "tokenize" not in run([dvc, "status", "tokenize"], second).stdout  # up to date there too
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
 
 
 def test_training_on_sharded_data_does_not_depend_on_the_shard_size(tmp_path):
