@@ -93,7 +93,7 @@ def test_changed_settings_do_not_resume_a_foreign_checkpoint(data_dir, tmp_path,
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
     cfg = small_config(steps=30, checkpoint_every=2)
 
-    def poison(step, model):
+    def poison(step, model, optimizer):
         if step == 5:  # 0-based: the 6th step sees a NaN weight
             with torch.no_grad():
                 model.blocks[0].mlp.up_proj.weight[0, 0] = float("nan")
