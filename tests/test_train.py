@@ -173,7 +173,8 @@ def test_top_p_keeps_only_the_nucleus():
     assert int(sample_next(logits, 0.0, 1.0)) == 0
 
 
-def test_bf16_autocast_training_tracks_fp32(data_dir, tmp_path):
+def test_bf16_training_tracks_fp32(data_dir, tmp_path):
+    """bf16 is FSDP2 mixed precision: bf16 parameters and compute, fp32 reduction and master weights."""
     fp32 = train(small_config(steps=8), data_dir, tmp_path / "fp32", progress=False)
     bf16 = train(small_config(steps=8, precision="bf16"), data_dir, tmp_path / "bf16", progress=False)
     a = [h["loss"] for h in fp32.history if "loss" in h]

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from laplace import manifest
+from laplace.errors import InputError
 from laplace.fileio import atomic_write_json, replace_dir
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,9 @@ KIND = "checkpoint"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(InputError):
+    """A checkpoint that cannot be written (a full disk) or read (damaged): one line, exit 2.
+    Retrying cannot help until someone frees space or removes the damaged files."""
 
 
 @dataclass
