@@ -13,9 +13,9 @@ in the same run. Prints a table and one JSON object.
 (`--worlds`, default 1 and 2) a torchrun job builds the FSDP2 model on meta
 (laplace.training.loop.build_model) with ShardedMuonAdamW, each rank takes its slice of
 the same global batch, and full steps (forward, backward, clipping, Muon and AdamW) are
-timed. On CPU the ranks share the machine's cores (each gets cores / N threads), so
-N = 2 measures the cost of sharding, not a speedup; on a GPU each rank has its device
-(gloo on CPU, NCCL on CUDA).
+timed. On CPU the ranks share the machine's cores (each gets cores / N threads unless
+--threads-per-rank says otherwise); on a GPU each rank has its device (gloo on CPU,
+NCCL on CUDA).
 
     .venv/bin/python bench/train_step.py [--presets tiny small] [--batch 8 --seq-len 256] [--steps 3] [--device cuda]
     .venv/bin/python bench/train_step.py --distributed [--worlds 1 2] [--presets tiny] [--device cuda]
@@ -155,7 +155,7 @@ def distributed_worker(args) -> None:
     world = int(os.environ["WORLD_SIZE"])
     device, _ = prepare_device(args.device)
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(args.threads_per_rank or max(1, (os.cpu_count() or 1) // world))
     group = distributed.join(device)
     mesh = init_device_mesh(group.device.type, (group.world,))
     cfg = preset_model_config(args.presets[0], vocab_size=VOCAB.get(args.presets[0], 16384))
@@ -208,6 +208,7 @@ def distributed_main(args) -> None:
             cmd += ["--distributed-worker", "--out", str(out), "--presets", args.presets[0], "--device", args.device]
             cmd += ["--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
             cmd += ["--precision", args.precision, "--comm", args.comm]
+            cmd += ["--threads-per-rank", str(args.threads_per_rank)]
             subprocess.run(cmd, check=True, capture_output=True)
             r = json.loads(out.read_text())
         runs.append(r)
@@ -230,6 +231,9 @@ def main(argv=None) -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="--distributed: ranks per run")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="--distributed only")
     ap.add_argument("--comm", choices=["alltoall", "allgather"], default="alltoall", help="--distributed only")
+    ap.add_argument(
+        "--threads-per-rank", type=int, default=0, help="--distributed on CPU: torch threads per rank (0: cores / N)"
+    )
     ap.add_argument("--distributed-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     add_device_argument(ap)

@@ -164,7 +164,7 @@ class TrafficMeter:
         )
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         everyone = mine.new_empty(world * mine.shape[0], mine.shape[1])  # the ranks' rows, one after another
-        if world > 1:
+        if dist.is_initialized():
             dist.all_gather_single(everyone, mine, group=group)
         else:
             everyone.copy_(mine)
@@ -303,7 +303,7 @@ class ShardedMuon(torch.optim.Optimizer):
 
     def _exchange(self, name: str, send: Tensor) -> Tensor:
         """all_to_all_single of [W, segment] with equal splits, metered."""
-        if self.world == 1:
+        if self.group is None:  # plain tensors, one process
             return send
         out = torch.empty_like(send)
         dist.all_to_all_single(out, send, group=self.group)
@@ -346,7 +346,7 @@ class ShardedMuon(torch.optim.Optimizer):
         send = torch.zeros(plan.allgather_segment, dtype=EXCHANGE_DTYPE, device=device)
         for off, d in zip(plan.allgather_offsets, directions):
             send[off : off + d.numel()] = d.reshape(-1)
-        if W > 1:
+        if self.group is not None:
             gathered = send.new_empty(W * plan.allgather_segment)
             dist.all_gather_single(gathered, send, group=self.group)
             gathered = gathered.view(W, plan.allgather_segment)

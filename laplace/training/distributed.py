@@ -82,8 +82,12 @@ def leave(group: Group) -> None:
         dist.destroy_process_group()
 
 
+# The helpers below call the backend even in a one-rank group: a one-rank NCCL run (bench/gpu_check.sh)
+# then proves that what they hand it lives on the device.
+
+
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized():
         dist.barrier()
 
 
@@ -94,14 +98,14 @@ def _world() -> int:
 def broadcast_int(value: int, device: torch.device, src: int = 0) -> int:
     """Rank `src`'s integer, on every rank (an int64 tensor on the training device)."""
     t = torch.tensor([value], dtype=torch.long, device=device)
-    if _world() > 1:
+    if dist.is_initialized():
         dist.broadcast(t, src)
     return int(t.item())
 
 
 def all_min_int(value: int, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.long, device=device)
-    if _world() > 1:
+    if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 
@@ -109,7 +113,7 @@ def all_min_int(value: int, device: torch.device) -> int:
 def all_mean(value: torch.Tensor) -> torch.Tensor:
     """Mean of a scalar across ranks, in fp32 on its own device (every rank gets the same value)."""
     v = value.detach().float().reshape(1).clone()
-    if _world() > 1:
+    if dist.is_initialized():
         dist.all_reduce(v)
         v /= dist.get_world_size()
     return v[0]
