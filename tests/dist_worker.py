@@ -12,6 +12,7 @@ train PREFIX CONFIG DATA RUN
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -180,7 +181,7 @@ def train_mode(prefix: str, config: str, data_dir: str, run_dir: str) -> None:
             save_file(tensors, f"{prefix}-optimizer.safetensors", metadata={"step": str(step)})
 
     result = train(cfg, Path(data_dir), Path(run_dir), before_step=dump_optimizer_state, progress=False)
-    if int(__import__("os").environ["RANK"]) == 0:
+    if int(os.environ["RANK"]) == 0:  # the process group is gone: train() left it
         report = {"spy": spy.report(), "metrics": result.metrics, "history": result.history}
         Path(f"{prefix}-report.json").write_text(json.dumps(report))
 

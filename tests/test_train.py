@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -70,9 +71,13 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_training_reduces_validation_loss(data_dir, tmp_path):
+def test_training_reduces_validation_loss(data_dir, tmp_path, caplog):
     cfg = small_config(steps=40, eval_every=40, checkpoint_every=40)
-    result = train(cfg, data_dir, tmp_path, progress=False)
+    with caplog.at_level(logging.INFO, logger="laplace.training.loop"):
+        result = train(cfg, data_dir, tmp_path, progress=False)
+    # one plain progress line per logged step, with the rate and the time left, whatever the front door
+    assert re.search(r"step 20/40 loss \d+\.\d{4} \| [\d,]+ tok/s \| ETA \d+(m\d\ds|s)\n", caplog.text + "\n")
+    assert re.search(r"step 40/40 loss \d+\.\d{4} val_loss \d+\.\d{4} \| [\d,]+ tok/s \| ETA 0s", caplog.text)
     assert result.metrics["val_loss_initial"] == pytest.approx(math.log(400), rel=0.05)
     assert result.metrics["val_loss"] < 0.8 * result.metrics["val_loss_initial"]
     assert result.metrics["tokens_per_s"] > 0

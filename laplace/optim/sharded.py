@@ -72,8 +72,8 @@ def _mesh_group(params: list[Tensor]):
     meshes = {id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}
     if not meshes:
         return None, 1, 0
-    if len(meshes) > 1 or len(meshes) and not all(isinstance(p, DTensor) for p in params):
-        raise ValueError("ShardedMuon needs all its parameters on one device mesh")
+    if len(meshes) > 1 or not all(isinstance(p, DTensor) for p in params):
+        raise ValueError("ShardedMuon needs all its parameters on one device mesh (or none sharded)")
     mesh = next(iter(meshes.values()))
     return mesh.get_group(), mesh.size(), mesh.get_local_rank()
 

@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,9 @@ def stored_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
         if key.startswith(prefix)
     }
     if state:
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
     return {key[len(prefix) :]: t for key, t in state.items()}
 
 

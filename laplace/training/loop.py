@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -294,7 +295,7 @@ def _loop(
         range(start_step, t.steps),
         initial=start_step,
         total=t.steps,
-        disable=not progress or not group.is_main,
+        disable=not progress or not group.is_main or not sys.stderr.isatty(),  # log files get the lines below
         desc="train",
         unit="step",
         dynamic_ncols=True,
