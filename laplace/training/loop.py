@@ -255,7 +255,10 @@ def _loop(
     fingerprint = run_fingerprint(cfg, model_cfg, manifest)
     start_step, history = 0, []
     found = ckpt.latest_verified(ckpt_root, device) if resume else None
-    if found is not None and json.loads((found / "trainer.json").read_text()).get("fingerprint") != fingerprint:
+    # Rank 0 reads the verdict and every rank gets it, before rank 0 moves anything.
+    foreign = group.is_main and found is not None
+    foreign = foreign and json.loads((found / "trainer.json").read_text()).get("fingerprint") != fingerprint
+    if found is not None and distributed.broadcast_int(int(foreign), device):
         # Another run's checkpoints (params or data changed): keep them one generation back, start over.
         if group.is_main:
             previous = run_dir / "previous"
