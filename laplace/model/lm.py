@@ -126,18 +126,19 @@ def conv_init_bound(kernel_size: int) -> float:
     return 1.0 / math.sqrt(kernel_size)
 
 
-def _local_part(p: Tensor) -> tuple[Tensor, int]:
-    """The part of `p` this process holds and the global index of its first row. A plain
-    tensor is whole; FSDP2 shards a parameter by rows over a 1-D mesh, torch.chunk's rule:
-    rank r holds rows [r*c, (r+1)*c), c = ceil(rows / world)."""
+def local_rows(t: Tensor) -> tuple[Tensor, int]:
+    """(the rows of `t` this process holds, the global index of the first). A plain tensor is
+    whole; FSDP2 shards parameters, their gradients and optimizer state by rows over a 1-D mesh,
+    torch.chunk's rule: rank r holds rows [r*c, (r+1)*c), c = ceil(rows / world), the last
+    ranks fewer or none."""
     from torch.distributed.tensor import DTensor, Shard
 
-    if not isinstance(p, DTensor):
-        return p.data, 0
-    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
-        raise ValueError(f"expected a row-sharded parameter on a 1-D mesh, got placements {p.placements}")
-    per_rank = -(-p.shape[0] // p.device_mesh.size())
-    return p.to_local(), p.device_mesh.get_local_rank() * per_rank
+    if not isinstance(t, DTensor):
+        return t, 0
+    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        raise ValueError(f"expected a tensor row-sharded over a 1-D mesh, got placements {t.placements}")
+    per_rank = -(-t.shape[0] // t.device_mesh.size())
+    return t.to_local(), t.device_mesh.get_local_rank() * per_rank
 
 
 def _block_seed(base: int, name: str, block: int) -> int:
@@ -150,7 +151,7 @@ def _seeded_fill_(p: Tensor, base: int, name: str, draw) -> None:
     by block of rows, each block from a CPU generator seeded by (base, name, block index). A rank
     draws only the blocks its rows touch, so the values of a row do not depend on how the
     parameter is sharded, and nothing the size of the whole parameter is allocated."""
-    local, first = _local_part(p)
+    local, first = local_rows(p)
     if local.numel() == 0:
         return
     per_row = math.prod(p.shape[1:])
@@ -194,7 +195,7 @@ class ShortConvolution(nn.Module):
         """nn.Conv1d's default: uniform in +-1/sqrt(fan_in), fan_in = kernel_size (depthwise)."""
         if not self.weight.is_meta:
             bound = conv_init_bound(self.kernel_size)
-            _local_part(self.weight)[0].uniform_(-bound, bound)
+            local_rows(self.weight)[0].uniform_(-bound, bound)
 
     def forward(self, x: Tensor, cache: Tensor | None, lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
         B, T, C = x.shape
@@ -359,11 +360,11 @@ class LaplaceLM(nn.Module):
                 std = residual_std if name.endswith(("attn.o_proj.weight", "mlp.down_proj.weight")) else cfg.init_std
                 _seeded_fill_(p, base, name, lambda t, g, s=std: t.normal_(0.0, s, generator=g))
             elif name.endswith("norm.weight"):
-                _local_part(p)[0].fill_(1.0)
+                local_rows(p)[0].fill_(1.0)
             elif name.endswith("gk_proj.1.bias"):
-                _local_part(p)[0].fill_(cfg.gate_bias_init)
+                local_rows(p)[0].fill_(cfg.gate_bias_init)
             else:
-                _local_part(p)[0].zero_()
+                local_rows(p)[0].zero_()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

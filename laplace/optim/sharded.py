@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from laplace.config import AdamWSection, MuonSection
 from laplace.errors import ConfigError
+from laplace.model.lm import local_rows
 from laplace.optim.muon import (
     adjusted_lr,
     apply_update_,
@@ -50,19 +51,6 @@ EXCHANGE_DTYPE = torch.bfloat16
 
 
 # --------------------------------------------------------------------------- local shards
-
-
-def local_rows(t: Tensor) -> tuple[Tensor, int]:
-    """(the rows of `t` this rank holds, the global index of the first). A plain tensor is
-    whole; a DTensor must be row-sharded over a 1-D mesh, as FSDP2 leaves parameters."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(t, DTensor):
-        return t, 0
-    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
-        raise ValueError(f"ShardedMuon needs parameters row-sharded over a 1-D mesh, got {t.placements}")
-    rows_per_rank = -(-t.shape[0] // t.device_mesh.size())
-    return t.to_local(), t.device_mesh.get_local_rank() * rows_per_rank
 
 
 def _mesh_group(params: list[Tensor]):
