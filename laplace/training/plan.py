@@ -118,11 +118,13 @@ def as_text(p: dict, name: str) -> str:
         "newton_schulz_workspace": "Newton-Schulz workspace",
         "fsdp_transient_peak": "FSDP2 gathered params + grads",
     }
+    count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"  # noqa: E731
     t = p["muon_traffic"]
+    ranks = f"{p['world_size']} rank{'s' if p['world_size'] > 1 else ''}"
     lines = [
-        f"{name} on {p['world_size']} ranks, {p['precision']}: FSDP2 over torch's fake process group "
+        f"{name} on {ranks}, {p['precision']}: FSDP2 over torch's fake process group "
         "(rank 0, the largest shards; nothing allocated)",
-        f"  {p['params'] / 1e9:.2f} B parameters, {p['muon_params'] / 1e9:.2f} B of them in {p['muon_matrices']} "
+        f"  {count(p['params'])} parameters, {count(p['muon_params'])} of them in {p['muon_matrices']} "
         f"Muon matrices ({p['muon_matrices_owned_by_rank0']} orthogonalised by rank 0)",
         "  per rank",
         *(f"    {labels[k]:<34}{gib(v)}" for k, v in p["per_rank_bytes"].items()),
