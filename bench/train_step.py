@@ -9,14 +9,27 @@ token are counted from the modules (6 x matmul parameters + the GLA core and sho
 convolutions, forward + backward); MFU = model FLOP/s / the fp32 matmul peak measured
 in the same run. Prints a table and one JSON object.
 
+`--distributed` times the trainer's own distributed step instead: for each world size
+(`--worlds`, default 1 and 2) a torchrun job builds the FSDP2 model on meta
+(laplace.training.loop.build_model) with ShardedMuonAdamW, each rank takes its slice of
+the same global batch, and full steps (forward, backward, clipping, Muon and AdamW) are
+timed. On CPU the ranks share the machine's cores (each gets cores / N threads unless
+--threads-per-rank says otherwise); on a GPU each rank has its device (gloo on CPU,
+NCCL on CUDA).
+
     .venv/bin/python bench/train_step.py [--presets tiny small] [--batch 8 --seq-len 256] [--steps 3] [--device cuda]
+    .venv/bin/python bench/train_step.py --distributed [--worlds 1 2] [--presets tiny] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,14 +143,109 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, peak: float,
     return result
 
 
+def distributed_worker(args) -> None:
+    """One torchrun rank of `--distributed`: the trainer's FSDP2 model and optimizer, timed."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from laplace.config import TrainSection
+    from laplace.optim.sharded import ShardedMuonAdamW
+    from laplace.training import distributed
+    from laplace.training.loop import build_model, cross_entropy
+
+    world = int(os.environ["WORLD_SIZE"])
+    device, _ = prepare_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads_per_rank or max(1, (os.cpu_count() or 1) // world))
+    group = distributed.join(device)
+    mesh = init_device_mesh(group.device.type, (group.world,))
+    cfg = preset_model_config(args.presets[0], vocab_size=VOCAB.get(args.presets[0], 16384))
+    t = TrainSection(precision=args.precision)
+    model = build_model(cfg, mesh, group.device, t, seed=0)
+    optimizer = ShardedMuonAdamW(model, 1e-3, AdamWSection(), MuonSection(comm=args.comm))
+    gen = torch.Generator().manual_seed(0)
+    per_rank = args.batch // group.world
+    steps, fwd_bwd, opt = [], [], []
+    for i in range(args.steps + 1):
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
+        mine = tokens[group.rank * per_rank : (group.rank + 1) * per_rank].to(group.device)
+        distributed.barrier()
+        synchronize(group.device)
+        start = time.perf_counter()
+        cross_entropy(model(mine[:, :-1]), mine[:, 1:]).backward()
+        synchronize(group.device)
+        mid = time.perf_counter()
+        optimizer.step(max_grad_norm=1.0)
+        optimizer.zero_grad()
+        synchronize(group.device)
+        distributed.barrier()
+        end = time.perf_counter()
+        if i:  # the first step allocates the optimizer state
+            steps.append(end - start)
+            fwd_bwd.append(mid - start)
+            opt.append(end - mid)
+    if group.is_main:
+        step = statistics.median(steps)
+        result = {
+            "world_size": group.world,
+            "params": model.num_parameters(),
+            "step_s": step,
+            "fwd_bwd_s": statistics.median(fwd_bwd),
+            "optimizer_s": statistics.median(opt),
+            "tokens_per_s": args.batch * args.seq_len / step,
+            "threads_per_rank": torch.get_num_threads() if group.device.type == "cpu" else None,
+        }
+        Path(args.out).write_text(json.dumps(result))
+    distributed.leave(group)
+
+
+def distributed_main(args) -> None:
+    device, _ = prepare_device(args.device)
+    rows, runs = [], []
+    for n in args.worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__]
+            cmd += ["--distributed-worker", "--out", str(out), "--presets", args.presets[0], "--device", args.device]
+            cmd += ["--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+            cmd += ["--precision", args.precision, "--comm", args.comm]
+            cmd += ["--threads-per-rank", str(args.threads_per_rank)]
+            subprocess.run(cmd, check=True, capture_output=True)
+            r = json.loads(out.read_text())
+        runs.append(r)
+        rows.append([n, r["params"], r["tokens_per_s"], r["step_s"], r["fwd_bwd_s"], r["optimizer_s"]])
+    print(
+        f"{device}: distributed training step, FSDP2 + ShardedMuonAdamW ({args.comm}, {args.precision}), "
+        f"`{args.presets[0]}`, global batch {args.batch} x {args.seq_len}"
+    )
+    print_table(["ranks", "params", "tok/s", "step s", "fwd+bwd s", "optimizer s"], rows)
+    emit({"machine": machine(device), "preset": args.presets[0], "comm": args.comm, "runs": runs})
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
     ap.add_argument("--batch", type=int, default=8, help="params.yaml's train.batch_size")
     ap.add_argument("--seq-len", type=int, default=256, help="params.yaml's train.seq_len")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--distributed", action="store_true", help="time the FSDP2 step under torchrun instead")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="--distributed: ranks per run")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="--distributed only")
+    ap.add_argument("--comm", choices=["alltoall", "allgather"], default="alltoall", help="--distributed only")
+    ap.add_argument(
+        "--threads-per-rank", type=int, default=0, help="--distributed on CPU: torch threads per rank (0: cores / N)"
+    )
+    ap.add_argument("--distributed-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     add_device_argument(ap)
     args = ap.parse_args(argv)
+    if args.distributed_worker:
+        distributed_worker(args)
+        return
+    if args.distributed:
+        if "--presets" not in (argv or sys.argv):
+            args.presets = ["tiny"]
+        distributed_main(args)
+        return
     device, kept = prepare_device(args.device)
     peak = matmul_peak_gflops(device=device)
     result = {"machine": machine(device), "matmul_peak_gflops": peak, "kept_cpu_allocations": kept, "presets": {}}

@@ -128,7 +128,10 @@ class TrainSection:
     min_lr_ratio: float = knob(0.1, lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
     decay_fraction: float = knob(0.2, _unit_interval, "wsd: share of steps spent decaying")
     grad_clip: float = knob(1.0, _non_negative, "0 disables clipping")
-    precision: Literal["fp32", "bf16"] = knob("fp32", doc="bf16 = bf16 autocast, fp32 master weights")
+    precision: Literal["fp32", "bf16"] = knob(
+        "fp32",
+        doc="bf16: FSDP2 mixed precision, bf16 parameters and compute, fp32 gradient reduction and master weights",
+    )
     compile: bool = knob(False)
     device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto")
     eval_every: int = knob(50, _positive)

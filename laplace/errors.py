@@ -32,6 +32,10 @@ class GateFailed(InputError):
     """A validation gate (serve-check, numerics, probes) was missed; its metrics are written first."""
 
 
+class PeerInputError(InputError):
+    """Another rank of a distributed job rejected its input; that rank's own error says why."""
+
+
 class DataError(InputError):
     """Bad data input; the one-line message names the file, field or knob at fault."""
 

@@ -186,7 +186,7 @@ import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like ENOSPC
 from laplace.pipeline import stage_train
 train = stage_train.train
-def fill_the_disk(step, model):
+def fill_the_disk(step, model, optimizer):
     if step == 5:  # after checkpoint 4: no file may grow past 4 KiB any more
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 def train_with_a_full_disk(*args, **kwargs):

@@ -1,24 +1,27 @@
-"""Our Muon equals torch.optim.Muon bit for bit; parameter routing is a partition."""
+"""The sharded optimizer's Muon equals torch.optim.Muon bit for bit; the exchange plan keeps every
+split even; parameter routing is a partition."""
 
 import pytest
 import torch
 
-from laplace.config import AdamWSection, MuonSection
 from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM
-from laplace.optim.muon import Muon, MuonAdamW, route_parameters, zeropower_via_newtonschulz
+from laplace.optim.muon import route_parameters, zeropower_via_newtonschulz
+from laplace.optim.sharded import ExchangePlan, ShardedMuon, muon_traffic
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust", [None, "original", "match_rms_adamw"])
-def test_muon_equals_torch_muon_bitwise(nesterov, adjust, device):
+def test_sharded_muon_on_whole_matrices_equals_torch_muon_bitwise(nesterov, adjust, device):
+    """On one process (plain tensors) ShardedMuon runs its pieces on whole matrices; the
+    multi-rank runs are checked against torch.optim.Muon in tests/test_distributed.py."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(64, 32), (16, 80), (48, 48)]
     init = [torch.randn(s, generator=gen).to(device) for s in shapes]
     ours = [p.clone().requires_grad_() for p in init]
     ref = [p.clone().requires_grad_() for p in init]
     kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust)
-    opt_ours, opt_ref = Muon(ours, **kw), torch.optim.Muon(ref, **kw)
+    opt_ours, opt_ref = ShardedMuon(ours, **kw), torch.optim.Muon(ref, **kw)
     for _ in range(6):
         for a, b in zip(ours, ref):
             g = torch.randn(a.shape, generator=gen).to(device)
@@ -52,22 +55,24 @@ def test_routing_puts_every_parameter_in_exactly_one_group():
     assert "blocks.0.attn.q_proj.weight" in muon_names and "blocks.0.mlp.down_proj.weight" in muon_names
 
 
-def test_muon_adamw_state_round_trip():
-    torch.manual_seed(0)
-    model = LaplaceLM(preset_model_config("tiny", vocab_size=300, d_model=64, n_layers=1, n_heads=2))
-    opt = MuonAdamW(model, 1e-3, AdamWSection(), MuonSection())
-    x = torch.randint(0, 300, (2, 16))
-    model(x).sum().backward()
-    opt.step()
-    saved = {k: v.clone() for k, v in opt.state_tensors().items()}
-    model2 = LaplaceLM(model.cfg)
-    model2.load_state_dict(model.state_dict())
-    opt2 = MuonAdamW(model2, 1e-3, AdamWSection(), MuonSection())
-    opt2.load_state_tensors(saved)
-    for m in (model, model2):
-        m.zero_grad()
-        m(x).sum().backward()
-    opt.step()
-    opt2.step()
-    for (n, a), (_, b) in zip(model.named_parameters(), model2.named_parameters()):
-        assert torch.equal(a, b), n
+def test_exchange_plan_batches_shapes_with_even_splits():
+    shapes = [(10, 4), (6, 6), (10, 4), (10, 4), (6, 6), (3, 5)]
+    plan = ExchangePlan(shapes, world=2)
+    # matrices of one shape in batches of W; every rank pads its row shard to ceil(rows / W)
+    assert [(b.shape, b.members, b.rows) for b in plan.batches] == [
+        ((10, 4), (0, 2), 5),
+        ((10, 4), (3,), 5),
+        ((6, 6), (1, 4), 3),
+        ((3, 5), (5,), 2),
+    ]
+    assert [b.offset for b in plan.batches] == [0, 20, 40, 58] and plan.segment == 68
+    assert plan.padding_slots == 2
+    # owners rotate after a partial batch: the leftover (10, 4) goes to rank 0, the (3, 5) to rank 1
+    assert [b.owners for b in plan.batches] == [(0, 1), (0,), (1, 0), (1,)]
+    assert sorted(m for r in range(2) for _, m in plan.owned_by(r)) == list(range(6))
+    # analytic traffic: two all-to-alls, each rank sends 68 values to the other and receives 68, bf16
+    t = muon_traffic(shapes, world=2)
+    assert t["alltoall_bytes_per_rank"] == 2 * 2 * 68 * 2
+    # all-gather: each rank sends its padded shards (5+3+5+5+3+2 rows) to the other and receives theirs
+    assert t["allgather_bytes_per_rank"] == 2 * (5 * 4 * 3 + 3 * 6 * 2 + 2 * 5) * 2
+    assert muon_traffic(shapes, world=1)["alltoall_bytes_per_rank"] == 0

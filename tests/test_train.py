@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -70,9 +71,13 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_training_reduces_validation_loss(data_dir, tmp_path):
+def test_training_reduces_validation_loss(data_dir, tmp_path, caplog):
     cfg = small_config(steps=80, eval_every=80, checkpoint_every=80)
-    result = train(cfg, data_dir, tmp_path, progress=False)
+    with caplog.at_level(logging.INFO, logger="laplace.training.loop"):
+        result = train(cfg, data_dir, tmp_path, progress=False)
+    # one plain progress line per logged step, with the rate and the time left, whatever the front door
+    assert re.search(r"step 40/80 loss \d+\.\d{4} \| [\d,]+ tok/s \| ETA \d+(m\d\ds|s)\n", caplog.text + "\n")
+    assert re.search(r"step 80/80 loss \d+\.\d{4} val_loss \d+\.\d{4} \| [\d,]+ tok/s \| ETA 0s", caplog.text)
     assert result.metrics["val_loss_initial"] == pytest.approx(math.log(400), rel=0.05)
     # measured 6.01 -> 4.63 (77%) on the default corpus's first 300 documents, spread over 16 slices
     assert result.metrics["val_loss"] < 0.85 * result.metrics["val_loss_initial"]
@@ -94,7 +99,7 @@ def test_changed_settings_do_not_resume_a_foreign_checkpoint(data_dir, tmp_path,
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
     cfg = small_config(steps=30, checkpoint_every=2)
 
-    def poison(step, model):
+    def poison(step, model, optimizer):
         if step == 5:  # 0-based: the 6th step sees a NaN weight
             with torch.no_grad():
                 model.blocks[0].mlp.up_proj.weight[0, 0] = float("nan")
@@ -174,7 +179,8 @@ def test_top_p_keeps_only_the_nucleus():
     assert int(sample_next(logits, 0.0, 1.0)) == 0
 
 
-def test_bf16_autocast_training_tracks_fp32(data_dir, tmp_path):
+def test_bf16_training_tracks_fp32(data_dir, tmp_path):
+    """bf16 is FSDP2 mixed precision: bf16 parameters and compute, fp32 reduction and master weights."""
     fp32 = train(small_config(steps=8), data_dir, tmp_path / "fp32", progress=False)
     bf16 = train(small_config(steps=8, precision="bf16"), data_dir, tmp_path / "bf16", progress=False)
     a = [h["loss"] for h in fp32.history if "loss" in h]

@@ -12,6 +12,7 @@ serving pool and a compiled fixed-width decode graph share one object.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -116,6 +117,55 @@ def kv_cache_bytes(cfg: ModelConfig, tokens: int, bytes_per_value: int = 2) -> i
     return 2 * cfg.n_layers * tokens * cfg.d_model * bytes_per_value
 
 
+# --------------------------------------------------------------------------- initialisation
+
+_INIT_BLOCK_VALUES = 1 << 16  # each block of rows draws from its own generator
+
+
+def conv_init_bound(kernel_size: int) -> float:
+    return 1.0 / math.sqrt(kernel_size)
+
+
+def local_rows(t: Tensor) -> tuple[Tensor, int]:
+    """(the rows of `t` this process holds, the global index of the first). A plain tensor is
+    whole; FSDP2 shards parameters, their gradients and optimizer state by rows over a 1-D mesh,
+    torch.chunk's rule: rank r holds rows [r*c, (r+1)*c), c = ceil(rows / world), the last
+    ranks fewer or none."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return t, 0
+    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        raise ValueError(f"expected a tensor row-sharded over a 1-D mesh, got placements {t.placements}")
+    per_rank = -(-t.shape[0] // t.device_mesh.size())
+    return t.to_local(), t.device_mesh.get_local_rank() * per_rank
+
+
+def _block_seed(base: int, name: str, block: int) -> int:
+    digest = hashlib.sha256(f"{base}/{name}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _seeded_fill_(p: Tensor, base: int, name: str, draw) -> None:
+    """Fill `p` (or this rank's rows of it) with `draw(tensor, generator)`, drawn block of rows
+    by block of rows, each block from a CPU generator seeded by (base, name, block index). A rank
+    draws only the blocks its rows touch, so the values of a row do not depend on how the
+    parameter is sharded, and nothing the size of the whole parameter is allocated."""
+    local, first = local_rows(p)
+    if local.numel() == 0:
+        return
+    per_row = math.prod(p.shape[1:])
+    block_rows = max(1, _INIT_BLOCK_VALUES // max(1, per_row))
+    lo, hi = first, first + local.shape[0]
+    parts = []
+    for block in range(lo // block_rows, (hi - 1) // block_rows + 1):
+        b_lo, b_hi = block * block_rows, min((block + 1) * block_rows, p.shape[0])
+        generator = torch.Generator().manual_seed(_block_seed(base, name, block))
+        values = draw(torch.empty(b_hi - b_lo, *p.shape[1:]), generator)
+        parts.append(values[max(lo, b_lo) - b_lo : min(hi, b_hi) - b_lo])
+    local.copy_(torch.cat(parts))
+
+
 # --------------------------------------------------------------------------- layers
 
 
@@ -138,7 +188,14 @@ class ShortConvolution(nn.Module):
         super().__init__()
         self.kernel_size = kernel_size
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Conv1d's default: uniform in +-1/sqrt(fan_in), fan_in = kernel_size (depthwise)."""
+        if not self.weight.is_meta:
+            bound = conv_init_bound(self.kernel_size)
+            local_rows(self.weight)[0].uniform_(-bound, bound)
 
     def forward(self, x: Tensor, cache: Tensor | None, lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
         B, T, C = x.shape
@@ -275,6 +332,10 @@ class LaplaceLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # Drawn first, on the CPU even under `with torch.device("meta")`: after the same
+        # torch.manual_seed, a model built whole and one built on meta and sharded get the
+        # same weights from reset_parameters.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -285,22 +346,29 @@ class LaplaceLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        cfg = self.cfg
-        for name, p in self.named_parameters():
+        """Initialise every parameter in place, on whatever device it lives and however it is
+        sharded: the values depend only on `init_seed` (drawn at construction, so decided by
+        torch.manual_seed) and the parameter's name, never on the world size, so a model
+        sharded by FSDP2 over N ranks starts from exactly the weights a single process would
+        (see `_seeded_fill_`). Calling it again restores the same initial weights."""
+        params = list(self.named_parameters())
+        if any(p.is_meta for _, p in params):
+            return  # built on meta: materialise with to_empty(device), then call this again
+        cfg, base = self.cfg, self.init_seed
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2 style: shrink with depth
+        for name, p in params:
             if name.endswith("conv.weight"):
-                continue  # ShortConvolution keeps its own init
-            if p.ndim >= 2:
-                nn.init.normal_(p, mean=0.0, std=cfg.init_std)
+                bound = conv_init_bound(p.shape[-1])
+                _seeded_fill_(p, base, name, lambda t, g, b=bound: t.uniform_(-b, b, generator=g))
+            elif p.ndim >= 2:
+                std = residual_std if name.endswith(("attn.o_proj.weight", "mlp.down_proj.weight")) else cfg.init_std
+                _seeded_fill_(p, base, name, lambda t, g, s=std: t.normal_(0.0, s, generator=g))
             elif name.endswith("norm.weight"):
-                nn.init.ones_(p)
+                local_rows(p)[0].fill_(1.0)
+            elif name.endswith("gk_proj.1.bias"):
+                local_rows(p)[0].fill_(cfg.gate_bias_init)
             else:
-                nn.init.zeros_(p)
-        for block in self.blocks:
-            # GPT-2 style: residual outputs shrink with depth.
-            for p in (block.attn.o_proj.weight, block.mlp.down_proj.weight):
-                p.div_(math.sqrt(2 * cfg.n_layers))
-            if cfg.gate_bias_init:
-                block.attn.gk_proj[1].bias.fill_(cfg.gate_bias_init)
+                local_rows(p)[0].zero_()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,16 +1,16 @@
 """Muon for hidden matrices, AdamW for everything else.
 
-The Muon pieces are split into the three steps the sharded version reuses:
-`momentum_direction` (element-wise, runs on any slice), `zeropower_via_newtonschulz`
-(needs the whole matrix) and `apply_update_` (element-wise again). Run in order on
-whole matrices they perform exactly the operations of `torch.optim.Muon`, so the
-results are bit-identical (tests/test_muon.py checks it).
+Single-process training (`MuonAdamW`, used by the MQAR probe) runs `torch.optim.Muon`
+itself. The sharded optimizer (laplace.optim.sharded) needs Muon cut into three steps:
+`momentum_direction` (element-wise, runs on any rows), `zeropower_via_newtonschulz`
+(needs the whole matrix) and `apply_update_` (element-wise again). Run in order they
+perform exactly torch.optim.Muon's operations, so the results are bit-identical
+(tests/test_muon.py checks it).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -65,62 +65,6 @@ def apply_update_(param: Tensor, ortho: Tensor, lr: float, weight_decay: float, 
     param.add_(ortho, alpha=-lr_adjusted)
 
 
-class Muon(torch.optim.Optimizer):
-    """Single-process Muon with torch.optim.Muon's arguments and numerics."""
-
-    def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
-        eps: float = 1e-7,
-        ns_steps: int = 5,
-        adjust_lr_fn: str | None = None,
-    ):
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=tuple(ns_coefficients),
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon only takes 2-D parameters, got shape {tuple(p.shape)}")
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                direction = momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
-                ortho = zeropower_via_newtonschulz(direction, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                apply_update_(
-                    p,
-                    ortho,
-                    group["lr"],
-                    group["weight_decay"],
-                    adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape),
-                )
-        return loss
-
-
 # --------------------------------------------------------------------------- routing
 
 
@@ -148,7 +92,7 @@ class MuonAdamW:
     def __init__(self, model: nn.Module, adamw_lr: float, adamw: AdamWSection, muon: MuonSection):
         self.routes = route_parameters(model)
         self.base_lrs = {"muon": muon.lr, "adamw": adamw_lr}
-        self.muon = Muon(
+        self.muon = torch.optim.Muon(
             [p for _, p in self.routes["muon"]],
             lr=muon.lr,
             weight_decay=muon.weight_decay,
@@ -183,43 +127,3 @@ class MuonAdamW:
     def zero_grad(self) -> None:
         self.muon.zero_grad(set_to_none=True)
         self.adamw.zero_grad(set_to_none=True)
-
-    # Optimizer state as named tensors (safetensors-friendly, nothing pickled).
-    def state_tensors(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for name, p in self.routes["muon"]:
-            st = self.muon.state.get(p)
-            if st:
-                out[f"muon/{name}/momentum_buffer"] = st["momentum_buffer"]
-        for route in ("adamw_decay", "adamw_no_decay"):
-            for name, p in self.routes[route]:
-                st = self.adamw.state.get(p)
-                if st:
-                    for key in ("step", "exp_avg", "exp_avg_sq"):
-                        out[f"adamw/{name}/{key}"] = st[key]
-        return out
-
-    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
-        expected = set()
-        for name, p in self.routes["muon"]:
-            key = f"muon/{name}/momentum_buffer"
-            if key in tensors:
-                self.muon.state[p]["momentum_buffer"] = tensors[key].to(p.device).clone()
-                expected.add(key)
-        for route in ("adamw_decay", "adamw_no_decay"):
-            for name, p in self.routes[route]:
-                keys = [f"adamw/{name}/{k}" for k in ("step", "exp_avg", "exp_avg_sq")]
-                if all(k in tensors for k in keys):
-                    st = self.adamw.state[p]
-                    for k, full in zip(("step", "exp_avg", "exp_avg_sq"), keys):
-                        st[k] = tensors[full].clone()
-                    expected.update(keys)
-        unknown = set(tensors) - expected
-        if unknown:
-            raise ValueError(f"optimizer state has entries for unknown parameters: {sorted(unknown)[:3]}")
-
-
-def parameter_names(groups: dict[str, list[tuple[str, nn.Parameter]]]) -> Iterable[str]:
-    for members in groups.values():
-        for name, _ in members:
-            yield name

@@ -15,16 +15,18 @@ from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
 
 
+def _model_config(preset: str | None, cfg):
+    """A preset (the tokenizer's vocab size where the preset has none), or params.yaml's model."""
+    if preset:
+        return preset_model_config(preset, vocab_size=None if preset == "laplace-3b" else cfg.tokenizer.vocab_size)
+    return cfg.model_config()
+
+
 def model_facts(preset: str | None, cfg) -> dict:
     """`laplace info`: facts of a preset (or of params.yaml's model) from the real modules on meta."""
     from laplace.model.facts import model_facts as facts
 
-    model_cfg = (
-        preset_model_config(preset, vocab_size=None if preset == "laplace-3b" else cfg.tokenizer.vocab_size)
-        if preset
-        else cfg.model_config()
-    )
-    return {"preset": preset or cfg.model.preset, **facts(model_cfg)}
+    return {"preset": preset or cfg.model.preset, **facts(_model_config(preset, cfg))}
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="parameter count, state bytes and KV-cache comparison of a preset")
     _add_config_args(p)
     p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "plan",
+        help="dry run of distributed training: per-rank memory and Muon traffic on N ranks (nothing allocated)",
+    )
+    _add_config_args(p)
+    p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: train.nproc_per_node x train.nnodes)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: train.precision")
+    p.add_argument("--hbm-gib", type=float, default=24.0, help="device memory per rank (24: a Trn2 logical core)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     for name, stage in stages.STAGES.items():
@@ -130,6 +143,16 @@ def _run(args) -> int:
     cfg = load_config(args.params, args.overrides)
     if args.command == "info":
         _print_info(model_facts(args.preset, cfg), args.json)
+        return 0
+    if args.command == "plan":
+        from laplace.errors import ConfigError
+        from laplace.training.plan import as_text, plan
+
+        world = args.nproc or cfg.train.nproc_per_node * cfg.train.nnodes
+        if world < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {world}")
+        result = plan(_model_config(args.preset, cfg), world, args.precision or cfg.train.precision, args.hbm_gib)
+        print(json.dumps(result, indent=2) if args.json else as_text(result, args.preset or cfg.model.preset))
         return 0
     paths = Paths.at(args.root)
     if args.command == "summary":

@@ -1,5 +1,6 @@
 """The train stage: in this process, or under torchrun when train.nproc_per_node / nnodes ask for
-more ranks (this module is then torchrun's worker: every rank trains, rank 0 writes the result)."""
+more ranks (this module is then torchrun's worker: every rank trains, the first rank of each
+node writes the result for that node's parent)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from laplace.config import Config
 from laplace.pipeline.layout import Paths, write_metrics
 from laplace.training import distributed
-from laplace.training.loop import train
+from laplace.training.loop import check_inputs, train
 
 
 def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
@@ -42,6 +43,13 @@ def run_training(cfg: Config, paths: Paths, resume: bool = True, stop_at_step: i
     from laplace.pipeline.repro import subprocess_env
     from laplace.pipeline.workers import run_worker
 
+    t = cfg.train
+    if t.node_rank == 0:
+        # Reject bad data or settings here, before torchrun starts any rank. Other nodes leave it
+        # to their ranks: a node that cannot see the shared data must fail inside the job, where
+        # every rank learns it, not before joining it, which would leave the others waiting.
+        check_inputs(cfg, paths.data_dir, world=t.nproc_per_node * t.nnodes)
+
     args = (
         ["--data-dir", str(paths.data_dir), "--run-dir", str(paths.run_dir)]
         + (["--no-resume"] if not resume else [])
@@ -62,8 +70,8 @@ def run_training(cfg: Config, paths: Paths, resume: bool = True, stop_at_step: i
 
 def main(argv: list[str] | None = None) -> int:
     """The torchrun entry point: `torchrun ... -m laplace.pipeline.stage_train --config-json C --out O
-    --data-dir D --run-dir R`. Every rank trains; rank 0 writes the result (metrics, history,
-    checkpoint) to --out."""
+    --data-dir D --run-dir R`. Every rank trains; each node's first rank writes the result
+    (metrics, history, checkpoint) to --out."""
     from laplace.pipeline.workers import worker_main
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

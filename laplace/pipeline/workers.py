@@ -11,7 +11,10 @@ over from the parent). Both sides of that contract live here:
 Exit statuses carry the verdict across the process boundary: a worker that rejects its
 input (an InputError: bad params or data, a missed gate) exits 2 and the parent raises an
 InputError with the worker's one line; any other failure (a crash, a kill) is a
-WorkerFailed, which the front doors treat as transient (Prefect retries it).
+WorkerFailed, which the front doors treat as transient (Prefect retries it). Under
+torchrun the launcher exits 1 whatever its ranks did, so the parent also reads the
+ranks' error lines: a rank's own reason wins over the "another rank rejected" line the
+others print.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -26,7 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from laplace.config import Config, config_from_dict
-from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
+from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError, PeerInputError
+
+PEER_MARK = " (from another rank)"  # on the error line of a rank stopped by another rank's InputError
 
 
 class WorkerFailed(Failure):
@@ -37,7 +43,8 @@ class WorkerFailed(Failure):
         self.exit_status = exit_status
 
 
-CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "NEURON_COMPILE_CACHE_URL")
+# Where each compiler keeps its cache: Inductor's (CPU, CUDA) and TorchNeuron's native NEFF cache.
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCH_NEURONX_NEFF_CACHE_DIR")
 
 
 def compile_env(cache_dir: Path | None) -> dict[str, str]:
@@ -73,13 +80,20 @@ def run_worker(
     cfg_file = out.with_suffix(".config.json")
     atomic_write_json(cfg_file, cfg.to_dict())
     cmd = [*(launcher or [sys.executable]), "-m", module, "--config-json", str(cfg_file), "--out", str(out), *args]
-    status, tail = run_streaming(
-        cmd, cwd, env, lambda line: print(f"  [{module.rsplit('.', 1)[-1]}] {line}", flush=True)
-    )
+    name = module.rsplit(".", 1)[-1]
+    error_line = re.compile(rf"^{re.escape(name)}\.py: error(?P<peer>{re.escape(PEER_MARK)})?: (?P<reason>.+)$")
+    own, peer = [], []
+
+    def on_line(line: str) -> None:
+        print(f"  [{name}] {line}", flush=True)
+        if m := error_line.match(line):
+            (peer if m["peer"] else own).append(m["reason"])
+
+    status, tail = run_streaming(cmd, cwd, env, on_line)
     if status != 0:
         last = tail.splitlines()[-1] if tail else ""
-        if status == INPUT_ERROR_EXIT:
-            raise InputError(last.split(": error: ", 1)[-1])
+        if status == INPUT_ERROR_EXIT or own or peer:
+            raise InputError((own or peer or [last.split(": error: ", 1)[-1]])[0])
         how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
         raise WorkerFailed(f"{module} worker failed ({how}): {last}", status)
     return json.loads(out.read_text())
@@ -105,8 +119,8 @@ def worker_main(
 ) -> int:
     """The child side: `--config-json` and `--out`, plus required `paths` (as Path) and
     `options` (argparse keywords; required unless they say otherwise); `body(cfg, args)` makes
-    the result, written atomically. Under torchrun every rank runs the body and rank 0 alone
-    writes the result and prints the summary."""
+    the result, written atomically. Under torchrun every rank runs the body; the first rank
+    of each node writes the result (every node's parent reads one), rank 0 prints the summary."""
     from laplace.fileio import atomic_write_json
 
     parser = argparse.ArgumentParser(description=description)
@@ -121,10 +135,15 @@ def worker_main(
         cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
         result = body(cfg, args)
     except InputError as exc:  # the parent turns exit status 2 back into an InputError with this line
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
+        mark = PEER_MARK if isinstance(exc, PeerInputError) else ""
+        print(f"{parser.prog}: error{mark}: {exc}", file=sys.stderr, flush=True)
         return INPUT_ERROR_EXIT
-    if int(os.environ.get("RANK", "0")) == 0:
+    except Failure as exc:  # not the input's fault: one line (not "error", which means bad input) and a retry
+        print(f"{parser.prog}: failed: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_status if exc.exit_status > 0 else 1
+    # every node's parent waits for the result: each node's first rank writes it (ranks agree on it)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         atomic_write_json(args.out, result)
-        if summary is not None:
+        if summary is not None and int(os.environ.get("RANK", "0")) == 0:
             print(summary(result), flush=True)
     return 0

@@ -1,2 +1,3 @@
 """Training: the loop (loop.py, read top to bottom), the learning-rate schedule, checkpoints
-(torch.distributed.checkpoint) and the distributed plumbing (process groups, torchrun)."""
+(torch.distributed.checkpoint), the distributed plumbing (process groups, FSDP2, torchrun) and
+the dry run of a distributed job (plan.py)."""

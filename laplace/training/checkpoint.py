@@ -2,18 +2,25 @@
 
 Layout of one checkpoint (runs/train/checkpoints/step_000100/):
     shard-0000R-model-00001-of-00001.safetensors   one file per rank (DCP's safetensors storage):
-                                                    the parameters (replicated, written once) and
-                                                    that rank's flat shards of the optimizer state
+                                                    that rank's row shards of the parameters
+                                                    ("model.*") and of the optimizer state
+                                                    ("optim.state.*": Muon momentum, AdamW moments)
     trainer.json                                    step, history, run fingerprint, world size
     manifest.json                                   sizes and sha256 of the files above, written last
                                                     (laplace.manifest, as for data and exports)
 
+What is saved comes from torch.distributed.checkpoint.state_dict (`get_state_dict`): the
+FSDP2 model's DTensor parameters and each optimizer's own state, keyed by parameter
+name. A load at another world size reads the saved shards into the new sharding (DCP
+does it; no project code) and `set_state_dict` hands the optimizers their real state.
+Only tensors are stored: the optimizers' hyperparameters come from the params of the
+run, which the fingerprint in trainer.json pins.
+
 Every rank writes into one hidden staging directory; rank 0 then writes trainer.json
-and the manifest, fsyncs and renames the directory into place. A load at another world
-size reads the saved shards into the new sharding. The newest checkpoint whose
-manifest and checksums verify wins; a damaged one is skipped with a warning naming
-the file. Nothing is unpickled: DCP's safetensors storage keeps its metadata in the
-safetensors headers.
+and the manifest, fsyncs and renames the directory into place. The newest checkpoint
+whose manifest and checksums verify wins; a damaged one is skipped with a warning
+naming the file. Nothing is unpickled: DCP's safetensors storage keeps its metadata in
+the safetensors headers.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import json
 import logging
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +47,8 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
 class CheckpointError(Failure):
-    pass
+    """A checkpoint that cannot be written (a full disk) or read (damaged): one line, exit 1.
+    Not bad input (exit 2 means params, data or a gate): a retry succeeds once space is freed."""
 
 
 @dataclass
@@ -75,21 +84,29 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)  # leftovers of killed writes
 
 
-def model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The parameters stored in a checkpoint, read straight from its safetensors files (no
-    process group needed): they are replicated, so each is stored whole once."""
-    from safetensors import safe_open
-    from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
+def stored_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Whole tensors whose key starts with `prefix`, assembled from every rank's shards by DCP
+    (in this process, no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            offsets = json.loads((f.metadata() or {}).get(CUSTOM_METADATA_KEY, "{}"))
-            for key in f.keys():
-                if key.startswith("model."):
-                    if any(offsets.get(key, {}).get(SAVED_OFFSETS_KEY, [0])):
-                        raise CheckpointError(f"{file}: parameter {key} is stored sharded, expected whole")
-                    out[key[len("model.") :]] = f.get_tensor(key)
+    reader = HuggingFaceStorageReader(str(path))
+    metadata = reader.read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith(prefix)
+    }
+    if state:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
+    return {key[len(prefix) :]: t for key, t in state.items()}
+
+
+def model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The parameters stored in a checkpoint, whole (for export and inspection)."""
+    out = stored_tensors(path, "model.")
     if not out:
         raise CheckpointError(f"{path}: holds no parameters")
     return out
@@ -118,22 +135,20 @@ def latest_checkpoint(root: Path) -> Checkpoint | None:
 #
 # Distributed training checkpoints go through torch.distributed.checkpoint with its
 # safetensors storage (HuggingFaceStorageWriter/Reader): every rank writes its own
-# shard file, the metadata lives in the safetensors headers (no pickle), and a load at
-# another world size reads the saved shards into the new sharding. The staging
+# shard file and the metadata lives in the safetensors headers (no pickle). The staging
 # directory, manifest and rename around it are the same as above.
 
 
-def _flat_dtensor(local: torch.Tensor, total: int, mesh):
-    from torch.distributed.tensor import DTensor, Shard
+def _state(model, optimizers) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the tensors DCP saves and loads, the optimizers' flattened state dict). Optimizer state
+    is created first if the optimizers have not stepped yet (a step at lr 0 on zero gradients:
+    collective, every rank calls this)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return DTensor.from_local(local, mesh, [Shard(0)], shape=(total,), stride=(1,), run_check=False)
-
-
-def _dcp_state(model, optimizer, mesh) -> dict:
-    state = {f"model.{name}": p.detach() for name, p in model.named_parameters()}
-    total = optimizer.layout.total
-    state.update({f"optim.{k}": _flat_dtensor(v, total, mesh) for k, v in optimizer.state_tensors().items()})
-    return state
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    tensors = {f"model.{k}": v for k, v in model_sd.items()}
+    tensors.update({f"optim.{k}": v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)})
+    return tensors, optim_sd
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -148,7 +163,9 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any], keep: int, mesh) -> Path:
+def save_sharded(
+    root: Path, step: int, model, optimizers, trainer: dict[str, Any], keep: int, device: torch.device
+) -> Path:
     """Collective: every rank calls it. Writes checkpoint `step` atomically under `root`.
 
     A failed write (a full disk, a write error on any rank) removes the staging directory,
@@ -171,10 +188,8 @@ def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any
     dist.barrier()
     error = ""
     try:
-        dcp.save(
-            _dcp_state(model, optimizer, mesh),
-            storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True),
-        )
+        tensors, _ = _state(model, optimizers)
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True))
     except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure: all ranks land here
         error = _root_cause(exc)
     dist.barrier()
@@ -185,7 +200,7 @@ def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any
             replace_dir(staging, final)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
-    failed = broadcast_int(1 if error else 0)  # rank 0's finalisation decides for everyone
+    failed = broadcast_int(1 if error else 0, device)  # rank 0's finalisation decides for everyone
     if failed:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -200,19 +215,31 @@ def save_sharded(root: Path, step: int, model, optimizer, trainer: dict[str, Any
     return final
 
 
-def load_sharded(path: Path, model, optimizer, mesh) -> dict[str, Any]:
-    """Collective: fill the model and this rank's optimizer shards from checkpoint `path`."""
+def load_sharded(path: Path, model, optimizers) -> dict[str, Any]:
+    """Collective: fill the model's shards and the optimizers' state from checkpoint `path`, at
+    whatever world size it was saved."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    state = _dcp_state(model, optimizer, mesh)
+    tensors, optim_sd = _state(model, optimizers)
     with torch.no_grad():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
-    optimizer.load_master()
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)))
+    model_sd = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    loaded = {k[len("optim.") :]: v for k, v in tensors.items() if k.startswith("optim.")}
+    # hyperparameters (lr, betas, ...) are not stored: the running optimizers' are the run's
+    loaded.update({k: v for k, v in optim_sd.items() if not isinstance(v, torch.Tensor)})
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=model_sd,
+        optim_state_dict=loaded,
+        options=StateDictOptions(flatten_optimizer_state_dict=True),
+    )
     return json.loads((Path(path) / "trainer.json").read_text())
 
 
-def latest_verified(root: Path) -> Path | None:
+def latest_verified(root: Path, device: torch.device) -> Path | None:
     """Rank 0 picks the newest checkpoint that verifies (damaged ones skipped with a warning);
     every rank gets the same answer."""
     import torch.distributed as dist
@@ -228,5 +255,5 @@ def latest_verified(root: Path) -> Path | None:
                 choice = i
                 break
             log.warning("skipping damaged checkpoint %s: %s", path, reason)
-    choice = broadcast_int(choice)
+    choice = broadcast_int(choice, device)
     return None if choice < 0 else found[choice][1]

@@ -1,21 +1,25 @@
 """The training loop, top to bottom: data, model, optimizer, schedule, eval, checkpoints.
 
 Written for torchrun from the start (rank and world size come from the environment;
-the sampler slices a global batch by rank), runs on one process as is. On CPU in
-fp32 eager mode a run stopped at step k and resumed is bit-identical to an
-uninterrupted one: the sampler needs no state (the batch is a function of seed and
-step) and the checkpoint holds every tensor the next step reads.
+the sampler slices a global batch by rank), runs on one process as is: a one-rank
+process group. The model is built on the meta device and sharded with FSDP2 over all
+ranks before it is materialised and initialised on the training device, so no rank
+ever holds all of it (laplace.training.distributed.shard_model); Muon and AdamW step
+the shards (laplace.optim.sharded). On CPU in fp32 eager mode a run stopped at step k
+and resumed at the same world size is bit-identical to an uninterrupted one: the
+sampler needs no state (the batch is a function of seed and step) and the checkpoint
+holds every tensor the next step reads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import math
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +31,12 @@ from tqdm import tqdm
 
 from laplace.config import Config
 from laplace.data.sampler import sample_batch, validation_batches
-from laplace.data.shards import data_digests, open_split, read_manifest, verify_share
+from laplace.data.shards import SPLITS, data_digests, open_split, read_manifest, verify_share
 from laplace.errors import ConfigError, DataError, InputError
 from laplace.model.lm import LaplaceLM
-from laplace.runtime import keep_cpu_allocations, resolve_device
+from laplace.runtime import compile_backend, compile_static, keep_cpu_allocations, resolve_device
 from laplace.training import checkpoint as ckpt
+from laplace.training import distributed
 from laplace.training.schedule import lr_scale
 
 log = logging.getLogger(__name__)
@@ -42,20 +47,26 @@ class TrainingDiverged(InputError):
 
 
 # Train knobs that change what is logged or saved, never the weights.
-_BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints", "nproc_per_node"}
+_BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints"}
+# Where and how the run executes: the same weights come out (up to rounding) on any of these,
+# so a checkpoint resumes across world sizes, node counts, devices and compile settings.
+_LAUNCH = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts", "device", "compile"}
 
 
 def run_fingerprint(cfg: Config, model_cfg, manifest: dict) -> str:
     """Hash of everything that decides the trained weights: a checkpoint resumes only the run it
-    came from (same data, model, schedule and optimizers)."""
-    train_knobs = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _BOOKKEEPING}
+    came from (same data, model, schedule and optimizers). Launch knobs are left out, and so is
+    muon.comm (both strategies compute the same update); the data enter through the sha256
+    their manifest lists, so no data file is read here."""
+    train_knobs = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _BOOKKEEPING | _LAUNCH}
+    muon = {k: v for k, v in dataclasses.asdict(cfg.muon).items() if k != "comm"}
     blob = json.dumps(
         {
             "seed": cfg.seed,
             "model": model_cfg.to_dict(),
             "train": train_knobs,
             "adamw": dataclasses.asdict(cfg.adamw),
-            "muon": dataclasses.asdict(cfg.muon),
+            "muon": muon,
             "data": data_digests(manifest),
         },
         sort_keys=True,
@@ -67,22 +78,19 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def autocast_context(precision: str, device: torch.device):
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @torch.no_grad()
-def evaluate(model, batches, precision: str, device: torch.device) -> float:
+def evaluate(model, batches, group: distributed.Group) -> float:
+    """Mean validation loss over `batches` (global batches: each rank evaluates its slice and
+    the ranks average, so every rank returns the same value)."""
     was_training = model.training
     model.eval()
-    total = 0.0
+    total = torch.zeros((), device=group.device)
     for x, y in batches:
-        with autocast_context(precision, device):
-            total += cross_entropy(model(x.to(device)), y.to(device)).item()
+        per_rank = x.shape[0] // group.world
+        rows = slice(group.rank * per_rank, (group.rank + 1) * per_rank)
+        total += cross_entropy(model(x[rows].to(group.device)), y[rows].to(group.device)).detach()
     model.train(was_training)
-    return total / max(1, len(batches))
+    return float(distributed.all_mean(total / max(1, len(batches))))
 
 
 @dataclass
@@ -90,6 +98,58 @@ class TrainResult:
     metrics: dict
     history: list[dict] = field(default_factory=list)
     checkpoint: Path | None = None
+
+
+def check_inputs(cfg: Config, data_dir: Path, world: int):
+    """What can be rejected before any rank trains, cheaply (sizes, no checksums): the tokenized
+    data's manifest and splits, the model against the tokenizer, the batch against the world
+    size. Returns (data manifest, model config). The train stage runs it before it launches
+    torchrun; every rank runs it again and the ranks agree on the verdict."""
+    t = cfg.train
+    manifest = read_manifest(data_dir)
+    model_cfg = cfg.model_config(vocab_size=manifest["vocab_size"])
+    if manifest["vocab_size"] > model_cfg.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: tokenizer vocab {manifest['vocab_size']} is larger than model.vocab_size "
+            f"{model_cfg.vocab_size}"
+        )
+    if t.batch_size % world:
+        raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by the world size {world}")
+    for split in SPLITS:
+        tokens = open_split(data_dir, split, verify=False)
+        if len(tokens) < t.seq_len + 1:
+            raise DataError(
+                f"{Path(data_dir) / split}: {len(tokens)} tokens, fewer than train.seq_len+1="
+                f"{t.seq_len + 1}: lower train.seq_len or use more data"
+            )
+    return manifest, model_cfg
+
+
+def open_data(data_dir: Path, group: distributed.Group):
+    """The train and val token splits, memory-mapped. Each shard's sha256 is checked once per job
+    (the shards are spread over the ranks), and every rank learns the verdict: no rank reads the
+    whole corpus just to hash it."""
+    train_tokens, val_tokens = open_split(data_dir, "train"), open_split(data_dir, "val")
+    problem = verify_share([train_tokens, val_tokens], group.rank, group.world)
+    distributed.raise_together(DataError(problem) if problem else None, group.device)
+    return train_tokens, val_tokens
+
+
+def build_model(model_cfg, mesh, device: torch.device, t, seed: int) -> LaplaceLM:
+    """The model on meta, compiled per block if asked (one static graph shared by every block),
+    sharded with FSDP2 over `mesh`, then materialised on `device` and initialised there: each
+    rank allocates and initialises only its own rows (LaplaceLM.reset_parameters gives the
+    weights a single process would get from the same seed)."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = LaplaceLM(model_cfg)
+    if t.compile:
+        for block in model.blocks:
+            compile_static(block, compile_backend(device))
+    distributed.shard_model(model, mesh, t.precision)
+    model.to_empty(device=device)
+    model.reset_parameters()
+    return model
 
 
 def train(
@@ -100,57 +160,47 @@ def train(
     resume: bool = True,
     stop_at_step: int | None = None,
     on_log: Callable[[dict], None] | None = None,
-    before_step: Callable[[int, torch.nn.Module], None] | None = None,
+    before_step: Callable[[int, torch.nn.Module, object], None] | None = None,
     progress: bool = True,
 ) -> TrainResult:
     """Train cfg.model on the tokenized data in `data_dir`, checkpointing into `run_dir`.
 
     Runs in a process group of any size (torchrun's, or a one-rank group): each rank takes
-    its slice of the global batch; gradients are reduce-scattered and the Muon/AdamW state
-    is sharded (laplace.optim.sharded); checkpoints are torch.distributed.checkpoint.
+    its slice of the global batch; parameters, gradients and optimizer state are sharded
+    (FSDP2, laplace.optim.sharded); checkpoints are torch.distributed.checkpoint.
     `stop_at_step` ends the run early after that step's checkpoint (used to test resume).
     `on_log` receives each logged row (step, loss, lr, tokens_per_s, val_loss when evaluated).
-    `before_step(step, model)` runs before each step (profiling, fault injection in tests).
+    `before_step(step, model, optimizer)` runs before each step (profiling, fault injection
+    and state inspection in tests).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     from laplace.optim.sharded import ShardedMuonAdamW
-    from laplace.training import distributed
 
     t = cfg.train
     device = resolve_device(t.device)
     if device.type == "cpu":
         keep_cpu_allocations()
-    manifest = read_manifest(data_dir)
-    model_cfg = cfg.model_config(vocab_size=manifest["vocab_size"])
-    if manifest["vocab_size"] > model_cfg.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size: tokenizer vocab {manifest['vocab_size']} is larger than model.vocab_size "
-            f"{model_cfg.vocab_size}"
-        )
     group = distributed.join(device)
     try:
-        if t.batch_size % group.world:
-            raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by the world size {group.world}")
-        mesh = init_device_mesh(device.type, (group.world,))
-        train_tokens = open_split(data_dir, "train")
-        val_tokens = open_split(data_dir, "val")
-        # each shard's sha256 is read once per job (by one rank), and every rank learns the verdict
-        problem = verify_share([train_tokens, val_tokens], group.rank, group.world)
-        if distributed.all_mean(torch.tensor(float(bool(problem)), device=device)) > 0:
-            raise DataError(problem or "a token shard failed its sha256 check on another rank (see its log)")
+        distributed.check_shared_storage(Path(data_dir), Path(run_dir), group)
+        error, manifest, model_cfg = None, None, None
+        try:
+            manifest, model_cfg = check_inputs(cfg, Path(data_dir), group.world)
+        except InputError as exc:
+            error = exc
+        distributed.raise_together(error, group.device)
+        train_tokens, val_tokens = open_data(Path(data_dir), group)
         val_batches = validation_batches(val_tokens, t.batch_size, t.seq_len, t.eval_batches)
 
-        torch.manual_seed(cfg.seed)
-        model = LaplaceLM(model_cfg).to(device)
-        optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon, comm=cfg.muon.comm)
+        mesh = init_device_mesh(group.device.type, (group.world,))
+        model = build_model(model_cfg, mesh, group.device, t, cfg.seed)
+        optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon)
         return _loop(
             cfg,
             model,
             optimizer,
             group,
-            mesh,
-            device,
             manifest,
             model_cfg,
             train_tokens,
@@ -166,13 +216,18 @@ def train(
         distributed.leave(group)
 
 
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
 def _loop(
     cfg,
     model,
     optimizer,
     group,
-    mesh,
-    device,
     manifest,
     model_cfg,
     train_tokens,
@@ -185,14 +240,17 @@ def _loop(
     progress,
 ) -> TrainResult:
     from laplace.optim.sharded import traffic_metrics
-    from laplace.training.distributed import all_mean, barrier
 
     t = cfg.train
+    device = group.device
     ckpt_root = run_dir / "checkpoints"
     fingerprint = run_fingerprint(cfg, model_cfg, manifest)
     start_step, history = 0, []
-    found = ckpt.latest_verified(ckpt_root) if resume else None
-    if found is not None and json.loads((found / "trainer.json").read_text()).get("fingerprint") != fingerprint:
+    found = ckpt.latest_verified(ckpt_root, device) if resume else None
+    # Rank 0 reads the verdict and every rank gets it, before rank 0 moves anything.
+    foreign = group.is_main and found is not None
+    foreign = foreign and json.loads((found / "trainer.json").read_text()).get("fingerprint") != fingerprint
+    if found is not None and distributed.broadcast_int(int(foreign), device):
         # Another run's checkpoints (params or data changed): keep them one generation back, start over.
         if group.is_main:
             previous = run_dir / "previous"
@@ -203,12 +261,11 @@ def _loop(
                 ckpt_root,
                 previous,
             )
-        barrier()
+        distributed.barrier()
         found = None
     if found is not None:
-        trainer = ckpt.load_sharded(found, model, optimizer, mesh)
+        trainer = ckpt.load_sharded(found, model, optimizer.optimizers)
         start_step, history = int(trainer["step"]), list(trainer.get("history", []))
-        optimizer.set_adamw_steps(start_step)
         if group.is_main:
             log.info(
                 "resumed from %s (step %d, saved at world size %s, now %d)",
@@ -218,14 +275,12 @@ def _loop(
                 group.world,
             )
 
-    step_fn = torch.compile(model, fullgraph=True, dynamic=False) if t.compile else model
-
     def save(step: int) -> Path:
         trainer = {"history": history, "model_config": model_cfg.to_dict(), "fingerprint": fingerprint}
-        return ckpt.save_sharded(ckpt_root, step, model, optimizer, trainer, t.keep_checkpoints, mesh)
+        return ckpt.save_sharded(ckpt_root, step, model, optimizer.optimizers, trainer, t.keep_checkpoints, device)
 
     if start_step == 0 and not history:
-        history.append({"step": 0, "val_loss": evaluate(model, val_batches, t.precision, device)})
+        history.append({"step": 0, "val_loss": evaluate(model, val_batches, group)})
         if on_log and group.is_main:
             on_log(history[-1])
 
@@ -235,7 +290,7 @@ def _loop(
         range(start_step, t.steps),
         initial=start_step,
         total=t.steps,
-        disable=not progress or not group.is_main,
+        disable=not progress or not group.is_main or not sys.stderr.isatty(),  # log files get the lines below
         desc="train",
         unit="step",
         dynamic_ncols=True,
@@ -246,14 +301,12 @@ def _loop(
     model.train()
     for step in bar:
         if before_step is not None:
-            before_step(step, model)
+            before_step(step, model, optimizer)
         scale = lr_scale(step, t)
         optimizer.set_lr_scale(scale)
         x, y = sample_batch(train_tokens, step, t.batch_size, t.seq_len, cfg.seed, group.rank, group.world)
-        x, y = x.to(device), y.to(device)
-        with autocast_context(t.precision, device):
-            loss = cross_entropy(step_fn(x), y)
-        mean_loss = all_mean(loss)  # every rank sees the same value, so every rank stops together
+        loss = cross_entropy(model(x.to(device)), y.to(device))
+        mean_loss = distributed.all_mean(loss)  # every rank sees the same value, so every rank stops together
         if not torch.isfinite(mean_loss):
             raise TrainingDiverged(
                 f"loss is {mean_loss.item()} at step {step + 1}; last good checkpoint kept in {ckpt_root}"
@@ -268,29 +321,33 @@ def _loop(
 
         row = None
         if done % t.log_every == 0 or done == t.steps:
-            elapsed = time.perf_counter() - window_start
+            now = time.perf_counter()
             row = {
                 "step": done,
                 "loss": mean_loss.item(),
                 "lr_scale": scale,
-                "grad_norm": grad_norm,
-                "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
             }
-            window_start, window_tokens = time.perf_counter(), 0
+            window_start, window_tokens = now, 0
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
         if done % t.eval_every == 0 or done == t.steps:
             row = row or {"step": done, "loss": mean_loss.item(), "lr_scale": scale}
-            row["val_loss"] = evaluate(model, val_batches, t.precision, device)
+            row["val_loss"] = evaluate(model, val_batches, group)
         if row is not None:
             history.append(row)
             if group.is_main:
-                # a plain line per logged step: visible in log files, where the progress bar is not
+                # a plain line per logged step, whatever the front door: log files show no progress bar
+                eta = (time.perf_counter() - run_start) / steps_run * (t.steps - done)
+                rate = f" | {row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row else ""
                 log.info(
-                    "step %d/%d loss %.4f%s",
+                    "step %d/%d loss %.4f%s%s | ETA %s",
                     done,
                     t.steps,
                     row["loss"],
                     f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else "",
+                    rate,
+                    _duration(eta),
                 )
                 if on_log:
                     on_log(row)
@@ -301,12 +358,12 @@ def _loop(
     bar.close()
 
     run_seconds = time.perf_counter() - run_start
-    traffic = traffic_metrics(optimizer.meter.gather(), steps_run) if steps_run else {}
+    traffic = traffic_metrics(optimizer.meter.gather(device=device), steps_run) if steps_run else {}
     evals = [h for h in history if "val_loss" in h]
     losses = [h for h in history if "loss" in h]
     metrics = {
         "steps": history[-1]["step"] if history else 0,
-        "params": model.num_parameters(),
+        "params": model.num_parameters(),  # DTensor shapes are global
         "tokens_per_step": tokens_per_step,
         "world_size": group.world,
         "muon_comm": cfg.muon.comm,

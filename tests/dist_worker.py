@@ -1,0 +1,191 @@
+"""Run by torchrun from tests/test_distributed.py, on gloo, with a collective spy installed.
+
+step PREFIX     a few training steps of the FSDP2 model with ShardedMuonAdamW (both Muon
+                strategies); each rank takes its slice of a global batch. Rank 0 writes the
+                final parameters, the traffic and the spy's report.
+train PREFIX CONFIG DATA RUN
+                laplace.training.loop.train on a tokenized project; at the first step it runs
+                (after a resume), rank 0 writes the optimizer state the ranks hold, gathered
+                whole, and the spy's report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+from laplace.config import AdamWSection, MuonSection, TrainSection, config_from_dict
+from laplace.model.config import preset_model_config
+from laplace.optim.sharded import ShardedMuonAdamW
+from laplace.training import distributed
+from laplace.training.loop import build_model, cross_entropy, train
+
+STEPS, VOCAB, GLOBAL_BATCH, SEED = 4, 300, 4, 11
+ADAMW_LR, MUON = 3e-3, MuonSection(lr=0.02)
+CLIP = 0.5  # low enough to clip at least once in the first steps
+
+
+def model_config():
+    return preset_model_config(
+        "tiny",
+        vocab_size=VOCAB,
+        d_model=64,
+        n_layers=2,
+        n_heads=2,
+        chunk_size=16,
+        sub_chunk_size=8,
+        gate_low_rank_dim=2,  # a 2-row matrix: at 4 ranks two of them hold no rows of it
+    )
+
+
+def batch(step: int):
+    """The global batch of a step: the same on every rank, each rank trains on its slice."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, 33), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class CollectiveSpy:
+    """Wraps torch.distributed's collective functions (where our code, DTensor, DCP and FSDP2's
+    all_gather_single / reduce_scatter_single calls land) and records every call whose tensors
+    are off the expected device, fp64, or split unevenly."""
+
+    NAMES = (
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "all_to_all",
+        "all_to_all_single",
+        "gather",
+        "scatter",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+    )
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.violations: list[str] = []
+        self.calls: dict[str, int] = {}
+        for name in self.NAMES:
+            original = getattr(c10d, name)
+            wrapped = self._wrap(name, original)
+            setattr(c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+
+    def _tensors(self, value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from self._tensors(v)
+
+    def _wrap(self, name, original):
+        def spy(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            tensors = [t for a in (*args, *kwargs.values()) for t in self._tensors(a)]
+            for t in tensors:
+                if t.device.type != self.device.type:
+                    self.violations.append(f"{name}: a tensor on {t.device}, the parameters are on {self.device}")
+                if t.dtype == torch.float64:
+                    self.violations.append(f"{name}: an fp64 tensor")
+            if name == "all_to_all_single":
+                splits = [s for s in (kwargs.get("output_split_sizes"), kwargs.get("input_split_sizes")) if s]
+                splits += [a for a in args[2:4] if isinstance(a, (list, tuple)) and a]
+                if any(len(set(s)) > 1 for s in splits):
+                    self.violations.append(f"{name}: uneven splits {splits}")
+            if name in ("all_to_all", "all_gather", "reduce_scatter"):
+                sizes = {t.numel() for a in args[:2] if isinstance(a, (list, tuple)) for t in self._tensors(a)}
+                if len(sizes) > 1:
+                    self.violations.append(f"{name}: tensors of unequal sizes {sorted(sizes)}")
+            return original(*args, **kwargs)
+
+        return spy
+
+    def report(self) -> dict:
+        return {"violations": sorted(set(self.violations)), "calls": self.calls}
+
+
+def step_mode(prefix: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    group = distributed.join(torch.device("cpu"))
+    spy = CollectiveSpy(group.device)
+    mesh = init_device_mesh("cpu", (group.world,))
+    out = {}
+    # split: each rank trains on its slice of the global batch, gradients clipped (the real thing);
+    # same: every rank trains on the whole batch, no clipping (the optimizer alone: bitwise)
+    for mode, comm in (("split", "alltoall"), ("split", "allgather"), ("same", "alltoall"), ("same", "allgather")):
+        model = build_model(model_config(), mesh, group.device, TrainSection(precision="fp32"), SEED)
+        opt = ShardedMuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(lr=MUON.lr, comm=comm))
+        opt.set_lr_scale(1.0)
+        norms, losses = [], []
+        for step in range(STEPS):
+            x, y = batch(step)
+            if mode == "split":
+                per_rank = GLOBAL_BATCH // group.world
+                x, y = (t[group.rank * per_rank : (group.rank + 1) * per_rank] for t in (x, y))
+            loss = cross_entropy(model(x), y)
+            losses.append(float(distributed.all_mean(loss)))
+            loss.backward()
+            norms.append(float(opt.step(max_grad_norm=CLIP if mode == "split" else 0.0)))
+            opt.zero_grad()
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        traffic = opt.meter.gather(device=group.device)
+        if group.is_main:
+            save_file({k: v.contiguous() for k, v in full.items()}, f"{prefix}-{mode}-{comm}.safetensors")
+            out[f"{mode}-{comm}"] = {"traffic": traffic, "norms": norms, "losses": losses}
+    if group.is_main:
+        out["spy"] = spy.report()
+        Path(f"{prefix}-report.json").write_text(json.dumps(out))
+    distributed.leave(group)
+
+
+def train_mode(prefix: str, config: str, data_dir: str, run_dir: str) -> None:
+    torch.set_num_threads(1)
+    spy = CollectiveSpy(torch.device("cpu"))
+    cfg = config_from_dict(json.loads(Path(config).read_text()))
+    dumped = []
+
+    def dump_optimizer_state(step, model, optimizer):
+        if dumped:
+            return
+        dumped.append(step)
+        state = get_optimizer_state_dict(
+            model,
+            optimizer.optimizers,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True),
+        )
+        if dist.get_rank() == 0:
+            tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+            save_file(tensors, f"{prefix}-optimizer.safetensors", metadata={"step": str(step)})
+
+    result = train(cfg, Path(data_dir), Path(run_dir), before_step=dump_optimizer_state, progress=False)
+    if int(os.environ["RANK"]) == 0:  # the process group is gone: train() left it
+        report = {"spy": spy.report(), "metrics": result.metrics, "history": result.history}
+        Path(f"{prefix}-report.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    mode, *rest = sys.argv[1:]
+    {"step": step_mode, "train": train_mode}[mode](*rest)

@@ -1,0 +1,378 @@
+"""Distributed training on FSDP2 with owner-rank Muon, in real torchrun processes over gloo.
+
+- The distributed step at 1, 2 and 4 ranks against single-process torch.optim.Muon +
+  torch.optim.AdamW on the same batches. Bit for bit when every rank trains on the same
+  data (the optimizer alone: FSDP2's mean of equal gradients is exact, the exchange moves
+  bf16 values Newton-Schulz would round to anyway). Within fp32 tolerance when the batch is
+  split across ranks and gradients are clipped: the gradients then differ in their last
+  bits (other summation orders), and after the first step Muon's bf16 Newton-Schulz turns
+  a last-bit difference into a bf16-sized one, so later parameters are compared at that size.
+- A collective spy (tests/dist_worker.py) fails the run if any collective gets a tensor off
+  the parameters' device, an fp64 tensor or uneven splits; and a process group whose
+  backend serves only one device (torch's fake backend registered for `meta`, as NCCL
+  serves only cuda) runs the optimizer step with no host tensor.
+- Stop at step 4 on 2 ranks and resume on 4, and 4 -> 2: the optimizer state the ranks
+  hold after the resume equals the state saved at the stop, and the loss curve goes on as
+  the uninterrupted run's.
+- Two torchrun agents as two nodes (one rendezvous): training resumes, both nodes get the
+  result, and a node that cannot see the shared run directory stops both with one line.
+- The dry run for Laplace 3B at 64 ranks, on torch's fake process group, allocates nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from laplace.config import AdamWSection, config_from_dict
+from laplace.model.lm import LaplaceLM
+from laplace.optim.muon import route_parameters
+from laplace.optim.sharded import muon_traffic
+from laplace.pipeline.layout import Paths
+from laplace.pipeline.params import load_config
+from laplace.pipeline.stage_train import run_training
+from laplace.training import checkpoint as ckpt
+from laplace.training.loop import cross_entropy
+
+from dist_worker import ADAMW_LR, CLIP, MUON, SEED, STEPS, batch, model_config
+from project import BIN, TINY_PARAMS, copy_project, env, free_port, run
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "dist_worker.py")
+
+
+def torchrun(n: int, args: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *args]
+    out = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600, env=env(OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the torchrun ranks run single-threaded; so does the reference
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def single_process(clip: float) -> dict:
+    """torch.optim.Muon + torch.optim.AdamW on the whole batch, the parameters routed and set as
+    the trainer does (same seed, so the same initial weights)."""
+    torch.manual_seed(SEED)
+    model = LaplaceLM(model_config())
+    routes = route_parameters(model)
+    adamw = AdamWSection()
+    muon = torch.optim.Muon(
+        [p for _, p in routes["muon"]],
+        lr=MUON.lr,
+        weight_decay=MUON.weight_decay,
+        momentum=MUON.momentum,
+        nesterov=MUON.nesterov,
+        ns_coefficients=tuple(MUON.ns_coefficients),
+        eps=MUON.eps,
+        ns_steps=MUON.ns_steps,
+        adjust_lr_fn=MUON.adjust_lr_fn,
+    )
+    other = torch.optim.AdamW(
+        [
+            {"params": [p for _, p in routes["adamw_decay"]], "weight_decay": adamw.weight_decay},
+            {"params": [p for _, p in routes["adamw_no_decay"]], "weight_decay": 0.0},
+        ],
+        lr=ADAMW_LR,
+        betas=tuple(adamw.betas),
+        eps=adamw.eps,
+    )
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = cross_entropy(model(x), y)
+        losses.append(loss.item())
+        loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        muon.step()
+        other.step()
+        muon.zero_grad()
+        other.zero_grad()
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses, "norms": norms}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with one_thread():
+        return {"same": single_process(clip=0.0), "split": single_process(clip=CLIP)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_distributed_step_matches_single_process_torch_muon_and_adamw(world, reference, tmp_path):
+    prefix = tmp_path / f"w{world}"
+    torchrun(world, [WORKER, "step", str(prefix)])
+    report = json.loads(Path(f"{prefix}-report.json").read_text())
+    shapes = [tuple(p.shape) for _, p in route_parameters(LaplaceLM(model_config()))["muon"]]
+    for comm in ("alltoall", "allgather"):
+        # the optimizer alone: bit for bit
+        same = load_file(f"{prefix}-same-{comm}.safetensors")
+        ref = reference["same"]["params"]
+        assert same.keys() == ref.keys()
+        assert [k for k in ref if not torch.equal(same[k], ref[k])] == [], (world, comm)
+        assert report[f"same-{comm}"]["losses"] == reference["same"]["losses"]
+
+        # the batch split over the ranks, gradients clipped
+        split, ref = report[f"split-{comm}"], reference["split"]
+        # the first step starts from identical weights: its gradient norm agrees to fp32 rounding
+        assert math.isclose(split["norms"][0], ref["norms"][0], rel_tol=1e-6)
+        # every step's loss (and norm) agrees to fp32 rounding, amplified by bf16 Newton-Schulz
+        for got, want in zip(split["losses"], ref["losses"]):
+            assert math.isclose(got, want, rel_tol=5e-5), (world, comm, split["losses"], ref["losses"])
+        for got, want in zip(split["norms"], ref["norms"]):
+            assert math.isclose(got, want, rel_tol=5e-4), (world, comm, split["norms"], ref["norms"])
+        params = load_file(f"{prefix}-split-{comm}.safetensors")
+        for k, want in ref["params"].items():  # a bf16 step's size: lr * 2^-8 relative, a few times
+            assert (params[k] - want).norm() <= 2e-2 * want.norm(), (world, comm, k)
+
+        # the metered Muon bytes are the plan's formula, the same on every rank
+        traffic = split["traffic"]
+        per_rank = [sum(traffic[c]["sent"][r] + traffic[c]["received"][r] for c in traffic) for r in range(world)]
+        expected = muon_traffic(shapes, world)[f"{comm}_bytes_per_rank"] * STEPS
+        assert per_rank == [expected] * world, (comm, per_rank, expected)
+
+    spy = report["spy"]
+    assert spy["violations"] == []
+    if world > 1:  # the spy saw ours (the exchange), FSDP2's and the traffic meter's collectives
+        assert {"all_to_all_single", "all_gather_single", "reduce_scatter_single"} <= set(spy["calls"]), spy["calls"]
+
+
+def test_a_device_only_process_group_sees_no_host_tensor():
+    """torch's fake backend registered for `meta` only rejects a host tensor the way NCCL (cuda
+    only) or TorchNeuron's backend (neuron only) does. With the model on meta, rank 1 of 4 runs
+    the FSDP2 sharding, gradient clipping, both Muon exchanges and AdamW, and the loss mean:
+    every collective gets a meta tensor. (Values are not computed on meta: the rest of the
+    trainer, which reads numbers back, runs under the spy on gloo.)"""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
+
+    from laplace.config import MuonSection
+    from laplace.optim.sharded import ShardedMuonAdamW
+    from laplace.training.distributed import all_mean, shard_model
+
+    dist.init_process_group("meta:fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+            dist.all_reduce(torch.zeros(1))  # the control: a host tensor is refused
+        with torch.device("meta"):
+            model = LaplaceLM(model_config())
+        shard_model(model, init_device_mesh("cpu", (4,)), "bf16")
+        for comm in ("alltoall", "allgather"):
+            opt = ShardedMuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(comm=comm))
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            norm = opt.step(max_grad_norm=1.0)
+            assert norm.device.type == "meta"
+            assert all(opt.muon.state[p]["momentum_buffer"].device.type == "meta" for p in opt.muon.state)
+            assert opt.meter.totals[{"alltoall": "muon_to_owner", "allgather": "muon_allgather"}[comm]]["calls"] == 1
+        assert all_mean(torch.zeros((), device="meta")).device.type == "meta"
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- resume across world sizes
+
+
+def run_cfg(world: int, steps: int = 8):
+    return config_from_dict(
+        {
+            "data": {"max_documents": 300, "num_proc": 1},
+            "tokenizer": {"vocab_size": 400},
+            "model": {
+                "preset": "tiny",
+                "d_model": 32,
+                "n_layers": 2,
+                "n_heads": 2,
+                "chunk_size": 16,
+                "sub_chunk_size": 8,
+                "gate_low_rank_dim": 2,  # at 4 ranks, two hold no rows of that matrix: empty shards in DCP
+            },
+            "train": {
+                "steps": steps,
+                "batch_size": 4,
+                "seq_len": 32,
+                "log_every": 1,
+                "eval_every": steps,
+                "eval_batches": 1,
+                "checkpoint_every": 100,
+                "warmup_steps": 2,
+                "nproc_per_node": world,
+            },
+        }
+    )
+
+
+def project(root: Path, data_dir: Path) -> Paths:
+    paths = Paths.at(root)
+    paths.data_dir.parent.mkdir(parents=True, exist_ok=True)
+    paths.data_dir.symlink_to(data_dir)
+    return paths
+
+
+def losses(history: list[dict]) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_artifacts, tmp_path_factory) -> dict[int, float]:
+    data_dir, _ = tiny_artifacts
+    _, history, _ = run_training(run_cfg(2), project(tmp_path_factory.mktemp("whole"), data_dir))
+    return losses(history)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(2, 4), (4, 2)])
+def test_resume_at_another_world_size_restores_the_optimizer_state(
+    before, after, tiny_artifacts, uninterrupted, tmp_path
+):
+    data_dir, _ = tiny_artifacts
+    paths = project(tmp_path / "run", data_dir)
+    run_training(run_cfg(before), paths, stop_at_step=4)
+    (step, stopped), *_ = ckpt.list_checkpoints(paths.run_dir / "checkpoints")
+    assert step == 4
+    saved = ckpt.stored_tensors(stopped, "optim.")
+
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(run_cfg(after).to_dict()))
+    prefix = tmp_path / "resumed"
+    torchrun(after, [WORKER, "train", str(prefix), str(cfg_file), str(paths.data_dir), str(paths.run_dir)])
+    report = json.loads(Path(f"{prefix}-report.json").read_text())
+    assert report["metrics"]["resumed_from_step"] == 4 and report["metrics"]["world_size"] == after
+    assert report["spy"]["violations"] == []  # the whole run: DCP load and save, FSDP2, Muon, the loop
+
+    # what the ranks hold after the resume, gathered whole, is what was saved at the stop
+    with safe_open(f"{prefix}-optimizer.safetensors", "pt") as f:
+        assert f.metadata()["step"] == "4"
+    restored = load_file(f"{prefix}-optimizer.safetensors")
+    assert restored.keys() == saved.keys()
+    assert [k for k in saved if not torch.equal(restored[k], saved[k])] == []
+    for kind in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+        held = [t for k, t in restored.items() if k.endswith(kind)]
+        assert held and all(t.abs().sum() > 0 for t in held), f"{kind} was zeroed"  # restored, not zeroed
+    assert {float(t) for k, t in restored.items() if k.endswith(".step")} == {4.0}
+
+    # and the run goes on as the uninterrupted 2-rank run
+    resumed = losses(report["history"])
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 9))
+    for s in range(1, 9):
+        if before == 2 and s <= 4:
+            assert resumed[s] == uninterrupted[s]  # the same 2-rank steps, read back from the checkpoint
+        else:
+            assert math.isclose(resumed[s], uninterrupted[s], rel_tol=1e-4), (s, resumed, uninterrupted)
+
+
+# --------------------------------------------------------------------------- two nodes
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> Path:
+    root = copy_project(tmp_path_factory.mktemp("nodes"), {**TINY_PARAMS, "train.checkpoint_every": 3})
+    run([str(BIN / "laplace"), "tokenize"], root)
+    return root
+
+
+def two_nodes(roots: tuple[Path, Path]) -> list[subprocess.CompletedProcess]:
+    """`laplace train` as node 0 and node 1 of one job (one rank each), rendezvous on loopback."""
+    port = free_port()
+    procs = []
+    for node, root in enumerate(roots):
+        overrides = {
+            "train.nnodes": 2,
+            "train.node_rank": node,
+            "train.nproc_per_node": 1,
+            "train.rdzv_endpoint": f"127.0.0.1:{port}",
+        }
+        cmd = [str(BIN / "laplace"), "train", *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        procs.append(subprocess.Popen(cmd, cwd=root, env=env(OMP_NUM_THREADS="1"), **pipes))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+@pytest.mark.slow
+def test_two_nodes_resume_share_the_result_and_stop_together_without_shared_storage(tokenized, tmp_path):
+    root = tmp_path / "shared"
+    shutil.copytree(tokenized, root)
+    # a first stretch on one rank, then the same run (launch knobs are not in its fingerprint) on two nodes
+    run_training(load_config(root / "params.yaml"), Paths.at(root), stop_at_step=3)
+    nodes = two_nodes((root, root))
+    for node, out in enumerate(nodes):
+        assert out.returncode == 0, (node, out.stdout[-3000:], out.stderr[-3000:])
+        result = json.loads(out.stdout[out.stdout.index("\n{") :])  # every node's parent got the result
+        assert result["resumed_from_step"] == 3 and result["world_size"] == 2 and result["steps"] == 6
+    (step, final), *_ = ckpt.list_checkpoints(root / "runs/train/checkpoints")
+    assert step == 6 and json.loads((final / "trainer.json").read_text())["world_size"] == 2
+
+    # one node runs in a project whose runs/ is not the other's: both stop at once, each with one line.
+    # (c10d hands out global ranks in joining order, so either node may hold rank 0.)
+    elsewhere = tmp_path / "not-shared"
+    shutil.copytree(tokenized, elsewhere, ignore=shutil.ignore_patterns("runs"))
+    nodes = two_nodes((root, elsewhere))
+    lines = sorted(out.stderr.strip().splitlines()[-1] for out in nodes)
+    assert [out.returncode for out in nodes] == [2, 2], lines
+    own, peer = lines  # "...rank 1 on <host>..." sorts before "...rank 1 rejected..."
+    assert peer == "laplace train: error: rank 1 rejected the run's input (its error names the file or setting)"
+    assert own.startswith("laplace train: error: rank 1 on ") and "cannot see rank 0's runs" in own
+    assert own.endswith("data/ and runs/ must be on storage every node mounts at the same path (docs/training.md)")
+
+
+# --------------------------------------------------------------------------- dry run
+
+
+@pytest.mark.slow
+def test_dry_run_of_laplace_3b_on_64_ranks_fits_a_trn2_core_and_allocates_nothing():
+    from laplace.model.config import preset_model_config
+    from laplace.model.facts import model_facts
+    from laplace.training.plan import GIB, as_text
+
+    measure = (
+        "import json, resource, sys; from laplace.pipeline.cli import main; rc = main(sys.argv[1:]); "
+        "print(json.dumps({'maxrss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr); "
+        "sys.exit(rc)"
+    )
+    args = ["plan", "--preset", "laplace-3b", "--nproc", "64", "--precision", "bf16", "--json"]
+    out = run([sys.executable, "-c", measure, *args], cwd=HERE.parent)
+    plan = json.loads(out.stdout)
+    rss = json.loads(out.stderr.strip().splitlines()[-1])["maxrss_kib"] * 1024
+    cfg = preset_model_config("laplace-3b")
+    params = model_facts(cfg)["params"]
+    assert plan["params"] == params and plan["world_size"] == 64
+    assert rss < 2 * GIB  # the bf16 model alone would be 6 GB: it was never allocated
+
+    per_rank = plan["per_rank_bytes"]
+    assert 4 * params / 64 <= per_rank["parameters"] <= 1.01 * 4 * params / 64  # rank 0: the ceil-rows shards
+    assert plan["fits"] and plan["left_for_activations_bytes"] > 12 * GIB  # of the 24 GiB of a Trn2 logical core
+
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for _, p in route_parameters(LaplaceLM(cfg))["muon"]]
+    traffic = plan["muon_traffic"]
+    assert traffic == muon_traffic(shapes, 64)
+    assert math.isclose(traffic["allgather_bytes_per_rank"], 10.87e9, rel_tol=0.02)  # the article's baseline
+    assert traffic["ratio"] > 15  # the article: 10.87 GB -> 0.45 GB, 24x
+    text = as_text(plan, "laplace-3b")
+    assert "10.870 GB" in text and "0.450 GB" in text and "left for activations" in text
