@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -323,7 +324,9 @@ def test_two_nodes_resume_share_the_result_and_stop_together_without_shared_stor
     nodes = two_nodes((root, root))
     for node, out in enumerate(nodes):
         assert out.returncode == 0, (node, out.stdout[-3000:], out.stderr[-3000:])
-        result = json.loads(out.stdout[out.stdout.index("\n{") :])  # every node's parent got the result
+        result = json.loads(
+            out.stdout[re.search(r"(?m)^\{", out.stdout).start() :]
+        )  # every node's parent got the result
         assert result["resumed_from_step"] == 3 and result["world_size"] == 2 and result["steps"] == 6
     (step, final), *_ = ckpt.list_checkpoints(root / "runs/train/checkpoints")
     assert step == 6 and json.loads((final / "trainer.json").read_text())["world_size"] == 2
