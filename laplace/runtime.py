@@ -111,6 +111,14 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of Inductor's FX graph cache in this process: a hit is a graph loaded from
+    the compile cache directory, a miss one compiled from scratch."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_hit"]), int(counters["inductor"]["fxgraph_cache_miss"])
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so wall-clock timings mean something on accelerators."""
     if device.type != "cpu" and torch.accelerator.is_available():

@@ -40,7 +40,7 @@ from torch import Tensor
 from laplace.config import ServeSection
 from laplace.errors import ConfigError, InputError, one_line
 from laplace.model.lm import LaplaceLM, State
-from laplace.runtime import compile_static, compiled_graph_count, synchronize
+from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
 from laplace.serving.sampling import sample_next
 
 POLICIES = ("padded", "exact", "eager")
@@ -381,7 +381,7 @@ class DecodeEngine:
             what = f"{kind} {'width' if kind == 'decode' else 'bucket'} {size}"
             if log:
                 log(f"warmup {i}/{len(shapes)}: {what} ...")
-            before = compiled_graph_count()
+            before, cache_before = compiled_graph_count(), compile_cache_counts()
             if kind == "decode":
                 tokens = torch.full((size,), self.pad_id, dtype=torch.long, device=self.device)
                 slots = torch.full((size,), dummy, dtype=torch.long, device=self.device)
@@ -393,7 +393,13 @@ class DecodeEngine:
                 seconds = self._timed(lambda t=tokens, s=slots, n=lengths: self.prefill_rows(t, s, n))[1]
             out[kind][size] = seconds
             if log:
-                how = "compiled" if compiled_graph_count() > before else "loaded" if self.compiled else "ran eagerly"
+                hits, misses = (now - then for now, then in zip(compile_cache_counts(), cache_before))
+                if not self.compiled:
+                    how = "ran eagerly"
+                elif compiled_graph_count() == before:
+                    how = "was already compiled"
+                else:
+                    how = "compiled" if misses or not hits else "loaded from the compile cache"
                 log(f"warmup {i}/{len(shapes)}: {what} {how} in {seconds:.2f}s")
         self.state.zero_()
         return out
