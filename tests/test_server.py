@@ -334,12 +334,15 @@ def test_metrics_are_prometheus_text(served):
 
 def test_two_thousand_requests_at_several_times_capacity_no_leak_flat_memory(tiny_artifacts, tmp_path):
     data_dir, export_dir = tiny_artifacts
+    # two slots and long-ish outputs: a capacity low enough (tens of requests/s) for a Python client
+    # on a shared 2-core machine to offer several times it
     cfg = config(
         **{
-            "serve.max_queue": 8,
+            "serve.max_slots": 2,
+            "serve.max_queue": 4,
             "serve.max_prompt_tokens": 32,
             "serve.prompt_tokens": [2, 32],
-            "serve.output_tokens": [2, 8],
+            "serve.output_tokens": [24, 48],
         }
     )
     text = open_split(data_dir, "val")
@@ -366,26 +369,35 @@ def test_two_thousand_requests_at_several_times_capacity_no_leak_flat_memory(tin
 
         url = server.url
         capacity = asyncio.run(closed_loop(200, cfg.serve.max_slots + cfg.serve.max_queue))
-        # a first, shorter overload reaches the same peak of open connections: what memory it adds is the
-        # high-water mark of buffers the allocator keeps; the 2,000 that follow must add nothing like that
-        warm = dataclasses.replace(cfg.serve, requests=400, rate=4 * capacity)
-        run_load(url, build_requests("poisson", warm, text, 7), MODEL)
-        rss_warm = process.memory_info().rss
-        load = dataclasses.replace(cfg.serve, requests=2000, rate=4 * capacity)
+        load = dataclasses.replace(cfg.serve, requests=2000, rate=6 * capacity)  # asked; the client may fall short
         requests = build_requests("poisson", load, text, 6)
-        results, wall = run_load(url, requests, MODEL)
+        # in two halves of 1,000, the server's RSS read after each: the first half sets the high-water
+        # mark of what the allocator keeps (buffers for the peak of open connections; measured: it
+        # levels off within ~2,000 requests and stays put after); the second must add almost nothing
+        halves = [requests[:1000], requests[1000:]]
+        offset = halves[1][0].arrival_s
+        halves[1] = [dataclasses.replace(r, arrival_s=r.arrival_s - offset) for r in halves[1]]
+        results, rss, wall = [], [], 0.0
+        for half in halves:
+            part, seconds = run_load(url, half, MODEL, stream=False)  # streams: the tests above
+            results += part
+            wall += seconds
+            rss.append(process.memory_info().rss)
         summary = summarize_load(results, 1.0, 0.05)
-        rss_after = process.memory_info().rss
         statuses = Counter(r.status for r in results)
         print("overload:", {"capacity_rps": round(capacity, 1), "wall_s": round(wall, 1), **statuses})
-        print("rss MB", rss_warm / 2**20, rss_after / 2**20)
+        print("rss MB after each half", [round(x / 2**20, 1) for x in rss])
 
         # every request got a completion or a 429 with Retry-After, nothing else
         assert set(statuses) <= {200, 429} and sum(statuses.values()) == 2000, statuses
         wanted = {r.id: r.max_new_tokens for r in requests}
         assert all(r.output_tokens == wanted[r.id] == len(r.output_ids) for r in results if r.status == 200)
         assert all(r.retry_after is not None and int(r.retry_after) >= 1 for r in results if r.status == 429)
-        assert statuses[429] >= 2000 / 4, statuses  # overloaded: a good share was shed
+        sends = sorted(r.sent_s for r in results[1000:])
+        offered = 999 / (sends[-1] - sends[0])
+        print("offered rps (second half)", round(offered, 1))
+        assert offered >= 2 * capacity, (offered, capacity)  # the client kept up: really overloaded
+        assert statuses[429] >= 2000 * 0.4, statuses  # ... and a good share was shed
         assert statuses[200] >= cfg.serve.max_queue, statuses
         assert summary["served"] == statuses[200]
         # no slot or queue entry leaked, and the server's own counts agree with the client's
@@ -393,8 +405,8 @@ def test_two_thousand_requests_at_several_times_capacity_no_leak_flat_memory(tin
         assert counts["laplace_busy_slots"] == 0 and counts["laplace_queue_depth"] == 0
         assert counts['laplace_rejections_total{reason="queue_full"}'] >= statuses[429]
         assert counts["laplace_compile_events_total"] == 0
-        # memory stays flat: what 2,000 more requests add is allocator noise, not per-request state
-        assert rss_after - rss_warm < 40 * 2**20, (rss_warm, rss_after)
+        # memory stays flat: a leak of 10 KB per request would add 10 MB in the second half
+        assert rss[1] - rss[0] < 10 * 2**20, rss
         assert httpx.get(url + "/health").json() == {"status": "ok"}
         assert complete(url, prompt="The function", max_tokens=4).status_code == 200
     finally:
