@@ -320,3 +320,58 @@ def test_compiled_engine_never_compiles_after_warmup_and_exact_compiles_each_wid
     decode = [s for s in exact.steps if s.kind == "decode"]
     assert sum(s.compiled for s in decode) == len({s.width for s in decode})
     assert math.isclose(sum(s.compiled for s in exact.steps if s.kind == "prefill"), 1)
+
+
+# --------------------------------------------------------------------------- the server's text, the client's figures
+
+
+def byte_level_tokenizer():
+    from laplace.data.tokenizer import train_tokenizer
+
+    texts = ["The function returns the value of the key. Héllo wörld ☃ naïve café — done."] * 20
+    return train_tokenizer(texts, vocab_size=300, min_frequency=1)
+
+
+def test_incremental_text_equals_the_whole_decode_and_holds_back_stop_strings():
+    from laplace.serving.server import IncrementalText
+
+    tok = byte_level_tokenizer()
+    text = "The value of wörld ☃ is naïve café — the key."
+    ids = tok.encode(text).ids
+    assert len(ids) > 10 and tok.decode(ids) == text
+    inc = IncrementalText(tok)
+    pieces = [inc.add(t) for t in ids]
+    assert "".join(pieces) + inc.flush() == text
+    assert all("\ufffd" not in p for p in pieces)  # a split character is never handed out half
+    # a stop string: the text ends right before it, and the tokens after it are not counted
+    inc = IncrementalText(tok, ["café", "zzz"])
+    out, n = "", 0
+    for t in ids:
+        out += inc.add(t)
+        n += 1
+        if inc.stopped:
+            break
+    assert out + inc.flush() == text[: text.index("café")] and inc.stopped
+    assert inc.consumed == n < len(ids) and "caf" not in out
+    # a prefix of a stop string is held back until it is ruled out, then released
+    inc = IncrementalText(tok, ["is naïve x"])
+    released = "".join(inc.add(t) for t in ids)
+    assert not inc.stopped and released + inc.flush() == text
+
+
+def test_client_side_figures_of_a_load_run():
+    from laplace.serving.loadgen import RequestResult, summarize_load, table
+
+    results = [
+        RequestResult(0, 200, 5, 0.0, 0.0, 0.5, [0.1, 0.2, 0.3], [7, 8, 9], 3),
+        RequestResult(1, 200, 4, 0.5, 0.5, 1.0, [0.9, 1.0], [1, 2], 2),
+        RequestResult(2, 429, 6, 0.6, 0.6, 0.61, error="queue full", retry_after="1"),
+    ]
+    s = summarize_load(results, ttft_slo=0.2, tpot_slo=0.2)
+    assert (s["requests"], s["served"], s["failed"], s["errors_by_status"]) == (3, 2, 1, {"429": 1})
+    assert s["makespan_s"] == 1.0 and s["output_tokens_per_s"] == 5.0 and s["request_throughput_rps"] == 2.0
+    assert s["ttft_p50_s"] == pytest.approx(0.25) and s["ttft_max_s"] == pytest.approx(0.4)
+    assert s["tpot_mean_s"] == pytest.approx(0.1) and s["itl_max_s"] == pytest.approx(0.1)
+    assert s["e2e_p50_s"] == pytest.approx(0.5) and s["prompt_tokens"] == 9
+    assert s["goodput_fraction"] == pytest.approx(1 / 3)  # request 1 waited 0.4 s for its first token
+    assert "Output tokens/s" in table(s) and "429: 1" in table(s)

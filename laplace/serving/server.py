@@ -712,6 +712,8 @@ def build_app(api: CompletionsApi, metrics: ServerMetrics):
     async def completions(request: HttpRequest):
         try:
             params = api.parse(await request.body())
+            if loop.fatal:
+                raise ApiError(503, f"server unavailable: {loop.fatal}", reason="unavailable")
             if not loop.ready.is_set():
                 raise ApiError(503, "warming up: retry once GET /health answers 200", reason="warming_up")
             tickets, events = api.tickets(params)
