@@ -177,6 +177,11 @@ class ServeSection:
         "padded", doc="laplace serve: padded (warmed ladder, compiled), exact, or eager (no compiler)"
     )
     max_new_tokens: int = knob(1024, _positive, "the largest max_tokens one request may ask for")
+    threads: int = knob(
+        1,
+        _non_negative,
+        "intra-op threads of serve-check's replays and laplace serve (0 = torch's default, one per core)",
+    )
     shutdown_grace_s: float = knob(10.0, _non_negative, "on SIGTERM, in-flight requests get this long to finish")
     compile_scope: Literal["block", "model"] = knob(
         "block", doc="block: compile one GLA block, reused by every layer; model: the whole step as one graph"

@@ -77,6 +77,12 @@ def keep_cpu_allocations() -> bool:
 # --------------------------------------------------------------------------- compilation
 
 
+def set_threads(threads: int) -> None:
+    """Intra-op threads for this process (0 keeps torch's default, one per core)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 def compile_backend(device: torch.device) -> str:
     """Inductor on CPU/CUDA, the Neuron backend on Trainium."""
     return "neuron" if device.type == "neuron" else "inductor"

@@ -85,11 +85,12 @@ def use_compile_cache(cache: Path | None, scratch: Path, policy: str) -> Path | 
 def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
     """Serve until SIGTERM; the exit status (0 after a graceful drain)."""
     from laplace.model.export import load_export
-    from laplace.runtime import compile_backend, configure_compiler, resolve_device
+    from laplace.runtime import compile_backend, configure_compiler, resolve_device, set_threads
     from laplace.serving.engine import DecodeEngine
     from laplace.serving.server import serve
 
     s = cfg.serve
+    set_threads(s.threads)
     policy = args.policy or s.policy
     with tempfile.TemporaryDirectory(prefix="laplace-serve-") as tmp:
         scratch = Path(tmp)

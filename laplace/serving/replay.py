@@ -161,9 +161,10 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
 
     from laplace.data.shards import open_split
     from laplace.model.export import load_export
-    from laplace.runtime import compile_backend, configure_compiler, resolve_device
+    from laplace.runtime import compile_backend, configure_compiler, resolve_device, set_threads
     from laplace.serving.workload import build_requests
 
+    set_threads(cfg.serve.threads)  # as laplace serve runs, so the live phase compares like with like
     device = resolve_device(cfg.serve.device)
     model, _, _ = load_export(export_dir, device=device)
     text = open_split(data_dir, "val")
