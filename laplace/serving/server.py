@@ -30,6 +30,7 @@ import logging
 import math
 import secrets
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -896,6 +897,9 @@ def serve(
 
     server = Server(config)
     loop.on_fatal = lambda: setattr(server, "should_exit", True)
+    # The engine thread and the event loop share the GIL; Python hands it over every 5 ms by default,
+    # which a decode step of a few ms then waits on. A shorter interval keeps both moving.
+    sys.setswitchinterval(0.0005)
     # uvicorn re-raises the signal it caught once it has shut down, for the handler that was there
     # before it: with SIG_IGN there, a drained server returns and the process exits 0.
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
