@@ -180,9 +180,21 @@ class GenerateSection:
 
 @dataclass(frozen=True)
 class ServeSection:
-    """Serving: the decode engine, the compile warmup and the replayed workloads of serve-check."""
+    """Serving: the decode engine, the compile warmup, `laplace serve` and the workloads of serve-check."""
 
     device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto")
+    host: str = knob("127.0.0.1", doc="laplace serve listens here (loopback: only this machine)")
+    port: int = knob(8000, lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "laplace serve's port")
+    policy: Literal["padded", "exact", "eager"] = knob(
+        "padded", doc="laplace serve: padded (warmed ladder, compiled), exact, or eager (no compiler)"
+    )
+    max_new_tokens: int = knob(1024, _positive, "the largest max_tokens one request may ask for")
+    threads: int = knob(
+        1,
+        _non_negative,
+        "intra-op threads of serve-check's replays and laplace serve (0 = torch's default, one per core)",
+    )
+    shutdown_grace_s: float = knob(10.0, _non_negative, "on SIGTERM, in-flight requests get this long to finish")
     compile_scope: Literal["block", "model"] = knob(
         "block", doc="block: compile one GLA block, reused by every layer; model: the whole step as one graph"
     )
@@ -205,6 +217,8 @@ class ServeSection:
     decode_contexts: list[int] = knob([2048, 8192], doc="prompt lengths for the decode-cost-vs-context check")
     decode_timing_steps: int = knob(64, _positive)
     max_decode_cost_ratio: float = knob(1.05, _positive, "gate: decode cost at the longest / shortest context")
+    live: bool = knob(True, doc="serve-check also serves the headline workload live: laplace serve + load generator")
+    live_startup_s: float = knob(300.0, _positive, "serve-check's live phase: how long the server may take to warm up")
     seed: int = knob(0)
 
 

@@ -77,6 +77,12 @@ def keep_cpu_allocations() -> bool:
 # --------------------------------------------------------------------------- compilation
 
 
+def set_threads(threads: int) -> None:
+    """Intra-op threads for this process (0 keeps torch's default, one per core)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 def compile_backend(device: torch.device) -> str:
     """Inductor on CPU/CUDA, the Neuron backend on Trainium."""
     return "neuron" if device.type == "neuron" else "inductor"
@@ -109,6 +115,14 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def compile_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of Inductor's FX graph cache in this process: a hit is a graph loaded from
+    the compile cache directory, a miss one compiled from scratch."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_hit"]), int(counters["inductor"]["fxgraph_cache_miss"])
 
 
 def synchronize(device: torch.device) -> None:

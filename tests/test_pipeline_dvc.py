@@ -66,6 +66,9 @@ def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
     assert warmup["warm_speedup"] >= 3, warmup  # starting from the cache artifact is several times faster
     serve = json.loads((repo / "metrics/serve.json").read_text())
     assert serve["passed"] and serve["padded"]["compile_events"] == 0 and serve["exact"]["compile_events"] > 0
+    live = serve["live"]  # laplace serve, started from the warmup cache, served the headline workload
+    assert live["served"] == live["requests"] == 12 and live["compile_events"] == 0
+    assert live["server_exit_status"] == 0 and serve["live_vs_replay"]["output_tokens_per_s"] > 0
     status = run(DVC + ["status"], repo).stdout
     assert "Data and pipelines are up to date" in status
 

@@ -177,11 +177,13 @@ def test_serving_path_matches_the_eager_path_with_nan_pad_rows():
     assert (served[mask] >= 0).all()  # every query was computed
     assert mqar_accuracy_serving(eng, tokens, targets, mask) == score(served, targets, mask)
 
-    long_prefix = torch.zeros(1, 80, dtype=torch.long)
-    long_mask = torch.zeros(1, 80, dtype=torch.bool)
-    long_mask[0, 60] = True
-    with pytest.raises(ValueError, match="does not fit the largest prefill bucket 32"):
-        mqar_predictions_serving(eng, long_prefix, long_mask)
+    # a query prefix longer than the largest bucket (32) is prefilled in pieces and still agrees
+    long_tokens, _, long_mask = mqar_batch(2, 96, 3, 16, rng=7)
+    long_mask[:, :70] = False  # first scored query after 70 tokens: pieces of 32 + 32 + 6
+    long_mask[:, 70] = True
+    served = mqar_predictions_serving(eng, long_tokens, long_mask)
+    assert (served[:, :69] == -1).all() and (served[:, 69:71] >= 0).all()
+    assert torch.equal(served[:, 69:71], mqar_predictions_eager(m, long_tokens)[:, 69:71])
 
 
 @pytest.mark.slow

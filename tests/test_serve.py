@@ -1,5 +1,7 @@
-"""The decode engine: padded batching equals single-request generation, pads are isolated, slots
-are accounted for, bad requests are rejected, and after warmup nothing compiles while serving."""
+"""The decode engine: padded batching equals single-request generation and a naive full-forward
+reference, pads are isolated, slots are accounted for, long prompts go in bucket pieces, bad
+requests are rejected, cancelled or failed requests free their slots, and after warmup nothing
+compiles while serving."""
 
 import math
 
@@ -11,7 +13,7 @@ from laplace.config import ServeSection
 from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import configure_compiler
-from laplace.serving.engine import DecodeEngine, Request, StepRecord, fit, width_ladder
+from laplace.serving.engine import DecodeEngine, Rejected, Request, StepRecord, fit, prefill_pieces, width_ladder
 from laplace.serving.replay import replay, summarize
 from laplace.serving.sampling import generate_ids
 from laplace.serving.workload import arrival_times, build_requests
@@ -37,6 +39,15 @@ def engine(m, *, max_slots=4, widths=None, buckets=(16, 32), compile_scope=None,
         compile_scope=compile_scope,
         exact_widths=exact,
     )
+
+
+@torch.inference_mode()
+def naive_greedy(m, prompt, n):
+    """Greedy tokens by the full training forward over the growing sequence: no state, no engine."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(m(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt) :]
 
 
 def staggered(n=11, seed=0):
@@ -73,7 +84,94 @@ def test_engine_outputs_equal_each_request_alone(widths):
     assert any(s.width > s.live for s in eng.steps if s.kind == "decode")  # some steps carried pad rows
     for req, c in zip(requests, done):
         alone = generate_ids(m, req.prompt_ids, req.max_new_tokens, temperature=0.0)
-        assert c.output_ids == alone, req.id
+        assert c.output_ids == alone == naive_greedy(m, req.prompt_ids, req.max_new_tokens), req.id
+
+
+def test_prefill_pieces_and_long_prompts_through_the_bucket_graphs():
+    assert prefill_pieces(5, [16, 32]) == [(5, 16)]
+    assert prefill_pieces(32, [16, 32]) == [(32, 32)]
+    assert prefill_pieces(77, [16, 32]) == [(32, 32), (32, 32), (13, 16)]
+    m = model()
+    eng = engine(m, buckets=(16, 32))
+    shapes = []
+    prefill_rows = eng.prefill_rows
+    eng.prefill_rows = lambda t, s, n: shapes.append((tuple(t.shape), int(n))) or prefill_rows(t, s, n)
+    prompt = torch.randint(0, VOCAB, (77,), generator=torch.Generator().manual_seed(1))
+    with eng.leased([7]) as (slot,):
+        chunked = eng.prefill(slot, prompt.tolist())
+        state = m.allocate_state(1)
+        with torch.inference_mode():
+            whole = m.prefill(prompt.view(1, -1), state)
+        torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(eng.state.recurrent[:, slot], state.recurrent[:, 0], rtol=1e-4, atol=1e-5)
+    assert shapes == [((1, 32), 32), ((1, 32), 32), ((1, 16), 13)]  # only bucket shapes ran
+    assert eng.pool.owners == {}
+    # the scheduler takes the same long prompts, so generation has no prompt-length limit of its own
+    alone = generate_ids(m, prompt.tolist(), 5)
+    assert alone == naive_greedy(m, prompt.tolist(), 5)
+
+
+def test_decode_pads_to_the_ladder_on_the_dummy_slot_and_equals_the_unpadded_rows():
+    m = model()
+    eng = engine(m, max_slots=4)  # ladder 1, 2, 4
+    seen = []
+    decode_rows = eng.decode_rows
+    eng.decode_rows = lambda t, s: seen.append(s.tolist()) or decode_rows(t, s)
+    with eng.leased([0, 1, 2]) as slots:
+        for slot, prompt in zip(slots, ([1, 2, 3], [4, 5], [6])):
+            eng.prefill(slot, prompt)
+        before = eng.state.clone()
+        padded = eng.decode(slots, [7, 8, 9])  # 3 rows -> width 4, one pad row
+        assert seen[-1] == slots + [eng.pool.dummy]
+        assert padded.shape == (3, VOCAB)
+        with pytest.raises(ValueError, match="cannot decode 3 rows at width 3"):
+            eng.decode(slots, [7, 8, 9], width=3)  # not a ladder width
+        exact = engine(m, max_slots=4, exact=True)  # the same rows at width 3, no padding
+        exact.state.recurrent.copy_(before.recurrent)
+        exact.state.conv.copy_(before.conv)
+        torch.testing.assert_close(exact.decode(slots, [7, 8, 9]), padded, rtol=1e-5, atol=1e-5)
+        rows = torch.tensor(slots)
+        torch.testing.assert_close(exact.state.recurrent[:, rows], eng.state.recurrent[:, rows])
+
+
+def test_cancel_and_failed_steps_free_their_slots_and_the_engine_serves_on():
+    m = model()
+    eng = engine(m, max_slots=2)
+    for i in range(3):
+        eng.submit(Request(i, [1, 2, 3], 50))
+    eng.step()  # two admitted and decoding, one waiting
+    assert eng.pool.busy == 2 and len(eng.queue) == 1
+    waiting = eng.cancel(2, "client went away")
+    assert waiting.status == "cancelled" and waiting.output_ids == [] and not eng.queue
+    live = eng.cancel(0)
+    assert live.status == "cancelled" and len(live.output_ids) == 2 and eng.pool.busy == 1
+    assert eng.cancel(0) is None  # gone already
+
+    def broken(*args):
+        raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'\nmore")
+
+    eng._decode = broken
+    with pytest.raises(RuntimeError, match="fail_on_recompile"):
+        eng.step()
+    failed = [c for c in eng.take_finished() if c.status == "failed"]
+    assert [c.request_id for c in failed] == [1] and eng.pool.busy == 0 and not eng.live
+    assert failed[0].reason == (
+        "decode step at width 1: RuntimeError: Detected recompile when torch.compile stance is 'fail_on_recompile'"
+    )
+    eng._decode = eng._decode_eager  # the next request is served as usual
+    (done,) = eng.complete([Request(9, [4, 5], 3)])
+    assert done.status == "done" and done.output_ids == naive_greedy(m, [4, 5], 3)
+
+
+def test_generation_through_the_engine_rejects_bad_requests_with_the_reason():
+    m = model()
+    with pytest.raises(Rejected, match="^empty prompt$"):
+        generate_ids(m, [], 3)
+    with pytest.raises(Rejected, match="max_new_tokens must be > 0"):
+        generate_ids(m, [1], 0)
+    sampled = generate_ids(m, [1, 2], 12, temperature=1.0, top_p=0.9, seed=3)
+    assert sampled == generate_ids(m, [1, 2], 12, temperature=1.0, top_p=0.9, seed=3)
+    assert sampled != generate_ids(m, [1, 2], 12, temperature=1.0, top_p=0.9, seed=4)
 
 
 def test_pad_rows_only_touch_the_dummy_slot_even_as_nan():
@@ -222,3 +320,58 @@ def test_compiled_engine_never_compiles_after_warmup_and_exact_compiles_each_wid
     decode = [s for s in exact.steps if s.kind == "decode"]
     assert sum(s.compiled for s in decode) == len({s.width for s in decode})
     assert math.isclose(sum(s.compiled for s in exact.steps if s.kind == "prefill"), 1)
+
+
+# --------------------------------------------------------------------------- the server's text, the client's figures
+
+
+def byte_level_tokenizer():
+    from laplace.data.tokenizer import train_tokenizer
+
+    texts = ["The function returns the value of the key. Héllo wörld ☃ naïve café — done."] * 20
+    return train_tokenizer(texts, vocab_size=300, min_frequency=1)
+
+
+def test_incremental_text_equals_the_whole_decode_and_holds_back_stop_strings():
+    from laplace.serving.server import IncrementalText
+
+    tok = byte_level_tokenizer()
+    text = "The value of wörld ☃ is naïve café — the key."
+    ids = tok.encode(text).ids
+    assert len(ids) > 10 and tok.decode(ids) == text
+    inc = IncrementalText(tok)
+    pieces = [inc.add(t) for t in ids]
+    assert "".join(pieces) + inc.flush() == text
+    assert all("\ufffd" not in p for p in pieces)  # a split character is never handed out half
+    # a stop string: the text ends right before it, and the tokens after it are not counted
+    inc = IncrementalText(tok, ["café", "zzz"])
+    out, n = "", 0
+    for t in ids:
+        out += inc.add(t)
+        n += 1
+        if inc.stopped:
+            break
+    assert out + inc.flush() == text[: text.index("café")] and inc.stopped
+    assert inc.consumed == n < len(ids) and "caf" not in out
+    # a prefix of a stop string is held back until it is ruled out, then released
+    inc = IncrementalText(tok, ["is naïve x"])
+    released = "".join(inc.add(t) for t in ids)
+    assert not inc.stopped and released + inc.flush() == text
+
+
+def test_client_side_figures_of_a_load_run():
+    from laplace.serving.loadgen import RequestResult, summarize_load, table
+
+    results = [
+        RequestResult(0, 200, 5, 0.0, 0.0, 0.5, [0.1, 0.2, 0.3], [7, 8, 9], 3),
+        RequestResult(1, 200, 4, 0.5, 0.5, 1.0, [0.9, 1.0], [1, 2], 2),
+        RequestResult(2, 429, 6, 0.6, 0.6, 0.61, error="queue full", retry_after="1"),
+    ]
+    s = summarize_load(results, ttft_slo=0.2, tpot_slo=0.2)
+    assert (s["requests"], s["served"], s["failed"], s["errors_by_status"]) == (3, 2, 1, {"429": 1})
+    assert s["makespan_s"] == 1.0 and s["output_tokens_per_s"] == 5.0 and s["request_throughput_rps"] == 2.0
+    assert s["ttft_p50_s"] == pytest.approx(0.25) and s["ttft_max_s"] == pytest.approx(0.4)
+    assert s["tpot_mean_s"] == pytest.approx(0.1) and s["itl_max_s"] == pytest.approx(0.1)
+    assert s["e2e_p50_s"] == pytest.approx(0.5) and s["prompt_tokens"] == 9
+    assert s["goodput_fraction"] == pytest.approx(1 / 3)  # request 1 waited 0.4 s for its first token
+    assert "Output tokens/s" in table(s) and "429: 1" in table(s)

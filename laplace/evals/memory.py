@@ -8,10 +8,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from laplace.evals.passkey import prefill_long
 from laplace.model.config import ModelConfig, preset_model_config
 from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes, torch_dtype
-from laplace.serving.engine import DecodeEngine, fit
+from laplace.serving.engine import DecodeEngine
 
 
 def rss_bytes() -> int:
@@ -38,27 +37,20 @@ def decode_rss(
 ) -> dict[int, int]:
     """Process RSS while decoding at width 1 after a prompt of each context length.
 
-    The prompt (repeated `text`, or a fixed token) is prefilled in bucket chunks into one
+    The prompt (repeated `text`, or a fixed token) is prefilled (in bucket pieces) into one
     slot; the highest RSS seen over `decode_steps` greedy decode steps is recorded. A GLA
     decodes from a fixed-size state, so this should not grow with the context."""
     out = {}
     source = np.asarray(text if text is not None and len(text) else [engine.pad_id], dtype=np.int64)
     for ctx in tqdm(contexts, desc="decode memory", unit="context", disable=not progress, dynamic_ncols=True):
         prompt = np.resize(source, ctx)
-        slot = engine.pool.acquire(-1)
-        try:
-            logits = prefill_long(engine, prompt, slot)
-            token = torch.tensor([int(logits[0].argmax())], device=engine.device)
-            width = fit(1, engine.ladder)
-            slots = torch.tensor([slot] + [engine.pool.dummy] * (width - 1), device=engine.device)
-            pad = torch.full((width - 1,), engine.pad_id, dtype=torch.long, device=engine.device)
+        with engine.leased([-1]) as (slot,):
+            token = engine.prefill(slot, prompt).argmax(-1)
             peak = 0
             for _ in range(decode_steps):
-                token = engine.decode_rows(torch.cat([token, pad]), slots)[:1].argmax(-1)
+                token = engine.decode([slot], token).argmax(-1)
                 peak = max(peak, rss_bytes())
             out[ctx] = peak
-        finally:
-            engine.pool.release(slot)
     return out
 
 

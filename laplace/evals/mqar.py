@@ -21,7 +21,7 @@ from laplace.errors import ConfigError
 from laplace.model.config import ModelConfig, preset_model_config
 from laplace.model.lm import LaplaceLM, analytic_state_bytes
 from laplace.optim.muon import MuonAdamW
-from laplace.serving.engine import DecodeEngine, fit
+from laplace.serving.engine import DecodeEngine
 from laplace.training.schedule import lr_scale
 
 IGNORE = -100  # target of positions that are not scored (F.cross_entropy's ignore_index)
@@ -144,52 +144,30 @@ def mqar_accuracy_eager(model, tokens: Tensor, targets: Tensor, mask: Tensor) ->
 def mqar_predictions_serving(engine: DecodeEngine, tokens: Tensor, mask: Tensor) -> Tensor:
     """Argmax per position through the serving path: [n, L], -1 where nothing was computed.
 
-    Per sample, the prefix before the first query is prefilled into a pool slot at a
-    prefill bucket (right-padded); the remaining tokens are fed one at a time with
-    decode_rows, up to the last query. Samples share decode steps, max_slots at a time,
-    at the ladder width that holds them; pad rows run on the dummy slot."""
+    Per sample, the prefix before the first query is prefilled into a pool slot (engine.prefill:
+    bucket pieces); the remaining tokens are fed one at a time with engine.decode, up to the last
+    query. Samples share decode steps, max_slots at a time, at the engine's width for them (pad
+    rows on the dummy slot)."""
     n, L = tokens.shape
-    device = engine.device
     first = mask.float().argmax(1)  # first query position of each sample
     last = L - 1 - mask.flip(1).float().argmax(1)
-    if int(first.max()) > max(engine.buckets):
-        raise ValueError(
-            f"MQAR prefix of {int(first.max())} tokens does not fit the largest prefill bucket {max(engine.buckets)}"
-        )
     if int(first.min()) < 1:
         raise ValueError("MQAR sequences must start with their key-value pairs (a query at position 0)")
     preds = torch.full((n, L), -1, dtype=torch.long)
     for start in range(0, n, engine.max_slots):
         rows = list(range(start, min(n, start + engine.max_slots)))
-        slots = {r: engine.pool.acquire(-1 - r) for r in rows}
-        try:
+        with engine.leased(-1 - r for r in rows) as leased:
+            slots = dict(zip(rows, leased))
             cursor = {}
             for r in rows:  # prefill the prefix: positions 0 .. first-1
                 p = int(first[r])
-                bucket = fit(p, engine.buckets)
-                prompt = torch.full((1, bucket), engine.pad_id, dtype=torch.long)
-                prompt[0, :p] = tokens[r, :p]
-                slot = torch.tensor([slots[r]], device=device)
-                engine.state.zero_(slot)
-                logits = engine.prefill_rows(prompt.to(device), slot, torch.tensor([p], device=device))
-                preds[r, p - 1] = int(logits[0].argmax())
+                preds[r, p - 1] = int(engine.prefill(slots[r], tokens[r, :p])[0].argmax())
                 cursor[r] = p
-            while True:
-                live = [r for r in rows if cursor[r] <= int(last[r])]
-                if not live:
-                    break
-                width = fit(len(live), engine.ladder)
-                pad = width - len(live)
-                step_tokens = torch.tensor([int(tokens[r, cursor[r]]) for r in live] + [engine.pad_id] * pad)
-                step_slots = torch.tensor([slots[r] for r in live] + [engine.pool.dummy] * pad)
-                logits = engine.decode_rows(step_tokens.to(device), step_slots.to(device))
-                top = logits[: len(live)].argmax(-1).cpu()
-                for j, r in enumerate(live):
-                    preds[r, cursor[r]] = top[j]
+            while live := [r for r in rows if cursor[r] <= int(last[r])]:
+                top = engine.decode([slots[r] for r in live], [int(tokens[r, cursor[r]]) for r in live]).argmax(-1)
+                for r, token in zip(live, top.tolist()):
+                    preds[r, cursor[r]] = token
                     cursor[r] += 1
-        finally:
-            for r in rows:
-                engine.pool.release(slots[r])
     return preds
 
 
@@ -366,9 +344,10 @@ def mqar_both_paths(
 ) -> dict:
     """MQAR on one model through the serving path and the eager forward, on the same sequences.
 
-    Contexts whose query prefix could exceed the largest prefill bucket (context > bucket) run
-    eagerly only, with a note. Accuracies are {context: {pairs: acc}}; agreement is over every
-    position both paths computed."""
+    Contexts longer than the largest prefill bucket run eagerly only, with a note: the serving
+    path could take them (long prefixes go in pieces), but decoding every token after the first
+    query one step at a time is what makes this probe slow. Accuracies are {context: {pairs:
+    acc}}; agreement is over every position both paths computed."""
     vocab = model.cfg.vocab_size
     largest = max(engine.buckets)
     serving: dict[int, dict[int, float]] = {}
@@ -381,9 +360,7 @@ def mqar_both_paths(
         eager.setdefault(ctx, {})[p] = score(eager_preds, targets, mask)
         if ctx > largest:
             if not any(f"context {ctx}" in n for n in notes):
-                notes.append(
-                    f"MQAR context {ctx}: a prefix may exceed the largest prefill bucket {largest}; eager path only"
-                )
+                notes.append(f"MQAR context {ctx}: longer than the largest prefill bucket {largest}; eager path only")
             continue
         served = mqar_predictions_serving(engine, tokens, mask)
         serving.setdefault(ctx, {})[p] = score(served, targets, mask)

@@ -84,20 +84,12 @@ def decode_logits(engine, prompts: Tensor, continuation: Tensor, width: int, rea
     """Teacher-forced decode at `width` with `real` sequences and width - real pad rows on the
     dummy slot. prompts [R, P], continuation [R, S] with R >= real. Returns real-row logits [S*real, V]."""
     engine.reset()
-    slots = [engine.pool.acquire(i) for i in range(real)]
-    bucket = min(b for b in engine.buckets if b >= prompts.shape[1])
-    for i, slot in enumerate(slots):
-        padded = F.pad(prompts[i : i + 1], (0, bucket - prompts.shape[1]), value=engine.pad_id)
-        engine.prefill_rows(
-            padded.to(engine.device),
-            torch.tensor([slot], device=engine.device),
-            torch.tensor([prompts.shape[1]], device=engine.device),
-        )
-    row_slots = torch.tensor(slots + [engine.pool.dummy] * (width - real), device=engine.device)
     out = []
-    for t in range(continuation.shape[1]):
-        toks = torch.cat([continuation[:real, t], torch.full((width - real,), engine.pad_id, dtype=torch.long)])
-        out.append(engine.decode_rows(toks.to(engine.device), row_slots)[:real].float().cpu())
+    with engine.leased(range(real)) as slots:
+        for i, slot in enumerate(slots):
+            engine.prefill(slot, prompts[i])
+        for t in range(continuation.shape[1]):
+            out.append(engine.decode(slots, continuation[:real, t], width).float().cpu())
     engine.reset()
     return torch.cat(out)
 

@@ -1,5 +1,5 @@
 """Passkey retrieval: a 5-digit number hidden at some depth of real text, asked for at the end,
-read back greedily through the serving engine (long prompts prefilled in bucket chunks)."""
+read back greedily through the serving engine (long prompts prefilled in bucket pieces)."""
 
 from __future__ import annotations
 
@@ -9,46 +9,24 @@ from torch import Tensor
 from tqdm import tqdm
 
 from laplace.errors import ConfigError
-from laplace.serving.engine import DecodeEngine, fit
+from laplace.serving.engine import DecodeEngine
 
 
-@torch.inference_mode()
 def prefill_long(engine: DecodeEngine, prompt_ids, slot: int) -> Tensor:
     """Prefill a prompt of any length into a clean `slot`; returns the last token's logits [1, V].
 
-    Prompts longer than the largest prefill bucket go in chunks: full chunks of the largest
-    bucket, then the rest right-padded to the smallest bucket that holds it. Each chunk
-    continues the slot's state (prefill reads and writes it; padding is an exact no-op), so
-    only the warmed-up bucket graphs run, whatever the context length, and the result equals
-    one prefill of the whole prompt."""
-    ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))
-    if ids.numel() == 0:
-        raise ValueError("prompt is empty: at least one token is needed")
-    device = engine.device
-    slots = torch.tensor([slot], device=device)
-    engine.state.zero_(slots)
-    largest = max(engine.buckets)
-    logits = None
-    for start in range(0, ids.numel(), largest):
-        chunk = ids[start : start + largest]
-        n = chunk.numel()
-        bucket = fit(n, engine.buckets)
-        padded = torch.full((1, bucket), engine.pad_id, dtype=torch.long)
-        padded[0, :n] = chunk
-        logits = engine.prefill_rows(padded.to(device), slots, torch.tensor([n], device=device))
-    return logits
+    engine.prefill runs it in pieces through the warmed-up bucket graphs only, whatever the
+    context length, and the result equals one prefill of the whole prompt."""
+    engine.state.zero_(torch.tensor([slot], device=engine.device))
+    return engine.prefill(slot, prompt_ids)
 
 
-@torch.inference_mode()
 def greedy_continue(engine: DecodeEngine, logits: Tensor, slot: int, new_tokens: int) -> list[int]:
-    """Greedy tokens after a prefill of `slot`, one decode step at a time at the smallest
-    ladder width (pad rows, if that width is > 1, run on the dummy slot)."""
-    width = fit(1, engine.ladder)
-    slots = torch.tensor([slot] + [engine.pool.dummy] * (width - 1), device=engine.device)
+    """Greedy tokens after a prefill of `slot`, one decode step at a time at the engine's width
+    for one row."""
     out = [int(logits[0].argmax())]
     while len(out) < new_tokens:
-        tokens = torch.tensor([out[-1]] + [engine.pad_id] * (width - 1), device=engine.device)
-        out.append(int(engine.decode_rows(tokens, slots)[0].argmax()))
+        out.append(int(engine.decode([slot], [out[-1]])[0].argmax()))
     return out
 
 
@@ -108,11 +86,8 @@ def passkey_probe(
     for ctx, depth, _ in tqdm(cells, desc="passkey", unit="prompt", disable=not progress, dynamic_ncols=True):
         key = int(rng.integers(10000, 100000))
         prompt = passkey_prompt(tokenizer, haystack, ctx, depth, key, rng)
-        slot = engine.pool.acquire(-1)
-        try:
-            output = greedy_continue(engine, prefill_long(engine, prompt, slot), slot, new_tokens)
-        finally:
-            engine.pool.release(slot)
+        with engine.leased([-1]) as (slot,):
+            output = greedy_continue(engine, engine.prefill(slot, prompt), slot, new_tokens)
         text = tokenizer.decode(output)
         rows.append(
             {

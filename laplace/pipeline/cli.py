@@ -10,9 +10,9 @@ from pathlib import Path
 
 from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
 from laplace.model.config import preset_model_config
-from laplace.pipeline import stages, summary
+from laplace.pipeline import serve, stages, summary
 from laplace.pipeline.layout import Paths
-from laplace.pipeline.params import load_config
+from laplace.pipeline.params import add_config_arguments, load_config
 
 
 def _model_config(preset: str | None, cfg):
@@ -29,25 +29,12 @@ def model_facts(preset: str | None, cfg) -> dict:
     return {"preset": preset or cfg.model.preset, **facts(_model_config(preset, cfg))}
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a param, e.g. --set train.lr=0.01 (repeatable)",
-    )
-    p.add_argument("--root", default=".", help="project root holding data/, runs/, artifacts/, metrics/")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="laplace", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="parameter count, state bytes and KV-cache comparison of a preset")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -55,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="dry run of distributed training: per-rank memory and Muon traffic on N ranks (nothing allocated)",
     )
-    _add_config_args(p)
+    add_config_arguments(p)
     p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: train.nproc_per_node x train.nnodes)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: train.precision")
@@ -64,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, stage in stages.STAGES.items():
         p = sub.add_parser(name, help=f"stage: {stage.help}")
-        _add_config_args(p)
+        add_config_arguments(p)
         if name == "train":
             p.add_argument("--no-resume", action="store_true", help="start from step 0 even if checkpoints exist")
 
@@ -73,19 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="the whole pipeline through `dvc repro`; --set values are written to "
         "params.yaml first (like dvc exp run --set-param)",
     )
-    _add_config_args(p)
+    add_config_arguments(p)
 
     p = sub.add_parser("summary", help="headline figures of the last pipeline run")
-    _add_config_args(p)
+    add_config_arguments(p)
 
-    p = sub.add_parser("generate", help="generate text from an exported model")
-    _add_config_args(p)
+    p = sub.add_parser("generate", help="generate text from an exported model (through the decode engine)")
+    add_config_arguments(p)
     p.add_argument("--model", default=None, help="export directory (default: artifacts/export)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object (text and token ids)")
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions) until SIGTERM")
+    add_config_arguments(p)
+    serve.add_arguments(p)
     return parser
 
 
@@ -155,6 +147,8 @@ def _run(args) -> int:
         print(json.dumps(result, indent=2) if args.json else as_text(result, args.preset or cfg.model.preset))
         return 0
     paths = Paths.at(args.root)
+    if args.command == "serve":
+        return serve.run(cfg, paths, args)
     if args.command == "summary":
         print(summary.as_text(summary.read(paths), paths.root))
     elif args.command == "generate":
@@ -168,8 +162,9 @@ def _run(args) -> int:
             args.temperature if args.temperature is not None else g.temperature,
             args.top_p if args.top_p is not None else g.top_p,
             args.seed if args.seed is not None else g.seed,
+            serve=cfg.serve,
         )
-        print(result["prompt"] + result["completion"])
+        print(json.dumps(result) if args.json else result["prompt"] + result["completion"])
     elif args.command == "train":
         from laplace.pipeline.stage_train import run as train_stage
 

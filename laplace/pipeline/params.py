@@ -12,6 +12,20 @@ from laplace.config import Config, config_from_dict
 from laplace.errors import ConfigError
 
 
+def add_config_arguments(p) -> None:
+    """--params, --set (repeatable) and --root: what every `laplace` command takes."""
+    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a param, e.g. --set train.lr=0.01 (repeatable)",
+    )
+    p.add_argument("--root", default=".", help="project root holding data/, runs/, artifacts/, metrics/")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`train.lr=0.01` -> (['train', 'lr'], 0.01); the value is parsed as YAML."""
     if "=" not in text:

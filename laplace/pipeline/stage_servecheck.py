@@ -5,6 +5,11 @@ in its own fresh process so compile caches cannot leak between them:
 - padded: a copy of the warmup stage's compile cache, serving under fail_on_recompile;
 - eager:  no compiler at all.
 
+Then a short live phase (serve.live): `laplace serve` (padded, from the warmup cache) on a free
+loopback port, the headline workload sent by the load generator in wall-clock time, SIGTERM.
+The live figures sit beside the replay's, with how well the replay's virtual clock predicted
+them (live / replay).
+
 The figures go to metrics/serve.json and plots/serve_*.png; a missed gate fails the stage.
 """
 
@@ -28,6 +33,9 @@ def run(cfg: Config, paths: Paths) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="laplace-serve-") as scratch:
         metrics, traces = replay_policies(cfg, paths.export_dir, paths.data_dir, paths.warmup_cache, Path(scratch))
+    if cfg.serve.live:
+        metrics = add_live(metrics, live_phase(cfg, paths.export_dir, paths.data_dir, paths.warmup_cache, "padded"))
+    metrics.pop("_outputs", None)
     workload = metrics["headline_workload"]
     plots.latency_cdfs(traces, workload, paths.plots_dir / "serve_latency_cdf.png")
     plots.step_timeline(traces, workload, paths.plots_dir / "serve_timeline.png")
@@ -66,7 +74,7 @@ def replay_policies(
 
 
 def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
-    headline = "poisson" if "poisson" in cfg.serve.exact_workloads else cfg.serve.exact_workloads[0]
+    headline = headline_workload(cfg)
     metrics: dict = {"headline_workload": headline}
     for policy in POLICIES:
         wl = results[policy]["workloads"]
@@ -103,8 +111,110 @@ def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
     metrics["gates"] = gates
     metrics["greedy_outputs_identical_across_policies"] = same_outputs
     metrics["passed"] = all(gates.values())
+    metrics["_outputs"] = {p: results[p].get("outputs", {}).get(headline) for p in POLICIES}  # for add_live
     traces = {p: results[p]["traces"] for p in POLICIES}
     return metrics, traces
+
+
+# --------------------------------------------------------------------------- the live phase
+
+LIVE_VS_REPLAY = (
+    "output_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "itl_p99_s",
+    "e2e_p50_s",
+    "e2e_p99_s",
+)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's Prometheus samples as {name{labels}: value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def live_phase(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path | None, policy: str) -> dict:
+    """Serve the headline workload live: `laplace serve` from the warmup cache on a free loopback
+    port, the load generator sending the replay's requests at their arrival times, SIGTERM.
+    Client-side figures, the server's own counters, and its exit status."""
+    from laplace.data.shards import open_split
+    from laplace.pipeline.serve import ServerProcess
+    from laplace.serving.loadgen import run_load, summarize_load
+    from laplace.serving.workload import build_requests
+
+    headline = headline_workload(cfg)
+    requests = build_requests(headline, cfg.serve, open_split(data_dir, "val"), cfg.serve.seed)
+    server = ServerProcess(
+        cfg,
+        model=export_dir,
+        policy=policy,
+        compile_cache=warmup_cache,
+        echo=lambda line: print(f"  [serve] {line}", flush=True),
+    )
+    with server:
+        ready_s = server.wait_ready(cfg.serve.live_startup_s)
+        results, wall_s = run_load(server.url, requests, cfg.tracking.model_name)
+        counters = scrape(server.url)
+        status = server.stop()
+    summary = summarize_load(results, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s)
+    log_text = "\n".join(server.lines)
+    live = {
+        "workload": headline,
+        "policy": policy,
+        **summary,
+        "wall_s": wall_s,
+        "server_ready_s": ready_s,
+        "compile_events": counters.get("laplace_compile_events_total", 0.0),
+        "engine_errors": sum(v for k, v in counters.items() if k.startswith("laplace_engine_errors_total")),
+        "busy_slots_after": counters.get("laplace_busy_slots", 0.0),
+        "server_exit_status": status,
+        "server_traceback": "Traceback (most recent call last)" in log_text,
+        "outputs": [r.output_ids for r in results],
+    }
+    print(
+        f"live/{headline}: {summary['output_tokens_per_s']:.0f} tokens/s, TTFT p99 {summary['ttft_p99_s'] or 0:.3f}s, "
+        f"{summary['served']}/{summary['requests']} served, {live['compile_events']:.0f} compiles, exit {status}",
+        flush=True,
+    )
+    return live
+
+
+def add_live(metrics: dict, live: dict) -> dict:
+    """The live figures beside the replay's, the ratios (live / replay: 1.0 is a perfect prediction
+    by the virtual clock) and the live gates."""
+    outputs = live.pop("outputs")
+    replay = metrics[live["policy"]]
+    metrics["live"] = live
+    metrics["live_vs_replay"] = {
+        k: live[k] / replay[k] for k in LIVE_VS_REPLAY if live.get(k) is not None and replay.get(k)
+    }
+    replay_outputs = metrics.pop("_outputs", {}).get(live["policy"])
+    if replay_outputs is not None:
+        same = sum(a == b for a, b in zip(outputs, replay_outputs))
+        metrics["live_vs_replay"]["identical_outputs_share"] = same / max(1, len(replay_outputs))
+    metrics["gates"].update(
+        {
+            "live_zero_compiles": live["compile_events"] == 0,
+            "live_every_request_served": live["served"] == live["requests"],
+            "live_clean_shutdown": live["server_exit_status"] == 0 and not live["server_traceback"],
+        }
+    )
+    metrics["passed"] = all(metrics["gates"].values())
+    return metrics
+
+
+def headline_workload(cfg: Config) -> str:
+    return "poisson" if "poisson" in cfg.serve.exact_workloads else cfg.serve.exact_workloads[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,7 +74,8 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
                     f"compiles {exact['compile_step_share']:.1%} of steps, "
                     f"{exact['compile_time_share']:.1%} of decode time",
                     f"{ratio_key} = {sv[ratio_key]:.3f}; gates {_verdict(sv['passed'])}",
-                ],
+                ]
+                + _live_line(sv),
             )
         )
     if nm := info.get("numerics"):
@@ -111,6 +112,18 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
         alias = " (champion)" if trk.get("champion") else " (candidate)" if trk.get("model_version") else ""
         out.append(("mlflow", [f"run {trk['run_id']} in {trk['tracking_uri']}{version}{alias}"]))
     return out
+
+
+def _live_line(sv: dict) -> list[str]:
+    live, ratio = sv.get("live"), sv.get("live_vs_replay") or {}
+    if not live:
+        return []
+    return [
+        f"live laplace serve: {live['output_tokens_per_s']:.0f} tokens/s "
+        f"({ratio.get('output_tokens_per_s', 0):.2f}x the replay), TTFT p99 {live['ttft_p99_s'] or 0:.3f}s "
+        f"({ratio.get('ttft_p99_s', 0):.2f}x), {live['compile_events']:.0f} compiles, "
+        f"{live['served']}/{live['requests']} served"
+    ]
 
 
 def next_steps(root: Path) -> list[str]:

@@ -246,15 +246,20 @@ def _log_run_contents(
     import pandas as pd
 
     import laplace
+    from laplace.serving.engine import SHAPE_KEYS
 
+    generate = GenerateSection()
+    example = pd.DataFrame({"prompt": ["The function"]})
+    # the serving payload shown by the MLflow UI and used with `mlflow models serve` (serving_input_example.json)
+    example_params = {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": generate.seed}
     signature = infer_signature(
-        model_input=pd.DataFrame({"prompt": ["The function"]}),
+        model_input=example,
         model_output=["text"],
         params={
-            "max_new_tokens": int(params.get("generate.max_new_tokens", GenerateSection().max_new_tokens)),
+            "max_new_tokens": int(params.get("generate.max_new_tokens", generate.max_new_tokens)),
             "temperature": 0.0,
             "top_p": 1.0,
-            "seed": int(params.get("generate.seed", GenerateSection().seed)),
+            "seed": int(params.get("generate.seed", generate.seed)),
         },
     )
     info = mlflow.pyfunc.log_model(
@@ -262,9 +267,10 @@ def _log_run_contents(
         python_model=str(Path(laplace.__file__).parent / "pipeline" / "mlflow_model.py"),  # from code: no pickle
         artifacts={"export": str(export_dir)},
         signature=signature,
-        input_example=pd.DataFrame({"prompt": ["The function"]}),
+        input_example=(example, example_params),
+        model_config={k: params[f"serve.{k}"] for k in SHAPE_KEYS if f"serve.{k}" in params},  # the engine's shapes
         code_paths=[str(Path(laplace.__file__).parent)],
-        pip_requirements=["torch>=2.13", "safetensors", "tokenizers", "pandas"],
+        pip_requirements=["torch>=2.13", "numpy", "safetensors", "tokenizers", "pandas"],
         registered_model_name=model_name if register else None,
     )
     version = info.registered_model_version

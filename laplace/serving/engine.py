@@ -3,41 +3,52 @@
 The state of every live sequence sits in one fixed-shape `State` of max_slots + 1
 rows; the last row is a dummy that padding rows read and write, so a pad row never
 touches a real sequence and is never indexed with -1. Requests are admitted into
-free slots, prefilled one at a time at a padded prefill-length bucket (padding is an
-exact no-op for the state), then decoded together. With the `padded` policy each
-decode step runs at the smallest width of a fixed ladder that holds the live rows,
-so a static-shape compiler (torch.compile(dynamic=False) with Inductor, or Neuron)
-sees only the ladder's widths, all compiled ahead by `warmup()`. With the `exact`
-policy each step runs at exactly the live count: every new width compiles on first
-sight, which is the stall the article measured.
+free slots, prefilled one at a time through padded prefill-length buckets (a prompt
+longer than the largest bucket goes in pieces; padding is an exact no-op for the
+state), then decoded together. With the `padded` policy each decode step runs at the
+smallest width of a fixed ladder that holds the live rows, so a static-shape compiler
+(torch.compile(dynamic=False) with Inductor, or Neuron) sees only the ladder's widths,
+all compiled ahead by `warmup()`. With the `exact` policy each step runs at exactly the
+live count: every new width compiles on first sight, which is the stall the article
+measured.
 
 Time is a virtual clock advanced by the measured duration of each operation: a
 replayed workload then gets the latencies a real server would, without sleeping
-through the gaps between arrivals.
+through the gaps between arrivals. The live server (serving/server.py) sets the clock to
+wall time before each step.
+
+The engine is the one place that knows about shapes: `admit` (a zeroed slot), `prefill`
+(bucket pieces), `decode` (a ladder width, pad rows on the dummy slot) and `release` are
+what the scheduler below, the probes, the numerics checks, generation and the server use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import reprlib
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from laplace.config import ServeSection
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, InputError, one_line
 from laplace.model.lm import LaplaceLM, State
-from laplace.runtime import compile_static, compiled_graph_count, synchronize
+from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
 from laplace.serving.sampling import sample_next
 
 POLICIES = ("padded", "exact", "eager")
+# The `serve:` params that decide an engine's shapes (the MLflow model is logged with them).
+SHAPE_KEYS = ("max_slots", "widths", "prefill_buckets", "max_prompt_tokens", "max_queue")
 
 
-class Rejected(ValueError):
+class Rejected(InputError):
     """A request the engine will not serve (the message says why)."""
 
 
@@ -64,7 +75,7 @@ class Request:
 @dataclass
 class Completion:
     request_id: int
-    status: str  # "done" | "rejected"
+    status: str  # "done" | "rejected" | "cancelled" | "failed"
     reason: str = ""
     prompt_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -97,7 +108,7 @@ class StepRecord:
     kind: str  # "prefill" | "decode"
     start_s: float
     seconds: float
-    width: int  # rows computed (decode) or bucket length (prefill)
+    width: int  # rows computed (decode) or padded prompt length (prefill)
     live: int  # real rows
     compiled: bool  # a graph was compiled during this step
 
@@ -123,6 +134,13 @@ def fit(n: int, ladder: list[int]) -> int:
     raise ValueError(f"{n} rows do not fit the largest width {ladder[-1]}")
 
 
+def prefill_pieces(n: int, buckets: list[int]) -> list[tuple[int, int]]:
+    """(real tokens, bucket) of each piece a prompt of n tokens is prefilled in: full pieces of
+    the largest bucket, then the rest right-padded to the smallest bucket that holds it."""
+    largest = buckets[-1]
+    return [(min(largest, n - start), fit(min(largest, n - start), buckets)) for start in range(0, n, largest)]
+
+
 class SlotPool:
     """max_slots state rows for live sequences plus one dummy row (index max_slots) for padding."""
 
@@ -133,6 +151,8 @@ class SlotPool:
         self._owner: dict[int, int] = {}
 
     def acquire(self, request_id: int) -> int:
+        if not self._free:
+            raise RuntimeError(f"no free slot: all {self.capacity} are owned")
         slot = self._free.popleft()
         self._owner[slot] = request_id
         return slot
@@ -146,6 +166,10 @@ class SlotPool:
     @property
     def free(self) -> int:
         return len(self._free)
+
+    @property
+    def busy(self) -> int:
+        return len(self._owner)
 
     @property
     def owners(self) -> dict[int, int]:
@@ -177,14 +201,13 @@ class DecodeEngine:
     ):
         """compile_scope: None (eager), "model" (each decode width / prefill bucket is one graph)
         or "block" (one GLA block is compiled per shape and reused by every layer).
-        max_queue: requests that may wait for a slot; one arriving at a full queue is rejected."""
+        max_prompt_tokens: longer prompts are rejected (prompts longer than the largest bucket
+        are prefilled in pieces). max_queue: requests that may wait for a slot; one arriving at
+        a full queue is rejected."""
         if max_queue < 1:
             raise ConfigError(f"serve.max_queue: must be >= 1, got {max_queue}")
-        if max(prefill_buckets) < max_prompt_tokens:
-            raise ConfigError(
-                f"serve.prefill_buckets: the largest bucket {max(prefill_buckets)} is shorter than "
-                f"serve.max_prompt_tokens={max_prompt_tokens}"
-            )
+        if not prefill_buckets or min(prefill_buckets) < 1:
+            raise ConfigError(f"serve.prefill_buckets: need at least one length >= 1, got {prefill_buckets}")
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_slots = max_slots
@@ -197,6 +220,7 @@ class DecodeEngine:
         self.compiled = compile_scope is not None
         self.pad_id = pad_id
         self.on_logits = None  # optional callback(logits of a step's real rows), for inspection
+        self.on_token: Callable[[Completion, int], None] | None = None  # called for every emitted token
         self.reset()
         self._decode, self._prefill = self._decode_eager, self._prefill_eager
         if compile_scope == "model":
@@ -210,10 +234,10 @@ class DecodeEngine:
 
     @classmethod
     def for_policy(cls, model: LaplaceLM, serve, policy: str, backend: str = "inductor") -> DecodeEngine:
-        """The engine of a serve-check policy from the `serve:` params: `padded` (ladder widths,
+        """The engine of a serving policy from the `serve:` params: `padded` (ladder widths,
         compiled), `exact` (live-count widths, compiled) or `eager` (live-count widths, no compiler)."""
         if policy not in POLICIES:
-            raise ValueError(f"unknown serving policy {policy!r} (choose from {', '.join(POLICIES)})")
+            raise ConfigError(f"unknown serving policy {policy!r} (choose from {', '.join(POLICIES)})")
         return cls(
             model,
             max_slots=serve.max_slots,
@@ -224,6 +248,21 @@ class DecodeEngine:
             exact_widths=policy != "padded",
             backend=backend,
             max_queue=serve.max_queue,
+        )
+
+    @classmethod
+    def single(cls, model: LaplaceLM) -> DecodeEngine:
+        """One eager slot for one-off generation: prompts of any length (prefilled in pieces of
+        the default buckets), decoded at width 1."""
+        serve = ServeSection()
+        return cls(
+            model,
+            max_slots=1,
+            ladder=[1],
+            prefill_buckets=serve.prefill_buckets,
+            max_prompt_tokens=2**62,
+            compile_scope=None,
+            exact_widths=True,
         )
 
     def graphs_needed(self) -> int:
@@ -251,28 +290,117 @@ class DecodeEngine:
         return self.model.prefill(tokens, State(recurrent, conv), slots, lengths)
 
     def decode_rows(self, tokens: Tensor, slots: Tensor) -> Tensor:
+        """The decode graph on exactly these rows (no padding: `decode` pads)."""
         return self._decode(tokens, slots, self.state.recurrent, self.state.conv)
 
     def prefill_rows(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+        """The prefill graph on exactly these tokens (no padding: `prefill` pads)."""
         return self._prefill(tokens, slots, lengths, self.state.recurrent, self.state.conv)
+
+    # -- the shapes: every caller goes through these four --------------------------------------
+
+    def admit(self, owner: int) -> int:
+        """A free slot for `owner`, zeroed: a reused slot must not carry its last sequence's state."""
+        slot = self.pool.acquire(owner)
+        self.state.zero_(torch.tensor([slot], device=self.device))
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.pool.release(slot)
+
+    @contextlib.contextmanager
+    def leased(self, owners: Iterable[int]) -> Iterator[list[int]]:
+        """Admit one slot per owner for the block; release them all after it, whatever happens."""
+        slots: list[int] = []
+        try:
+            for owner in owners:
+                slots.append(self.admit(owner))
+            yield slots
+        finally:
+            for slot in slots:
+                self.release(slot)
+
+    def width_for(self, rows: int) -> int:
+        """The decode width for `rows` live rows: the smallest ladder width that holds them
+        (padded policy) or exactly their count."""
+        return rows if self.exact_widths else fit(rows, self.ladder)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt_ids) -> Tensor:
+        """Run a prompt of any length into `slot`, continuing its state, through the bucket graphs
+        only (see prefill_pieces; each piece continues the state and padding is an exact no-op, so
+        the result equals one prefill of the whole prompt). Returns the last token's logits [1, V]."""
+        ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).flatten()
+        if ids.numel() == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        slots = torch.tensor([slot], device=self.device)
+        logits, start = None, 0
+        for n, bucket in prefill_pieces(ids.numel(), self.buckets):
+            tokens = torch.full((1, bucket), self.pad_id, dtype=torch.long)
+            tokens[0, :n] = ids[start : start + n]
+            logits = self.prefill_rows(tokens.to(self.device), slots, torch.tensor([n], device=self.device))
+            start += n
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], tokens, width: int | None = None) -> Tensor:
+        """One decode step of the sequences in `slots`, each fed its token, at `width` rows
+        (default: width_for(len(slots))). The pad rows take pad tokens and the dummy slot, so they
+        never touch a live sequence. Returns the real rows' logits [len(slots), V]."""
+        n = len(slots)
+        width = self.width_for(n) if width is None else width
+        if width < n or not (self.exact_widths or width in self.ladder):
+            raise ValueError(f"cannot decode {n} rows at width {width} (ladder {self.ladder})")
+        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten().to(self.device)
+        pad = width - n
+        if pad:
+            tokens = torch.cat([tokens, torch.full((pad,), self.pad_id, dtype=torch.long, device=self.device)])
+        rows = torch.tensor(list(slots) + [self.pool.dummy] * pad, device=self.device)
+        return self.decode_rows(tokens, rows)[:n]
 
     # -- warmup ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def warmup(self) -> dict[str, dict[int, float]]:
-        """Run every decode width and prefill bucket once on the dummy slot (compiling them when
-        compiled). Returns seconds per graph."""
+    def warmup(
+        self,
+        widths: list[int] | None = None,
+        buckets: list[int] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """Run every decode width (the ladder, or every live count with exact widths) and prefill
+        bucket, or the given ones, once on the dummy slot, compiling them when compiled. `log`
+        gets a line as each graph starts and one with its seconds, so a cold compile of minutes
+        is not silent. Returns seconds per graph."""
         dummy = self.pool.dummy
         out: dict[str, dict[int, float]] = {"decode": {}, "prefill": {}}
-        for w in self.ladder:
-            tokens = torch.full((w,), self.pad_id, dtype=torch.long, device=self.device)
-            slots = torch.full((w,), dummy, dtype=torch.long, device=self.device)
-            out["decode"][w] = self._timed(lambda t=tokens, s=slots: self.decode_rows(t, s))[1]
-        for b in self.buckets:
-            tokens = torch.full((1, b), self.pad_id, dtype=torch.long, device=self.device)
-            slots = torch.tensor([dummy], device=self.device)
-            lengths = torch.tensor([b], device=self.device)
-            out["prefill"][b] = self._timed(lambda t=tokens, s=slots, n=lengths: self.prefill_rows(t, s, n))[1]
+        if widths is None:
+            widths = list(range(1, self.max_slots + 1)) if self.exact_widths else self.ladder
+        shapes = [("decode", w) for w in widths]
+        shapes += [("prefill", b) for b in (self.buckets if buckets is None else buckets)]
+        for i, (kind, size) in enumerate(shapes, 1):
+            what = f"{kind} {'width' if kind == 'decode' else 'bucket'} {size}"
+            if log:
+                log(f"warmup {i}/{len(shapes)}: {what} ...")
+            before, cache_before = compiled_graph_count(), compile_cache_counts()
+            if kind == "decode":
+                tokens = torch.full((size,), self.pad_id, dtype=torch.long, device=self.device)
+                slots = torch.full((size,), dummy, dtype=torch.long, device=self.device)
+                seconds = self._timed(lambda t=tokens, s=slots: self.decode_rows(t, s))[1]
+            else:
+                tokens = torch.full((1, size), self.pad_id, dtype=torch.long, device=self.device)
+                slots = torch.tensor([dummy], device=self.device)
+                lengths = torch.tensor([size], device=self.device)
+                seconds = self._timed(lambda t=tokens, s=slots, n=lengths: self.prefill_rows(t, s, n))[1]
+            out[kind][size] = seconds
+            if log:
+                hits, misses = (now - then for now, then in zip(compile_cache_counts(), cache_before))
+                if not self.compiled:
+                    how = "ran eagerly"
+                elif compiled_graph_count() == before:
+                    how = "was already compiled"
+                else:
+                    how = "compiled" if misses or not hits else "loaded from the compile cache"
+                log(f"warmup {i}/{len(shapes)}: {what} {how} in {seconds:.2f}s")
         self.state.zero_()
         return out
 
@@ -336,14 +464,56 @@ class DecodeEngine:
         self.queue.append(req)
         return None
 
+    def cancel(self, request_id: int, reason: str = "cancelled") -> Completion | None:
+        """Drop a waiting or live request (its slot is free for the next admission). Returns its
+        Completion (status "cancelled", the tokens so far), or None if it is not here."""
+        for req in self.queue:
+            if req.id == request_id:
+                self.queue.remove(req)
+                done = Completion(
+                    req.id, "cancelled", reason, len(req.prompt_ids), arrival_s=req.arrival_s, finished_s=self.now
+                )
+                self.finished.append(done)
+                return done
+        for row in self.live:
+            if row.request.id == request_id:
+                self._finish(row, "cancelled", reason)
+                return row.completion
+        return None
+
     def has_work(self) -> bool:
         return bool(self.queue or self.live)
+
+    def take_finished(self) -> list[Completion]:
+        """The completions finished since the last call (a live server drains them every step)."""
+        done, self.finished = self.finished, []
+        return done
+
+    def take_steps(self) -> list[StepRecord]:
+        steps, self.steps = self.steps, []
+        return steps
+
+    def complete(self, requests: list[Request]) -> list[Completion]:
+        """Serve a batch to the end, all arriving now (as many wait as the queue takes), decoding
+        the live ones together at the ladder widths. Completions in the order of `requests`."""
+        ids = {r.id for r in requests}
+        pending = deque(requests)
+        while pending or self.has_work():
+            while pending and len(self.queue) < self.max_queue:
+                self.submit(pending.popleft())
+            if self.has_work():
+                self.step()
+        mine = {c.request_id: c for c in self.finished if c.request_id in ids}
+        self.finished = [c for c in self.finished if c.request_id not in ids]
+        return [mine[r.id] for r in requests]
 
     # -- one scheduler iteration -----------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Admit queued requests into free slots (prefilling each), then one decode step."""
+        """Admit queued requests into free slots (prefilling each), then one decode step.
+        A request whose prefill or decode step raises is finished as "failed" (its slot freed)
+        and the error propagates: a replay stops, a server answers those requests with an error."""
         while self.queue and self.pool.free:
             self._admit(self.queue.popleft())
         if self.live:
@@ -359,41 +529,33 @@ class DecodeEngine:
             req.id, "done", prompt_tokens=len(req.prompt_ids), arrival_s=req.arrival_s, admitted_s=self.now
         )
         gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
-        n = len(req.prompt_ids)
-        bucket = fit(n, self.buckets)
-        tokens = torch.full((1, bucket), self.pad_id, dtype=torch.long)
-        tokens[0, :n] = torch.tensor(req.prompt_ids)
-        slot = self.pool.acquire(req.id)
-        live = _Live(req, done, slot, gen)
-        slots = torch.tensor([slot])
+        live = _Live(req, done, self.admit(req.id), gen)
         before = compiled_graph_count()
-
-        def run():
-            self.state.zero_(slots.to(self.device))  # a reused slot starts clean
-            logits = self.prefill_rows(
-                tokens.to(self.device), slots.to(self.device), torch.tensor([n], device=self.device)
-            )
-            return self._sample([live], logits)
-
         try:
-            (token,), seconds = self._timed(run)
-        except BaseException:
-            self.pool.release(slot)  # the error propagates (e.g. fail_on_recompile); the slot must not leak
+            (token,), seconds = self._timed(lambda: self._sample([live], self.prefill(live.slot, req.prompt_ids)))
+        except BaseException as exc:
+            self.live.append(live)
+            self._finish(live, "failed", f"prefill of {len(req.prompt_ids)} tokens: {one_line(exc)}")
             raise
-        self._record("prefill", seconds, bucket, 1, before)
+        padded_length = sum(b for _, b in prefill_pieces(len(req.prompt_ids), self.buckets))
+        self._record("prefill", seconds, padded_length, 1, before)
         self.live.append(live)
         self._emit(live, token)
 
     def _decode_step(self) -> None:
         rows = list(self.live)
-        width = len(rows) if self.exact_widths else fit(len(rows), self.ladder)
-        pad = width - len(rows)
-        tokens = torch.tensor([r.completion.output_ids[-1] for r in rows] + [self.pad_id] * pad)
-        slots = torch.tensor([r.slot for r in rows] + [self.pool.dummy] * pad)
+        width = self.width_for(len(rows))
         before = compiled_graph_count()
-        next_tokens, seconds = self._timed(
-            lambda: self._sample(rows, self.decode_rows(tokens.to(self.device), slots.to(self.device)))
-        )
+        try:
+            next_tokens, seconds = self._timed(
+                lambda: self._sample(
+                    rows, self.decode([r.slot for r in rows], [r.completion.output_ids[-1] for r in rows], width)
+                )
+            )
+        except BaseException as exc:
+            for row in rows:
+                self._finish(row, "failed", f"decode step at width {width}: {one_line(exc)}")
+            raise
         self._record("decode", seconds, width, len(rows), before)
         for row, token in zip(rows, next_tokens):
             self._emit(row, token)
@@ -411,12 +573,18 @@ class DecodeEngine:
                 out.append(greedy[i])
         return out
 
+    def _finish(self, row: _Live, status: str = "done", reason: str = "") -> None:
+        c = row.completion
+        c.status, c.reason, c.finished_s = status, reason, self.now
+        self.live.remove(row)
+        self.release(row.slot)  # free at once: the next admission reuses it
+        self.finished.append(c)
+
     def _emit(self, row: _Live, token: int) -> None:
         c = row.completion
         c.output_ids.append(token)
         c.token_times.append(self.now)
         if token in row.request.stop_ids or len(c.output_ids) >= row.request.max_new_tokens:
-            c.finished_s = self.now
-            self.live.remove(row)
-            self.pool.release(row.slot)  # free at once: the next admission reuses it
-            self.finished.append(c)
+            self._finish(row)
+        if self.on_token is not None:
+            self.on_token(c, token)

@@ -119,31 +119,28 @@ def trace(steps: list[StepRecord], done: list[Completion]) -> dict:
 
 
 def decode_cost(engine, contexts: list[int], steps: int, text) -> dict:
-    """Per-token decode time at width 1 after a prompt of each context length.
+    """Per-token decode time at the engine's width for one row after a prompt of each context length.
 
-    Each context is prefilled into its own slot; the timed decode steps then alternate
-    between the slots, so both contexts are measured under the same machine conditions."""
+    Each context is prefilled (in bucket pieces: only warmed graphs) into its own slot; the timed
+    decode steps then alternate between the slots, so both contexts are measured under the same
+    machine conditions."""
     import numpy as np
     import psutil
-    import torch
 
     engine.reset()
-    slots, tokens = {}, {}
-    for ctx in contexts:
-        slot = engine.pool.acquire(-ctx)
-        reps = int(np.ceil(ctx / len(text)))
-        prompt = torch.as_tensor(np.tile(np.asarray(text, dtype=np.int64), reps)[:ctx]).view(1, -1)
-        slots[ctx] = torch.tensor([slot], device=engine.device)
-        with torch.inference_mode(), torch.compiler.set_stance("force_eager"):  # a one-off shape
-            tokens[ctx] = engine.model.prefill(prompt.to(engine.device), engine.state, slots[ctx]).argmax(-1)
+    tokens = {}
     times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
-    with torch.inference_mode():
+    with engine.leased(-ctx for ctx in contexts) as leased:
+        slots = dict(zip(contexts, leased))
+        for ctx in contexts:
+            prompt = np.resize(np.asarray(text, dtype=np.int64), ctx)
+            tokens[ctx] = engine.prefill(slots[ctx], prompt).argmax(-1)
         for i in range(steps + 4):
             # the order flips every round: on a loaded machine the second of two back-to-back
             # steps is the one more often preempted, which must not bias either context
             for ctx in contexts if i % 2 == 0 else contexts[::-1]:
                 start = time.perf_counter()
-                tokens[ctx] = engine.decode_rows(tokens[ctx], slots[ctx]).argmax(-1)
+                tokens[ctx] = engine.decode([slots[ctx]], tokens[ctx]).argmax(-1)
                 if i >= 4:  # the first rounds warm caches
                     times[ctx].append(time.perf_counter() - start)
     out = {
@@ -166,19 +163,21 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
 
     from laplace.data.shards import open_split
     from laplace.model.export import load_export
-    from laplace.runtime import compile_backend, configure_compiler, resolve_device
+    from laplace.runtime import compile_backend, configure_compiler, resolve_device, set_threads
     from laplace.serving.workload import build_requests
 
+    set_threads(cfg.serve.threads)  # as laplace serve runs, so the live phase compares like with like
     device = resolve_device(cfg.serve.device)
     model, _, _ = load_export(export_dir, device=device)
     text = open_split(data_dir, "val")
     engine = DecodeEngine.for_policy(model, cfg.serve, policy, compile_backend(device))
     configure_compiler(engine.graphs_needed())
-    result: dict = {"policy": policy, "workloads": {}, "traces": {}}
+    result: dict = {"policy": policy, "workloads": {}, "traces": {}, "outputs": {}}
     stance = contextlib.nullcontext()
     if policy == "padded":
         start = time.perf_counter()
-        result["warm_start"] = {k: {str(w): s for w, s in v.items()} for k, v in engine.warmup().items()}
+        warm = engine.warmup(log=lambda line: print(line, flush=True))
+        result["warm_start"] = {k: {str(w): s for w, s in v.items()} for k, v in warm.items()}
         result["warm_start_s"] = time.perf_counter() - start
         stance = torch.compiler.set_stance("fail_on_recompile")  # any compile from here on is an error
     kinds = cfg.serve.exact_workloads if policy == "exact" else cfg.serve.workloads
@@ -193,6 +192,7 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
         result["workloads"][kind] = summarize(engine.steps, done, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s)
         result["traces"][kind] = trace(engine.steps, done)
         result["workloads"][kind]["outputs_digest"] = hash(tuple(tuple(c.output_ids) for c in done)) & 0xFFFFFFFF
+        result["outputs"][kind] = [c.output_ids for c in done]  # by request id
         print(
             f"{policy}/{kind}: {result['workloads'][kind]['output_tokens_per_s']:.0f} tokens/s, "
             f"{result['workloads'][kind]['compile_events']} compile events",

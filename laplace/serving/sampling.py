@@ -1,11 +1,9 @@
-"""Sampling and single-request generation: prefill the prompt, then decode token by token."""
+"""Sampling, and generation through the decode engine (laplace generate, the MLflow model)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-from laplace.model.lm import LaplaceLM
 
 
 def sample_next(
@@ -31,9 +29,8 @@ def sample_next(
     return torch.where(temperature > 0, sampled, greedy)
 
 
-@torch.no_grad()
 def generate_ids(
-    model: LaplaceLM,
+    model_or_engine,
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -41,48 +38,55 @@ def generate_ids(
     seed: int = 0,
     stop_ids: tuple[int, ...] = (),
 ) -> list[int]:
-    """Generate up to max_new_tokens ids after the prompt (stops early at a stop id, which is kept)."""
-    if not prompt_ids:
-        raise ValueError("prompt is empty: at least one token is needed")
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    state = model.allocate_state(1)
-    logits = model.prefill(torch.tensor([prompt_ids], device=device), state)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_p, gen)
-        out.append(int(token))
-        if out[-1] in stop_ids or len(out) == max_new_tokens:
-            break
-        logits = model.decode_step(token, state)
-    return out
+    """Generate up to max_new_tokens ids after the prompt (stops early at a stop id, which is kept),
+    through a DecodeEngine: the one given, or a one-slot eager engine around a bare model. A request
+    the engine rejects raises Rejected (an InputError) with the reason."""
+    from laplace.serving.engine import DecodeEngine, Rejected, Request
+
+    engine = model_or_engine if isinstance(model_or_engine, DecodeEngine) else DecodeEngine.single(model_or_engine)
+    request = Request(0, list(prompt_ids), max_new_tokens, temperature, top_p, tuple(stop_ids), seed)
+    (done,) = engine.complete([request])
+    if done.status != "done":
+        raise Rejected(done.reason)
+    return done.output_ids
 
 
-def generate_text(model_dir, prompt: str, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict:
-    """Generate from an export directory: the prompt, the completion, token count and rate."""
+def generate_text(
+    model_dir,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    serve=None,
+    policy: str = "eager",
+) -> dict:
+    """Generate from an export directory through the decode engine of `policy` built from the
+    `serve:` params (default: one eager slot): the prompt, the completion, its ids and the rate."""
     import time
 
     from laplace.model.export import load_export
+    from laplace.serving.engine import DecodeEngine
 
     model, tokenizer, config = load_export(model_dir)
+    engine = DecodeEngine.single(model) if serve is None else DecodeEngine.for_policy(model, serve, policy)
     prompt_ids = tokenizer.encode(prompt).ids
     start = time.perf_counter()
-    with torch.inference_mode():
-        ids = generate_ids(
-            model,
-            prompt_ids,
-            max_new_tokens,
-            temperature,
-            top_p,
-            seed,
-            stop_ids=(config["eos_id"],) if config.get("eos_id") is not None else (),
-        )
+    ids = generate_ids(
+        engine,
+        prompt_ids,
+        max_new_tokens,
+        temperature,
+        top_p,
+        seed,
+        stop_ids=(config["eos_id"],) if config.get("eos_id") is not None else (),
+    )
     seconds = time.perf_counter() - start
     return {
         "prompt": prompt,
         "completion": tokenizer.decode(ids),
+        "prompt_ids": prompt_ids,
+        "ids": ids,
         "new_tokens": len(ids),
         "tokens_per_s": len(ids) / max(seconds, 1e-9),
     }

@@ -33,7 +33,7 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
     backend = compile_backend(device)
     engine = DecodeEngine.for_policy(model, cfg.serve, "padded", backend)
     configure_compiler(engine.graphs_needed())
-    seconds = engine.warmup()
+    seconds = engine.warmup(log=lambda line: print(line, flush=True))  # one line per graph as it compiles
     total = sum(seconds["decode"].values()) + sum(seconds["prefill"].values())
     return {
         "backend": backend,

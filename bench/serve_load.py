@@ -1,0 +1,110 @@
+"""Benchmark: a live `laplace serve` under load, measured from the client, like `vllm bench serve`.
+
+Sends one of serve-check's seeded workloads (Poisson, bursty or all-at-once arrivals at
+`serve.rate`; prompts are windows of the validation split, lengths log-uniform) in
+wall-clock time with an async HTTP client (laplace/serving/loadgen.py) and reports output
+tokens/s, requests/s, TTFT / TPOT / inter-token / end-to-end percentiles, goodput under the
+SLOs (serve.slo_ttft_s, serve.slo_tpot_s) and errors by HTTP status.
+
+    .venv/bin/python bench/serve_load.py --url http://127.0.0.1:8000     # a server you started
+    .venv/bin/python bench/serve_load.py --launch --compare-replay       # the issue-14 targets
+
+`--launch` starts `laplace serve` itself (serve.policy, from artifacts/warmup's compile cache,
+on a free loopback port) and stops it with SIGTERM afterwards. `--compare-replay` also replays
+the same requests on the padded engine's virtual clock in a fresh process started from the
+warmup cache (what serve-check does) and checks the targets side by side: live output
+tokens/s >= 80% of the replay's, no compile while serving, client p99 TTFT <= 2x the replay's.
+Every `--set` applies (e.g. --set serve.rate=50). Prints a table and, last, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from laplace.data.shards import open_split  # noqa: E402
+from laplace.pipeline.layout import Paths  # noqa: E402
+from laplace.pipeline.params import add_config_arguments, load_config  # noqa: E402
+from laplace.serving.loadgen import run_load, served_model, summarize_load, table  # noqa: E402
+from laplace.serving.workload import ARRIVALS, build_requests  # noqa: E402
+
+from common import emit, machine  # noqa: E402
+
+
+def replay_padded(cfg, paths: Paths, workload: str) -> dict:
+    """The padded replay of `workload` in a fresh worker process from the warmup cache."""
+    from laplace.pipeline.workers import run_worker_from_warmup_cache
+
+    one = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, workloads=[workload]))
+    args = ["--export-dir", str(paths.export_dir), "--data-dir", str(paths.data_dir), "--policy", "padded"]
+    result = run_worker_from_warmup_cache("laplace.pipeline.stage_servecheck", one, args, paths.warmup_cache)
+    return result["workloads"][workload]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(ap)
+    ap.add_argument("--url", default=None, help="the server (default: http://serve.host:serve.port)")
+    ap.add_argument("--launch", action="store_true", help="start laplace serve for the run, stop it after")
+    ap.add_argument("--compare-replay", action="store_true", help="also replay the workload; check the targets")
+    ap.add_argument("--workload", choices=ARRIVALS, default="poisson")
+    ap.add_argument("--no-stream", action="store_true", help="plain JSON responses (no per-token timings)")
+    ap.add_argument("--model", default=None, help="the model id to ask for (default: the server's)")
+    args = ap.parse_args()
+    cfg = load_config(args.params, args.overrides)
+    paths = Paths.at(args.root)
+    s = cfg.serve
+    requests = build_requests(args.workload, s, open_split(paths.data_dir, "val"), s.seed)
+    result: dict = {
+        "bench": "serve_load",
+        "machine": machine(),
+        "workload": args.workload,
+        "rate": s.rate,
+        "requests": s.requests,
+        "policy": s.policy if args.launch else None,
+        "preset": cfg.model.preset,
+    }
+    replay = replay_padded(cfg, paths, args.workload) if args.compare_replay else None
+    if args.launch:
+        from laplace.pipeline.serve import ServerProcess
+        from laplace.pipeline.stage_servecheck import scrape
+
+        with ServerProcess(cfg, model=paths.export_dir, policy=s.policy, compile_cache=paths.warmup_cache) as server:
+            result["server_ready_s"] = server.wait_ready(s.live_startup_s)
+            model = args.model or served_model(server.url)
+            results, wall = run_load(server.url, requests, model, stream=not args.no_stream)
+            counters = scrape(server.url)
+            result["server_exit_status"] = server.stop()
+        result["compile_events"] = counters.get("laplace_compile_events_total")
+    else:
+        url = args.url or f"http://{s.host}:{s.port}"
+        model = args.model or served_model(url)
+        results, wall = run_load(url, requests, model, stream=not args.no_stream)
+    summary = summarize_load(results, s.slo_ttft_s, s.slo_tpot_s)
+    print(table(summary, f"{args.workload} at {s.rate:g} requests/s, {s.requests} requests"))
+    result.update(live=summary, wall_s=wall)
+    if replay is not None:
+        ratios = {
+            k: summary[k] / replay[k]
+            for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p99_s")
+            if summary.get(k) is not None and replay.get(k)
+        }
+        targets = {
+            "live_tokens_per_s_at_least_80pct_of_replay": ratios.get("output_tokens_per_s", 0) >= 0.8,
+            "zero_compiles_while_serving": result.get("compile_events") in (0, 0.0),
+            "p99_ttft_within_2x_of_replay": ratios.get("ttft_p99_s", float("inf")) <= 2.0,
+        }
+        result.update(replay=replay, live_vs_replay=ratios, targets=targets)
+        print(f"replay (padded, virtual clock): {replay['output_tokens_per_s']:.1f} tokens/s, ")
+        print(f"  TTFT p50 {replay['ttft_p50_s']:.4f}s p99 {replay['ttft_p99_s']:.4f}s")
+        print("live / replay: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+        print("targets: " + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in targets.items()))
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""`laplace serve`: load a model (an export directory or a registered MLflow model), start from
+the warmup stage's compile cache, and serve it over HTTP until SIGTERM (laplace.serving.server).
+
+`python -m laplace.pipeline.serve` takes the same arguments; serve-check's live phase starts
+the server that way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from laplace.config import Config
+from laplace.errors import InputError
+from laplace.pipeline.layout import Paths
+
+log = logging.getLogger("laplace.serve")
+
+REGISTRY_SCHEMES = ("models:/", "runs:/")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="an export directory, or a registered model such as models:/laplace-gla@champion "
+        "(default: artifacts/export)",
+    )
+    p.add_argument("--host", default=None, help="address to listen on (default: serve.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: serve.port)")
+    p.add_argument(
+        "--policy", choices=("padded", "exact", "eager"), default=None, help="default: serve.policy (padded)"
+    )
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        help="the warmup compile cache to start from (default: artifacts/warmup/compile-cache); it is copied, "
+        "never written",
+    )
+
+
+def export_dir_of(model: str | None, paths: Paths, scratch: Path) -> Path:
+    """The export directory to serve: a path, or a registered model downloaded from MLflow."""
+    if model is None:
+        return paths.export_dir
+    if model.startswith(REGISTRY_SCHEMES):
+        from laplace.pipeline.mlflow_model import download_export
+        from laplace.pipeline.store import tracking_uri
+
+        return download_export(model, tracking_uri(paths.root), scratch / "registered")
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise InputError(f"--model {model}: not an export directory (no config.json) nor a models:/ URI")
+    return path
+
+
+def use_compile_cache(cache: Path | None, scratch: Path, policy: str) -> Path | None:
+    """Point this process's compile cache at a copy of `cache` (the artifact stays untouched)."""
+    from laplace.pipeline.workers import CACHE_ENV
+
+    if policy == "eager":
+        return None
+    if cache is None or not cache.is_dir():
+        log.warning("no warmup compile cache at %s (run `laplace warmup`): every graph compiles at startup", cache)
+        return None
+    copy = scratch / "compile-cache"
+    shutil.copytree(cache, copy)
+    for name in CACHE_ENV:
+        os.environ[name] = str(copy)
+    return copy
+
+
+def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
+    """Serve until SIGTERM; the exit status (0 after a graceful drain)."""
+    from laplace.model.export import load_export
+    from laplace.runtime import compile_backend, configure_compiler, resolve_device, set_threads
+    from laplace.serving.engine import DecodeEngine
+    from laplace.serving.server import serve
+
+    s = cfg.serve
+    set_threads(s.threads)
+    policy = args.policy or s.policy
+    with tempfile.TemporaryDirectory(prefix="laplace-serve-") as tmp:
+        scratch = Path(tmp)
+        export_dir = export_dir_of(args.model, paths, scratch)
+        cache = Path(args.compile_cache) if args.compile_cache else paths.warmup_cache
+        use_compile_cache(cache, scratch, policy)
+        device = resolve_device(s.device)
+        model, tokenizer, config = load_export(export_dir, device=device)
+        engine = DecodeEngine.for_policy(model, s, policy, compile_backend(device))
+        configure_compiler(engine.graphs_needed())
+        log.info(
+            "serving %s (%s parameters) on %s, policy %s, as %r",
+            args.model or export_dir,
+            f"{config['parameters']:,}",
+            device,
+            policy,
+            cfg.tracking.model_name,
+        )
+        return serve(
+            engine,
+            tokenizer,
+            config.get("eos_id"),
+            host=args.host or s.host,
+            port=s.port if args.port is None else args.port,
+            model_name=cfg.tracking.model_name,
+            max_tokens_limit=s.max_new_tokens,
+            shutdown_grace_s=s.shutdown_grace_s,
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`laplace serve` in a child process (`python -m laplace.pipeline.serve`), as a context manager:
+    started on a free loopback port, ready once GET /health answers 200, stopped with SIGTERM
+    (a graceful drain) and killed only if it outlives the grace period by a minute."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        model: Path | str,
+        policy: str,
+        compile_cache: Path | None = None,
+        root: Path | None = None,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        echo: Callable[[str], None] | None = None,
+        extra_args: list[str] | None = None,
+    ):
+        self.cfg, self.model, self.policy, self.compile_cache = cfg, model, policy, compile_cache
+        self.root = Path(root) if root else Path.cwd()
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env, self.echo, self.extra_args = env, echo, extra_args or []
+        self.lines: deque[str] = deque(maxlen=2000)
+        self.proc: subprocess.Popen | None = None
+        self.exit_status: int | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._reader: threading.Thread | None = None
+
+    def command(self, params_file: Path) -> list[str]:
+        cmd = [sys.executable, "-m", "laplace.pipeline.serve", "--params", str(params_file), "--root", str(self.root)]
+        cmd += ["--model", str(self.model), "--port", str(self.port), "--policy", self.policy]
+        if self.compile_cache is not None:
+            cmd += ["--compile-cache", str(self.compile_cache)]
+        return cmd + self.extra_args
+
+    def start(self) -> ServerProcess:
+        import yaml
+
+        from laplace.pipeline.repro import subprocess_env
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="laplace-serve-params-")
+        params_file = Path(self._tmp.name) / "params.yaml"
+        params_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        self.proc = subprocess.Popen(
+            self.command(params_file),
+            cwd=self.root,
+            env=self.env or subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip()
+            self.lines.append(line)
+            if self.echo:
+                self.echo(line)
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds until GET /health answered 200; raises if the server exits or takes too long."""
+        import httpx
+
+        started = time.perf_counter()
+        while time.perf_counter() - started < timeout_s:
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                tail = "\n".join(list(self.lines)[-15:])
+                raise RuntimeError(
+                    f"laplace serve exited with status {self.proc.returncode} before it was ready:\n{tail}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return time.perf_counter() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"laplace serve was not ready after {timeout_s:.0f}s ({self.url}/health)")
+
+    def stop(self, grace_s: float | None = None) -> int:
+        """SIGTERM, then wait for the drain; the exit status."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=(self.cfg.serve.shutdown_grace_s if grace_s is None else grace_s) + 60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(10)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        self.exit_status = self.proc.returncode
+        return self.exit_status
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m laplace.pipeline.serve`: `laplace serve` without the rest of the CLI."""
+    from laplace.errors import INPUT_ERROR_EXIT
+    from laplace.pipeline.params import add_config_arguments, load_config
+
+    parser = argparse.ArgumentParser(prog="laplace serve", description=__doc__)
+    add_config_arguments(parser)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return run(load_config(args.params, args.overrides), Paths.at(args.root), args)
+    except InputError as exc:
+        print(f"laplace serve: error: {exc}", file=sys.stderr)
+        return INPUT_ERROR_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""A compiled, padded `laplace serve` whose warmup skips every decode width but 1 (for
+test_server.py): the server code is the real one, only the warmup list is cut short.
+
+    python tests/serve_unwarmed.py EXPORT_DIR PORT
+"""
+
+import sys
+
+from laplace.config import config_from_dict
+from laplace.model.export import load_export
+from laplace.runtime import configure_compiler
+from laplace.serving.engine import DecodeEngine
+from laplace.serving.server import serve
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    export_dir, port = sys.argv[1], int(sys.argv[2])
+    cfg = config_from_dict({"serve": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32}})
+    model, tokenizer, config = load_export(export_dir)
+    engine = DecodeEngine.for_policy(model, cfg.serve, "padded")  # ladder [1, 2], compiled
+    configure_compiler(engine.graphs_needed())
+    sys.exit(
+        serve(
+            engine,
+            tokenizer,
+            config["eos_id"],
+            host="127.0.0.1",
+            port=port,
+            model_name="laplace-gla",
+            max_tokens_limit=1024,
+            shutdown_grace_s=5.0,
+            warmup_widths=[1],
+        )
+    )

@@ -1,0 +1,583 @@
+"""`laplace serve` as a user runs it: a real server process on 127.0.0.1 hit by real HTTP clients
+(httpx, curl's wire format, the official openai client).
+
+- completions, streamed and not, equal `laplace generate` and the replay engine token for token;
+- bad input is a 400 naming the field while other requests are served;
+- a client that disconnects mid-stream frees its slot;
+- 2,000 requests at several times capacity: served or shed with 429 + Retry-After, no slot leak,
+  flat memory, still healthy;
+- SIGTERM during load drains (or cancels at the grace period) and exits 0 without a traceback;
+- a width warmup did not compile is a 500 with a clear log line, and serving goes on;
+- serve-check's live phase puts the live figures beside the replay's.
+
+Every server is stopped (SIGTERM, then kill) by the fixture or test that started it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from laplace.data.shards import open_split
+from laplace.model.export import load_export
+from laplace.pipeline.params import load_config
+from laplace.pipeline.serve import ServerProcess, free_port
+from laplace.pipeline.stage_servecheck import add_live, live_phase, scrape
+from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.loadgen import run_load, summarize_load
+from laplace.serving.replay import replay, summarize
+from laplace.serving.workload import build_requests
+
+from project import ROOT
+
+pytestmark = pytest.mark.slow
+
+MODEL = "laplace-gla"
+BASE = {
+    "serve.max_slots": 4,
+    "serve.max_queue": 16,
+    "serve.prefill_buckets": [16, 32],
+    "serve.max_prompt_tokens": 64,  # longer than the largest bucket: prefilled in pieces
+    "serve.max_new_tokens": 4096,
+    "serve.shutdown_grace_s": 30.0,
+}
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # several processes share 2 cores
+
+
+def config(**overrides):
+    return load_config(ROOT / "params.yaml", {**BASE, **overrides})
+
+
+def server_env() -> dict[str, str]:
+    from laplace.pipeline.repro import subprocess_env
+
+    return subprocess_env(THREADS)
+
+
+def start(cfg, export_dir, tmp_path, policy="eager", **kw) -> ServerProcess:
+    server = ServerProcess(cfg, model=export_dir, policy=policy, root=tmp_path, env=server_env(), **kw).start()
+    try:
+        server.wait_ready(180)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def complete(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": MODEL, **body}, timeout=120)
+
+
+def stream(url: str, **body) -> dict:
+    """A streamed completion read to the end: text, token ids, finish reasons, usage, error events."""
+    out = {"text": "", "ids": [], "finish": None, "usage": None, "errors": [], "done": False, "chunks": 0}
+    with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "stream": True, **body}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            if line == "data: [DONE]":
+                out["done"] = True
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["errors"].append(event["error"])
+                continue
+            out["chunks"] += 1
+            if event.get("usage"):
+                out["usage"] = event["usage"]
+            for choice in event["choices"]:
+                out["text"] += choice["text"]
+                out["ids"] += choice.get("token_ids", [])
+                out["finish"] = choice["finish_reason"] or out["finish"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tiny_artifacts, tmp_path_factory):
+    """One eager `laplace serve` for the module: (url, cfg, export_dir, data_dir, server)."""
+    data_dir, export_dir = tiny_artifacts
+    cfg = config()
+    server = start(cfg, export_dir, tmp_path_factory.mktemp("served"))
+    yield server.url, cfg, export_dir, data_dir, server
+    assert server.stop() == 0
+
+
+def val_prompts(data_dir: Path, tokenizer, n: int, length: int = 24) -> list[str]:
+    text = np.asarray(open_split(data_dir, "val"))
+    starts = np.random.default_rng(0).integers(0, len(text) - length, n)
+    return [tokenizer.decode(text[s : s + length].tolist()) for s in starts]
+
+
+def laplace_generate(cfg_overrides: dict, export_dir: Path, prompt: str, n: int) -> dict:
+    sets = [a for k, v in cfg_overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    out = subprocess.run(
+        [sys.executable, "-m", "laplace.pipeline.cli", "generate", "--params", str(ROOT / "params.yaml"), *sets]
+        + ["--model", str(export_dir), "--prompt", prompt, "--max-new-tokens", str(n), "--temperature", "0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **THREADS},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- answers
+
+
+def test_completions_equal_laplace_generate_and_the_replay_engine_token_for_token(served):
+    url, cfg, export_dir, data_dir, _ = served
+    model, tokenizer, config_ = load_export(export_dir)
+    eos = config_["eos_id"]
+    n = 20
+    prompts = val_prompts(data_dir, tokenizer, 3) + ["The function"]
+    prompt_ids = [tokenizer.encode(p).ids for p in prompts]
+    # the replay engine: all four decoded together, as in serve-check
+    engine = DecodeEngine.for_policy(model, cfg.serve, "eager")
+    replayed = replay(engine, [Request(i, ids, n, stop_ids=(eos,)) for i, ids in enumerate(prompt_ids)])
+
+    async def concurrently():  # the four at once through HTTP: they share decode steps
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": MODEL, "max_tokens": n, "temperature": 0, "return_token_ids": True}
+            rs = await asyncio.gather(
+                *(client.post(url + "/v1/completions", json={**body, "prompt": p}) for p in prompts)
+            )
+            return [r.json()["choices"][0] for r in rs]
+
+    together = asyncio.run(concurrently())
+    for i, prompt in enumerate(prompts):
+        # `laplace generate` for two of them (a process each: the slowest part of this test)
+        generated = laplace_generate(BASE, export_dir, prompt, n) if i in (0, 3) else None
+        plain = complete(url, prompt=prompt, max_tokens=n, temperature=0, return_token_ids=True).json()
+        streamed = stream(url, prompt=prompt, max_tokens=n, temperature=0, return_token_ids=True)
+        choice = plain["choices"][0]
+        ids = replayed[i].output_ids
+        assert prompt_ids[i] == choice["prompt_token_ids"]
+        assert choice["token_ids"] == streamed["ids"] == ids == together[i]["token_ids"], i
+        text = tokenizer.decode(ids)
+        assert choice["text"] == streamed["text"] == text == together[i]["text"]
+        if generated is not None:
+            assert (generated["prompt_ids"], generated["ids"], generated["completion"]) == (prompt_ids[i], ids, text)
+        finish = "stop" if ids[-1] == eos else "length"
+        assert choice["finish_reason"] == streamed["finish"] == finish
+        usage = {"prompt_tokens": len(prompt_ids[i]), "completion_tokens": len(ids), "total_tokens": 0}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        assert plain["usage"] == streamed["usage"] == usage
+        assert streamed["done"] and not streamed["errors"]
+    # token ids as the prompt give the same answer as the text they encode
+    by_ids = complete(url, prompt=prompt_ids[0], max_tokens=n, temperature=0, return_token_ids=True).json()
+    assert by_ids["choices"][0]["token_ids"] == replayed[0].output_ids
+
+
+def test_sampling_seed_stop_strings_echo_and_batches(served):
+    url, *_ = served
+    body = {"prompt": "The function", "max_tokens": 24, "temperature": 1.0, "top_p": 0.9}
+    a = complete(url, seed=7, **body).json()["choices"][0]["text"]
+    assert a == complete(url, seed=7, **body).json()["choices"][0]["text"]  # seeded: reproducible
+    assert a != complete(url, seed=8, **body).json()["choices"][0]["text"]
+    greedy = complete(url, prompt="The function", max_tokens=24, temperature=0).json()["choices"][0]["text"]
+    stop = greedy[5:8]  # a stop string the greedy text is known to contain
+    cut = greedy[: greedy.index(stop)]
+    for answer in (
+        complete(url, prompt="The function", max_tokens=24, temperature=0, stop=[stop, "\u2603"]).json()["choices"][0],
+        {**stream(url, prompt="The function", max_tokens=24, temperature=0, stop=stop), "finish_reason": "stop"},
+    ):
+        assert answer["text"] == cut and answer.get("finish_reason", answer.get("finish")) == "stop"
+    echoed = complete(url, prompt="The function", max_tokens=5, temperature=0, echo=True).json()
+    assert echoed["choices"][0]["text"] == "The function" + greedy[: len(echoed["choices"][0]["text"]) - 12]
+    batch = complete(url, prompt=["The function", "A class"], max_tokens=6, temperature=0).json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert batch["choices"][0]["text"] == greedy[: len(batch["choices"][0]["text"])]
+
+
+def test_the_openai_client_works_against_the_server(served):
+    openai = pytest.importorskip("openai")
+    url, *_ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == [MODEL]
+    answer = client.completions.create(model=MODEL, prompt="The function", max_tokens=8, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The function",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == answer.choices[0].text
+    assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+
+
+def test_bad_input_is_a_400_naming_the_field_while_others_are_served(served):
+    url, *_ = served
+    before = scrape(url)
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": "The function", "max_tokens": 300, "temperature": 0, "stream": True},
+        timeout=120,
+    ) as running:  # a long request in flight while the garbage arrives
+        lines = running.iter_lines()
+        assert next(lines).startswith("data: ")
+        cases = [
+            (b"{not json", 400, None, "invalid JSON"),
+            (b"[1, 2]", 400, None, "must be a JSON object"),
+            (b'{"model": "laplace-gla", "prompt": "x", "maxtokens": 3}', 400, "maxtokens", "unknown field"),
+            (b'{"model": "laplace-gla", "prompt": "x", "max_tokens": "5"}', 400, "max_tokens", "expected an integer"),
+            (b'{"model": "laplace-gla", "prompt": "x", "temperature": -1}', 400, "temperature", "must be in"),
+            (b'{"model": "laplace-gla", "prompt": "x", "top_p": 0}', 400, "top_p", "must be in"),
+            (b'{"model": "laplace-gla", "prompt": "x", "n": 2}', 400, "n", "only n=1"),
+            (b'{"model": "laplace-gla", "prompt": "x", "logprobs": 3}', 400, "logprobs", "not supported"),
+            (b'{"model": "laplace-gla", "prompt": "x", "stop": [""]}', 400, "stop", "non-empty string"),
+            (b'{"model": "laplace-gla", "prompt": ""}', 400, "prompt", "empty prompt"),
+            (b'{"model": "laplace-gla", "prompt": [1, 2, 999999]}', 400, "prompt", "outside the vocabulary"),
+            (b'{"model": "laplace-gla", "prompt": [1, 2.5]}', 400, "prompt", "integer token ids"),
+            (json.dumps({"model": MODEL, "prompt": [5] * 65}).encode(), 400, "prompt", "the limit is 64"),
+            (b'{"model": "laplace-gla", "prompt": "x", "max_tokens": 5000}', 400, "max_tokens", "[1, 4096]"),
+            (b'{"prompt": "x"}', 400, "model", "required"),
+            (b'{"model": "other", "prompt": "x"}', 404, "model", "does not exist"),
+        ]
+        for raw, status, param, words in cases:
+            r = httpx.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == status, (raw, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and words in error["message"], (raw, error)
+            assert "\n" not in error["message"] and "Traceback" not in r.text
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert rest[-1]["usage"]["completion_tokens"] == 300  # the long request was served in full
+    after = scrape(url)
+    assert (
+        after['laplace_rejections_total{reason="prompt_too_long"}']
+        - before.get('laplace_rejections_total{reason="prompt_too_long"}', 0)
+        == 1
+    )
+    assert (
+        after['laplace_rejections_total{reason="invalid_request"}']
+        - before.get('laplace_rejections_total{reason="invalid_request"}', 0)
+        == len(cases) - 2
+    )
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(served):
+    url, *_ = served
+    before = scrape(url)
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": "The function", "max_tokens": 4000, "stream": True, "ignore_eos": True},
+        timeout=120,
+    ) as r:
+        events = (line for line in r.iter_lines() if line)
+        for _ in range(3):
+            assert next(events).startswith("data: {")
+        assert scrape(url)["laplace_busy_slots"] == 1
+    # the connection is closed: the server notices, cancels at the next step, frees the slot
+    deadline = time.monotonic() + 60
+    while scrape(url)["laplace_busy_slots"] != 0:
+        assert time.monotonic() < deadline, "the slot was never freed"
+        time.sleep(0.1)
+    after = scrape(url)
+    cancelled = 'laplace_requests_total{outcome="cancelled"}'
+    assert after[cancelled] - before.get(cancelled, 0) == 1
+    made = after["laplace_output_tokens_total"] - before["laplace_output_tokens_total"]
+    assert 3 <= made < 4000  # stopped early, not generated to the end
+    assert complete(url, prompt="The function", max_tokens=3).status_code == 200
+
+
+def test_metrics_are_prometheus_text(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, *_ = served
+    r = httpx.get(url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in (
+        "laplace_queue_depth",
+        "laplace_busy_slots",
+        "laplace_output_tokens_per_second",
+        "laplace_time_to_first_token_seconds",
+        "laplace_inter_token_latency_seconds",
+        "laplace_time_per_output_token_seconds",
+        "laplace_compile_events",
+        "laplace_rejections",
+    ):
+        assert name in families, name
+    assert families["laplace_time_to_first_token_seconds"].type == "histogram"
+    counts = scrape(url)
+    assert counts["laplace_time_to_first_token_seconds_count"] >= 1 and counts["laplace_compile_events_total"] == 0
+
+
+# --------------------------------------------------------------------------- overload
+
+
+def test_two_thousand_requests_at_several_times_capacity_no_leak_flat_memory(tiny_artifacts, tmp_path):
+    data_dir, export_dir = tiny_artifacts
+    # two slots and long-ish outputs: a capacity low enough (tens of requests/s) for a Python client
+    # on a shared 2-core machine to offer several times it
+    cfg = config(
+        **{
+            "serve.max_slots": 2,
+            "serve.max_queue": 4,
+            "serve.max_prompt_tokens": 32,
+            "serve.prompt_tokens": [2, 32],
+            "serve.output_tokens": [24, 48],
+        }
+    )
+    text = open_split(data_dir, "val")
+    server = start(cfg, export_dir, tmp_path)
+    try:
+        process = psutil.Process(server.proc.pid)
+
+        async def closed_loop(n: int, clients: int) -> float:
+            """n requests from `clients` clients, each sending its next as soon as one is answered:
+            the server is never idle, so n / seconds is its capacity."""
+            requests = build_requests("batch", dataclasses.replace(cfg.serve, requests=n), text, 5)
+            todo = iter(requests)
+            async with httpx.AsyncClient(timeout=120) as client:
+
+                async def worker():
+                    for req in todo:
+                        body = {"model": MODEL, "prompt": req.prompt_ids, "max_tokens": req.max_new_tokens}
+                        r = await client.post(url + "/v1/completions", json={**body, "ignore_eos": True})
+                        assert r.status_code in (200, 429), r.text
+
+                start = time.perf_counter()
+                await asyncio.gather(*(worker() for _ in range(clients)))
+                return n / (time.perf_counter() - start)
+
+        url = server.url
+        capacity = asyncio.run(closed_loop(200, cfg.serve.max_slots + cfg.serve.max_queue))
+        load = dataclasses.replace(cfg.serve, requests=2000, rate=6 * capacity)  # asked; the client may fall short
+        requests = build_requests("poisson", load, text, 6)
+        # in two halves of 1,000, the server's RSS read after each: the first half sets the high-water
+        # mark of what the allocator keeps (buffers for the peak of open connections; measured: it
+        # levels off within ~2,000 requests and stays put after); the second must add almost nothing
+        halves = [requests[:1000], requests[1000:]]
+        offset = halves[1][0].arrival_s
+        halves[1] = [dataclasses.replace(r, arrival_s=r.arrival_s - offset) for r in halves[1]]
+        results, rss, wall = [], [], 0.0
+        for half in halves:
+            part, seconds = run_load(url, half, MODEL, stream=False)  # streams: the tests above
+            results += part
+            wall += seconds
+            rss.append(process.memory_info().rss)
+        summary = summarize_load(results, 1.0, 0.05)
+        statuses = Counter(r.status for r in results)
+        print("overload:", {"capacity_rps": round(capacity, 1), "wall_s": round(wall, 1), **statuses})
+        print("rss MB after each half", [round(x / 2**20, 1) for x in rss])
+
+        # every request got a completion or a 429 with Retry-After, nothing else
+        assert set(statuses) <= {200, 429} and sum(statuses.values()) == 2000, statuses
+        wanted = {r.id: r.max_new_tokens for r in requests}
+        assert all(r.output_tokens == wanted[r.id] == len(r.output_ids) for r in results if r.status == 200)
+        assert all(r.retry_after is not None and int(r.retry_after) >= 1 for r in results if r.status == 429)
+        sends = sorted(r.sent_s for r in results[1000:])
+        offered = 999 / (sends[-1] - sends[0])
+        print("offered rps (second half)", round(offered, 1))
+        assert offered >= 2 * capacity, (offered, capacity)  # the client kept up: really overloaded
+        assert statuses[429] >= 2000 * 0.4, statuses  # ... and a good share was shed
+        assert statuses[200] >= cfg.serve.max_queue, statuses
+        assert summary["served"] == statuses[200]
+        # no slot or queue entry leaked, and the server's own counts agree with the client's
+        counts = scrape(url)
+        assert counts["laplace_busy_slots"] == 0 and counts["laplace_queue_depth"] == 0
+        assert counts['laplace_rejections_total{reason="queue_full"}'] >= statuses[429]
+        assert counts["laplace_compile_events_total"] == 0
+        # memory stays flat: a leak of 10 KB per request would add 10 MB in the second half
+        assert rss[1] - rss[0] < 10 * 2**20, rss
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        assert complete(url, prompt="The function", max_tokens=4).status_code == 200
+    finally:
+        assert server.stop() == 0
+    assert "Traceback" not in "\n".join(server.lines)
+
+
+# --------------------------------------------------------------------------- SIGTERM
+
+
+def streams_during(url: str, n: int, max_tokens: int, on_first_token) -> list[dict]:
+    """n streamed requests at once; `on_first_token()` is called once the first token arrived."""
+
+    async def one(client, fired):
+        out = {"ids": [], "finish": None, "errors": []}
+        body = {"model": MODEL, "prompt": "The function", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", url + "/v1/completions", json={**body, "return_token_ids": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["errors"].append(event["error"]["message"])
+                for choice in event.get("choices", []):
+                    out["ids"] += choice.get("token_ids", [])
+                    out["finish"] = choice["finish_reason"] or out["finish"]
+                if out["ids"] and not fired.is_set():
+                    fired.set()
+                    on_first_token()
+        return out
+
+    async def run():
+        fired = asyncio.Event()
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, fired) for _ in range(n)))
+
+    return asyncio.run(run())
+
+
+def test_sigterm_during_load_finishes_in_flight_requests_and_exits_0(tiny_artifacts, tmp_path):
+    _, export_dir = tiny_artifacts
+    server = start(config(), export_dir, tmp_path)
+    refused = []
+
+    def terminate():
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        try:  # no new request is admitted
+            refused.append(complete(server.url, prompt="x", max_tokens=2).status_code)
+        except httpx.ConnectError:
+            refused.append("refused")
+
+    try:
+        results = streams_during(server.url, 8, 300, terminate)  # 4 decoding, 4 waiting for a slot
+        status = server.proc.wait(timeout=90)
+    finally:
+        server.stop()
+    assert refused in (["refused"], [503])
+    assert all(r["finish"] == "length" and len(r["ids"]) == 300 and not r["errors"] for r in results)
+    log = "\n".join(server.lines)
+    assert status == 0 and "Traceback" not in log, log[-3000:]
+    assert "SIGTERM: draining" in log
+
+
+def test_sigterm_cancels_what_outlives_the_grace_period_and_exits_0(tiny_artifacts, tmp_path):
+    _, export_dir = tiny_artifacts
+    server = start(config(**{"serve.shutdown_grace_s": 1.0}), export_dir, tmp_path)
+    try:
+        results = streams_during(server.url, 6, 4000, lambda: server.proc.send_signal(signal.SIGTERM))
+        status = server.proc.wait(timeout=90)
+    finally:
+        server.stop()
+    assert all(len(r["ids"]) < 4000 for r in results)
+    assert all(r["errors"] and "server shutting down" in r["errors"][0] for r in results), results
+    log = "\n".join(server.lines)
+    assert status == 0 and "Traceback" not in log, log[-3000:]
+
+
+# --------------------------------------------------------------------------- an un-warmed width
+
+
+def test_an_unwarmed_width_is_a_500_with_a_clear_log_line_and_serving_goes_on(tiny_artifacts, tmp_path):
+    """The compiled, padded server with only decode width 1 warmed (tests/serve_unwarmed.py): two
+    requests at once need width 2, which the fail_on_recompile stance refuses to compile."""
+    _, export_dir = tiny_artifacts
+    port = free_port()
+    env = {**os.environ, **THREADS, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "serve_unwarmed.py"), str(export_dir), str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # two graphs compile at startup
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        model, tokenizer, _ = load_export(export_dir)
+        alone = complete(url, prompt="The function", max_tokens=12, temperature=0, return_token_ids=True)
+        assert alone.status_code == 200  # width 1: warmed, compiled, and equal to eager greedy
+        eager = DecodeEngine.single(model).complete([Request(0, tokenizer.encode("The function").ids, 12)])[0]
+        token_ids = alone.json()["choices"][0]["token_ids"]
+        assert token_ids[: len(eager.output_ids)] == eager.output_ids
+
+        async def two_at_once():
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {"model": MODEL, "prompt": "The function", "max_tokens": 50, "ignore_eos": True}
+                return await asyncio.gather(*(client.post(url + "/v1/completions", json=body) for _ in range(2)))
+
+        failed = asyncio.run(two_at_once())
+        assert [r.status_code for r in failed] == [500, 500]
+        message = failed[0].json()["error"]["message"]
+        assert "decode step at width 2" in message and "recompile" in message.lower()
+        assert complete(url, prompt="The function", max_tokens=5).status_code == 200  # serving goes on
+        counts = scrape(url)
+        assert counts["laplace_compile_events_total"] == 0 and counts["laplace_busy_slots"] == 0
+        assert counts['laplace_engine_errors_total{kind="unwarmed_shape"}'] == 1
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and "a shape warmup did not compile" in errors[0] and "2 request(s)" in errors[0]
+    assert "Traceback" not in out
+
+
+# --------------------------------------------------------------------------- serve-check's live phase
+
+
+def test_serve_check_live_phase_serves_the_replayed_workload(tiny_artifacts):
+    data_dir, export_dir = tiny_artifacts
+    cfg = config(
+        **{
+            "serve.requests": 12,
+            "serve.max_prompt_tokens": 32,
+            "serve.prompt_tokens": [4, 32],
+            "serve.output_tokens": [2, 12],
+        }
+    )
+    model, _, _ = load_export(export_dir)
+    requests = build_requests("poisson", cfg.serve, open_split(data_dir, "val"), cfg.serve.seed)
+    engine = DecodeEngine.for_policy(model, cfg.serve, "eager")
+    replayed = replay(engine, requests)  # what serve-check's eager replay computes
+    figures = summarize(engine.steps, replayed, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s)
+    metrics = {"eager": figures, "gates": {"replayed": True}, "_outputs": {"eager": [c.output_ids for c in replayed]}}
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in THREADS.items():
+            mp.setenv(k, v)
+        live = live_phase(cfg, export_dir, data_dir, None, "eager")
+    assert live["served"] == live["requests"] == 12 and live["errors_by_status"] == {}
+    assert live["compile_events"] == 0 and live["server_exit_status"] == 0 and not live["server_traceback"]
+    assert live["output_tokens"] == sum(r.max_new_tokens for r in requests)
+    assert live["outputs"] == [c.output_ids for c in replayed]  # token for token, as replayed
+    combined = add_live(metrics, dict(live))
+    assert combined["passed"] and combined["gates"]["live_zero_compiles"]
+    ratios = combined["live_vs_replay"]
+    assert ratios["identical_outputs_share"] == 1.0
+    assert ratios["output_tokens_per_s"] == pytest.approx(live["output_tokens_per_s"] / figures["output_tokens_per_s"])
+    assert "outputs" not in combined["live"]
