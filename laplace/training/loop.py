@@ -63,7 +63,7 @@ def run_fingerprint(cfg: Config, model_cfg, manifest: dict) -> str:
     blob = json.dumps(
         {
             "seed": cfg.seed,
-            "model": model_cfg.to_dict(),
+            "model": model_cfg.architecture(),  # model.kernel is how, not what: left out like _LAUNCH
             "train": train_knobs,
             "adamw": dataclasses.asdict(cfg.adamw),
             "muon": muon,
@@ -276,7 +276,7 @@ def _loop(
             )
 
     def save(step: int) -> Path:
-        trainer = {"history": history, "model_config": model_cfg.to_dict(), "fingerprint": fingerprint}
+        trainer = {"history": history, "model_config": model_cfg.architecture(), "fingerprint": fingerprint}
         return ckpt.save_sharded(ckpt_root, step, model, optimizer.optimizers, trainer, t.keep_checkpoints, device)
 
     if start_step == 0 and not history:
