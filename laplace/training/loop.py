@@ -195,7 +195,9 @@ def train(
 
         mesh = init_device_mesh(group.device.type, (group.world,))
         model = build_model(model_cfg, mesh, group.device, t, cfg.seed)
-        optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon)
+        # train.compile also compiles the Muon update (the LR a tensor: the schedule never recompiles)
+        backend = compile_backend(group.device) if t.compile else None
+        optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon, compile_backend=backend)
         return _loop(
             cfg,
             model,
