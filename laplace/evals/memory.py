@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from laplace.evals.passkey import prefill_long
 from laplace.model.config import ModelConfig, preset_model_config
 from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes, torch_dtype
+from laplace.progress import progress_bar
 from laplace.serving.engine import DecodeEngine, fit
 
 
@@ -43,7 +43,7 @@ def decode_rss(
     decodes from a fixed-size state, so this should not grow with the context."""
     out = {}
     source = np.asarray(text if text is not None and len(text) else [engine.pad_id], dtype=np.int64)
-    for ctx in tqdm(contexts, desc="decode memory", unit="context", disable=not progress, dynamic_ncols=True):
+    for ctx in progress_bar(contexts, desc="decode memory", unit="context", enabled=progress):
         prompt = np.resize(source, ctx)
         slot = engine.pool.acquire(-1)
         try:
