@@ -107,7 +107,7 @@ def test_the_dvc_headline_is_small_and_fits_80_columns():
         "probes": {"passed": True},
     }
     figures = headline.headline(metrics)
-    assert figures == {"eval_loss": 4.4993, "tok_s": 3031.0, "serve_tok_s": 576.0, "ttft_p99": 0.12, "gates": "passed"}
+    assert figures == {"eval_loss": 4.4993, "tps": 3031, "srv_tps": 576, "ttft_p99": 0.12, "gates": "passed"}
     assert headline.headline({**metrics, "numerics": {"passed": False}})["gates"] == "failed"
     assert headline.headline({"train": metrics["train"]})["gates"] == "missing"
     # `dvc metrics show` prints one column per key: key + 2 spaces of padding, or the value if wider
@@ -201,16 +201,16 @@ def test_a_worse_run_does_not_take_champion_and_the_comparison_tells_the_truth(p
     assert set(run1.data.metrics) == {
         "eval_loss",
         "train_loss",
-        "tok_s",
-        "serve_tok_s",
+        "tps",
+        "srv_tps",
         "ttft_p99",
-        "serve_compile",
+        "srv_compile",
         "gate_serve",
         "gate_numerics",
         "gate_probes",
     }
-    assert run1.data.metrics["eval_loss"] == 4.25 and run1.data.metrics["serve_tok_s"] == 576.4
-    assert run1.data.metrics["serve_compile"] == 0.976
+    assert run1.data.metrics["eval_loss"] == 4.25 and run1.data.metrics["srv_tps"] == 576.4
+    assert run1.data.metrics["srv_compile"] == 0.976
     assert [m.step for m in client.get_metric_history(one["run_id"], "eval_loss")] == [3, 6]
     assert [m.step for m in client.get_metric_history(one["run_id"], "train_loss")] == list(range(1, 7))
     # the details are artifacts: each stage's JSON file and one table of every figure
@@ -252,10 +252,20 @@ def test_a_worse_run_does_not_take_champion_and_the_comparison_tells_the_truth(p
     assert "export PREFECT_API_URL=http://127.0.0.1:4200/api" in text
     assert f"open {one['ui_url']}" in text
 
-    # run 3: better on the same validation windows: the new champion
+    # run 3: better on the same validation windows: the new champion. Its probes figures were
+    # restored from DVC's run-cache, measured an hour ago by a run whose track never logged them
     set_train(project, 4.1)
     stamp(project, ["train", "export"], time.time())
+    probes = project / "metrics" / "probes.json"
+    hour_ago = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 3600))
+    stamped = {"id": "0123456789abcdef", "started": hour_ago, "finished": hour_ago, "seconds": 1.0}
+    probes.write_text(json.dumps({**json.loads(probes.read_text()), "measured": stamped}))
     three = track(project, monkeypatch)
+    assert (
+        client.get_run(three["run_id"])
+        .data.tags["source.probes"]
+        .startswith("cached from an earlier pipeline run not in MLflow, measured ")
+    )
     assert three["champion"] is True and three["model_version"] == 3
     assert str(client.get_model_version_by_alias("laplace-gla", "champion").version) == "3"
     assert three["registered_reason"] == "validation loss 4.1000 <= champion v1's 4.2500 + tolerance 0"

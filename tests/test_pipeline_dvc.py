@@ -34,7 +34,7 @@ def first_run(repo):
     return out.stdout + out.stderr
 
 
-HEADLINE = {"eval_loss", "train_loss", "tok_s", "serve_tok_s", "ttft_p99", "serve_compile"} | {
+HEADLINE = {"eval_loss", "train_loss", "tps", "srv_tps", "ttft_p99", "srv_compile"} | {
     f"gate_{stage}" for stage in ("serve", "numerics", "probes")
 }
 
@@ -109,7 +109,7 @@ def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, f
     train = json.loads((repo / "metrics/train.json").read_text())
     assert set(r.data.metrics) == HEADLINE  # short names: the runs table's columns
     assert r.data.metrics["eval_loss"] == pytest.approx(train["val_loss"])
-    assert r.data.metrics["tok_s"] == pytest.approx(train["tokens_per_s"])
+    assert r.data.metrics["tps"] == pytest.approx(train["tokens_per_s"])
     history = c.get_metric_history(r.info.run_id, "train_loss")
     assert [m.step for m in history] == list(range(1, 7))
     assert [m.step for m in c.get_metric_history(r.info.run_id, "eval_loss")] == [0, 3, 6]
@@ -191,7 +191,8 @@ def test_params_change_reruns_only_downstream_and_experiments_compare(repo, firs
     assert "eval_loss" in diff["metrics.json"] and "metrics/train.json" not in diff  # the headline only
     # the README's comparisons print readably at an 80-column terminal
     narrow = env(COLUMNS="80")
-    for command in (["metrics", "show"], ["metrics", "diff"], ["exp", "show", "--only-changed", "--no-pager"]):
+    exp_show = ["exp", "show", "--only-changed", "--drop", "Created|laplace|.*/.*", "--no-pager"]
+    for command in (["metrics", "show"], ["metrics", "diff"], exp_show):
         out = run(DVC + command, repo, env=narrow).stdout
         assert max(map(len, out.splitlines())) <= 80 and "…" not in out, out
         assert "eval_loss" in out

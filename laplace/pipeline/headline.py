@@ -14,21 +14,22 @@ from __future__ import annotations
 # Stages whose metrics carry a `passed` gate; all must pass before a version may be champion.
 VALIDATION_STAGES = ("serve", "numerics", "probes")
 
-# name -> what it is (docs/pipeline.md shows these). MLflow logs each name but `gates` (with a
-# 0/1 metric per gate instead); DVC's metrics.json holds DVC_KEYS. `eval_loss` sorts first, so
-# MLflow's compare view opens its chart on it.
+# name -> what it is (docs/pipeline.md shows these). MLflow logs each name but `gates` (a 0/1
+# metric per gate instead); DVC's metrics.json holds DVC_DIGITS's. `eval_loss` sorts first, so
+# MLflow's compare view opens its chart on it; "srv" is serving.
 HEADLINE = {
     "eval_loss": "validation loss after training (nats/token; in MLflow the history over eval steps)",
     "train_loss": "training loss (in MLflow the history over logged steps)",
-    "tok_s": "training tokens per second",
-    "serve_tok_s": "serving output tokens/s, padded policy, headline workload (serve-check)",
+    "tps": "training tokens per second",
+    "srv_tps": "serving output tokens/s, padded policy, headline workload (serve-check)",
     "ttft_p99": "serving time to first token, 99th percentile (s), padded policy",
-    "serve_compile": "share of decode time spent compiling under compile-on-first-sight (exact policy)",
+    "srv_compile": "share of decode time spent compiling under compile-on-first-sight (exact policy)",
     "gates": "serve-check, numerics and probes gates: passed, or failed / missing",
     **{f"gate_{stage}": f"1 when the {stage} gate passed, 0 when it failed" for stage in VALIDATION_STAGES},
 }
-# The DVC headline: five columns, so `dvc metrics show` fits an 80-column terminal.
-DVC_KEYS = ("eval_loss", "tok_s", "serve_tok_s", "ttft_p99", "gates")
+# DVC's headline and the digits it keeps: five narrow columns, so that `dvc metrics show` and
+# `dvc exp show --only-changed` fit an 80-column terminal.
+DVC_DIGITS = {"eval_loss": 4, "tps": 0, "srv_tps": 0, "ttft_p99": 3, "gates": None}
 
 
 def gates(metrics_by_stage: dict[str, dict]) -> dict[str, bool | None]:
@@ -40,43 +41,47 @@ def gates(metrics_by_stage: dict[str, dict]) -> dict[str, bool | None]:
 
 
 def gates_word(verdicts: dict[str, bool | None]) -> str:
-    """One short word for a table cell: passed, or the gates that failed or are missing."""
-    failed = [stage for stage, ok in verdicts.items() if ok is False]
-    missing = [stage for stage, ok in verdicts.items() if ok is None]
-    if not failed and not missing:
-        return "passed"
-    return "failed" if failed else "missing"
+    """One short word for a table cell: passed, failed (a gate failed) or missing (one did not run)."""
+    if any(ok is False for ok in verdicts.values()):
+        return "failed"
+    return "passed" if all(verdicts.values()) else "missing"
 
 
-def _rounded(value, digits: int):
-    return None if value is None else round(float(value), digits)
+def _figures(metrics_by_stage: dict[str, dict]) -> dict:
+    """Every headline figure by name, as measured (None when its stage has not run)."""
+    train = metrics_by_stage.get("train") or {}
+    serve = metrics_by_stage.get("serve") or {}
+    padded, exact = serve.get("padded") or {}, serve.get("exact") or {}
+    verdicts = gates(metrics_by_stage)
+    return {
+        "eval_loss": train.get("val_loss"),
+        "train_loss": train.get("train_loss"),
+        "tps": train.get("tokens_per_s"),
+        "srv_tps": padded.get("output_tokens_per_s"),
+        "ttft_p99": padded.get("ttft_p99_s"),
+        "srv_compile": exact.get("compile_time_share"),
+        "gates": gates_word(verdicts),
+        **{f"gate_{stage}": None if ok is None else float(ok) for stage, ok in verdicts.items()},
+    }
 
 
 def headline(metrics_by_stage: dict[str, dict]) -> dict:
-    """The DVC headline (metrics.json): DVC_KEYS, rounded so the table stays narrow."""
-    train = metrics_by_stage.get("train") or {}
-    padded = (metrics_by_stage.get("serve") or {}).get("padded") or {}
-    return {
-        "eval_loss": _rounded(train.get("val_loss"), 4),
-        "tok_s": _rounded(train.get("tokens_per_s"), 0),
-        "serve_tok_s": _rounded(padded.get("output_tokens_per_s"), 0),
-        "ttft_p99": _rounded(padded.get("ttft_p99_s"), 3),
-        "gates": gates_word(gates(metrics_by_stage)),
-    }
+    """The DVC headline (metrics.json), rounded so the table stays narrow (a whole number with no
+    digits: 3031, not 3031.0)."""
+    figures = _figures(metrics_by_stage)
+    out = {}
+    for name, digits in DVC_DIGITS.items():
+        value = figures[name]
+        if digits is not None and value is not None:
+            value = round(float(value)) if digits == 0 else round(float(value), digits)
+        out[name] = value
+    return out
 
 
 def mlflow_metrics(metrics_by_stage: dict[str, dict]) -> dict[str, float]:
     """The run's single-value metrics for MLflow (unrounded); the histories are logged beside them."""
-    train = metrics_by_stage.get("train") or {}
-    serve = metrics_by_stage.get("serve") or {}
-    padded, exact = serve.get("padded") or {}, serve.get("exact") or {}
-    values = {
-        "eval_loss": train.get("val_loss"),
-        "train_loss": train.get("train_loss"),
-        "tok_s": train.get("tokens_per_s"),
-        "serve_tok_s": padded.get("output_tokens_per_s"),
-        "ttft_p99": padded.get("ttft_p99_s"),
-        "serve_compile": exact.get("compile_time_share"),
-        **{f"gate_{stage}": None if ok is None else float(ok) for stage, ok in gates(metrics_by_stage).items()},
+    return {
+        name: float(value)
+        for name, value in _figures(metrics_by_stage).items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
     }
-    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and v == v}

@@ -143,7 +143,7 @@ def next_steps(root: Path, info: dict | None = None) -> list[str]:
     if trk.get("ui_url"):
         ui.append(f"open {trk['ui_url']}")
     return [
-        "dvc metrics diff ; dvc exp show --only-changed   (compare with the last commit: docs/pipeline.md)",
+        "dvc metrics diff ; dvc exp show --only-changed --drop 'Created|laplace|.*/.*'   (docs/pipeline.md)",
         "dvc plots show   (open dvc_plots/index.html)",
         *ui,
         "make prefect-server ; make prefect-worker ; export PREFECT_API_URL=http://127.0.0.1:4200/api ;"

@@ -2,7 +2,7 @@
 
 Stages never talk to MLflow while they work: each writes plain metrics and plots to
 disk, and the last stage (`track`) logs the whole pipeline run at once: every
-effective param, the headline figures under short names (`eval_loss`, `tok_s`, ...:
+effective param, the headline figures under short names (`eval_loss`, `tps`, ...:
 laplace.pipeline.headline; the loss curves as step histories), every detailed figure as
 artifacts (the metrics/*.json files and one table, `figures.json`), plots as images, the
 tokenizer, the dataset (with its DVC hash as digest) and the model. So an MLflow outage
@@ -160,10 +160,19 @@ def _epoch(iso: str | None) -> float | None:
 
 def measurement_sources(client, experiment_id: str, metrics_by_stage: dict[str, dict]) -> dict[str, dict | None]:
     """For each stage, None when its figures were measured in this pipeline run, else where they
-    came from: the finished MLflow run that first logged the same measurement stamp
-    (`measured.<stage>` tag). A stage DVC did not rerun (up to date, or restored from its
-    run-cache) keeps the stamp of the run that measured it. A stage without a stamp (made by
-    an older version) is reported as such."""
+    came from (`run_id`, `run_name`, `measured_at`). A stage DVC did not run this time (up to
+    date, or restored from its run-cache) keeps the stamp of the run that measured it:
+
+    - the finished MLflow run that first logged that stamp (tag `measured.<stage>`), or
+    - when no run logged it (that pipeline run's track never succeeded, or logged elsewhere)
+      but it finished before the experiment's last finished run ended, an earlier pipeline
+      run all the same (`run_id` None, `measured_at` set);
+
+    a stage without a stamp (written by an older version) is reported as such."""
+    latest = client.search_runs(
+        [experiment_id], "attributes.status = 'FINISHED'", order_by=["attributes.end_time DESC"], max_results=1
+    )
+    last_end = latest[0].info.end_time / 1000 if latest and latest[0].info.end_time else None
     sources: dict[str, dict | None] = {}
     for stage, metrics in sorted(metrics_by_stage.items()):
         stamp = metrics.get("measured") if isinstance(metrics.get("measured"), dict) else None
@@ -176,10 +185,14 @@ def measurement_sources(client, experiment_id: str, metrics_by_stage: dict[str, 
             order_by=["attributes.start_time ASC"],
             max_results=1,
         )
-        sources[stage] = None
+        finished = _epoch(stamp.get("finished"))
         if earlier:
             info = earlier[0].info
             sources[stage] = {"run_id": info.run_id, "run_name": info.run_name, "measured_at": stamp.get("started")}
+        elif last_end is not None and finished is not None and finished + 1 < last_end:  # stamps keep whole seconds
+            sources[stage] = {"run_id": None, "run_name": None, "measured_at": stamp.get("started")}
+        else:
+            sources[stage] = None
     return sources
 
 
@@ -188,6 +201,8 @@ def source_text(source: dict | None) -> str:
     if source is None:
         return "measured in this run"
     if source.get("run_id") is None:
+        if source.get("measured_at"):
+            return f"cached from an earlier pipeline run not in MLflow, measured {_utc(source['measured_at'])}"
         return "from an earlier run (no measurement stamp)"
     return f"cached from run {source['run_name']} ({source['run_id'][:8]}), measured {_utc(source['measured_at'])}"
 
