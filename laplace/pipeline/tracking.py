@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from laplace.config import GenerateSection
-from laplace.pipeline.headline import gates, mlflow_metrics
+from laplace.pipeline.headline import HEADLINE, gates, mlflow_metrics
 from laplace.pipeline.redact import redact, secret_values
 from laplace.pipeline.store import (
     DEFAULT_RETRY_SECONDS,
@@ -101,8 +101,6 @@ def headline_view(existing: str | None) -> str | None:
     """The saved runs-table view "Headline figures" (an MLflow saved-view envelope: name, times,
     the table state as JSON): the headline metrics and a few params as columns, in that order.
     None when `existing` already holds the same state."""
-    from laplace.pipeline.headline import HEADLINE
-
     columns = [f"metrics.`{name}`" for name in HEADLINE if name != "gates"]
     columns += [f"params.`{name}`" for name in VIEW_PARAMS] + ["attributes.`Models`"]
     state = json.dumps({"selectedColumns": columns, "columnOrder": columns})
