@@ -209,6 +209,7 @@ def test_a_worse_run_does_not_take_champion_and_the_comparison_tells_the_truth(p
         "gate_numerics",
         "gate_probes",
     }
+    assert list(run1.data.metrics)[0] == "eval_loss"  # logged first: the compare view charts it
     assert run1.data.metrics["eval_loss"] == 4.25 and run1.data.metrics["srv_tps"] == 576.4
     assert run1.data.metrics["srv_compile"] == 0.976
     assert [m.step for m in client.get_metric_history(one["run_id"], "eval_loss")] == [3, 6]

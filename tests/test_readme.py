@@ -214,6 +214,8 @@ def test_the_mlflow_ui_serves_the_runs_table_with_the_headline_columns(project):
             "/ajax-api/2.0/mlflow/runs/search", {"experiment_ids": [experiment["experiment"]["experiment_id"]]}
         )
         (run,) = found["runs"]
+        # the compare view charts the first metric the UI receives: the validation loss
+        assert run["data"]["metrics"][0]["key"] == "eval_loss"
         metrics = {m["key"] for m in run["data"]["metrics"]}
         assert metrics == {"eval_loss", "train_loss", "tps", "srv_tps", "ttft_p99", "srv_compile"} | {
             f"gate_{s}" for s in ("serve", "numerics", "probes")

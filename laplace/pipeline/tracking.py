@@ -99,11 +99,12 @@ def flatten_metrics(stage: str, metrics: dict) -> dict[str, float]:
 
 def headline_view(existing: str | None) -> str | None:
     """The saved runs-table view "Headline figures" (an MLflow saved-view envelope: name, times,
-    the table state as JSON): the headline metrics and a few params as columns, in that order.
+    the table state as JSON): the headline metrics and a few params as columns.
     None when `existing` already holds the same state."""
     columns = [f"metrics.`{name}`" for name in HEADLINE if name != "gates"]
     columns += [f"params.`{name}`" for name in VIEW_PARAMS] + ["attributes.`Models`"]
-    state = json.dumps({"selectedColumns": columns, "columnOrder": columns})
+    # no column order: the table sorts metrics by name (eval_loss first) after Created and Duration
+    state = json.dumps({"selectedColumns": columns})
     now = int(time.time() * 1000)
     try:
         old = json.loads(existing) if existing else None
@@ -461,9 +462,12 @@ def _log_run_contents(
     now = int(time.time() * 1000)
     param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(params.items())]
     # one value each, except the names with a step history (the loss curves), logged as the history
-    single = {k: v for k, v in mlflow_metrics(metrics_by_stage).items() if k not in step_series}
-    metrics = [Metric(k, v, now, 0) for k, v in sorted(single.items())]
-    metrics += [Metric(k, float(v), now, int(step)) for k, series in step_series.items() for step, v in series]
+    # The histories first, in HEADLINE's order, then the single values: MLflow lists a run's metrics
+    # in the order they were first logged, and its compare view charts the first: eval_loss.
+    single = mlflow_metrics(metrics_by_stage)
+    order = [k for k in HEADLINE if k in step_series] + [k for k in HEADLINE if k in single and k not in step_series]
+    metrics = [Metric(k, float(v), now, int(step)) for k in order if k in step_series for step, v in step_series[k]]
+    metrics += [Metric(k, single[k], now, 0) for k in order if k not in step_series]
     for i in range(0, len(param_items), 100):
         client.log_batch(run_id, params=param_items[i : i + 100])
     for i in range(0, len(metrics), 500):
