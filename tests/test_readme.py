@@ -199,14 +199,14 @@ def test_the_mlflow_ui_serves_the_runs_table_with_the_headline_columns(project):
             return json.loads(r.read())
 
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # four uvicorn workers start slowly on a loaded machine
         while True:
             assert server.poll() is None, "mlflow ui exited"
             try:
                 experiment = call("/ajax-api/2.0/mlflow/experiments/get-by-name?experiment_name=laplace")
                 break
             except OSError:
-                assert time.monotonic() < deadline, "mlflow ui did not answer in 120 s"
+                assert time.monotonic() < deadline, "mlflow ui did not answer in 300 s"
                 time.sleep(0.5)
         tags = {t["key"]: t["value"] for t in experiment["experiment"]["tags"]}
         assert tags["mlflow.experimentKind"] == "custom_model_development"
@@ -226,5 +226,9 @@ def test_the_mlflow_ui_serves_the_runs_table_with_the_headline_columns(project):
         import os
         import signal
 
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+        os.killpg(server.pid, signal.SIGTERM)  # the CLI and its uvicorn workers
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
