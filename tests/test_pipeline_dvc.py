@@ -223,6 +223,23 @@ def test_params_change_reruns_only_downstream_and_experiments_compare(repo, firs
     assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
 
 
+def test_a_stage_restored_from_the_run_cache_says_which_run_measured_it(repo, first_run):
+    """Back to the first run's params (as a Prefect override may do): train runs again and its
+    export is byte-identical, so `dvc repro` restores serve-check, numerics and probes from its
+    run-cache. MLflow and the summary say their figures, timings included, are the first run's."""
+    out = run([str(BIN / "laplace"), "run", "--set", "train.lr=0.003", "--set", "train.nproc_per_node=1"], repo)
+    restored = {line.split("'")[1] for line in out.stdout.splitlines() if "is cached - skipping run" in line}
+    assert {"serve-check", "numerics", "probes"} <= restored, out.stdout[-3000:]
+    c = client(repo)
+    runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
+    first, last = runs[0], runs[-1]
+    cached = f"cached from run {first.info.run_name} ({first.info.run_id[:8]}), measured "
+    assert all(last.data.tags[f"source.{stage}"].startswith(cached) for stage in ("serve", "numerics", "probes"))
+    assert last.data.tags["source.train"] == "measured in this run"
+    serving = out.stdout[out.stdout.index("\nserving") : out.stdout.index("\nnumerics")]
+    assert cached in serving  # the summary says so under the serving figures
+
+
 def test_plots_render_offline(repo, first_run):
     run(DVC + ["plots", "show"], repo)
     html = (repo / "dvc_plots" / "index.html").read_text()
