@@ -190,14 +190,14 @@ def test_laplace_serve_serves_the_registered_champion(registered):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        body = {"prompt": "The function", "max_tokens": 16, "temperature": 0}
+        (served_model,) = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        body = {"model": served_model["id"], "prompt": "The function", "max_tokens": 16, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         expected = mlflow.pyfunc.load_model(uri).predict(
             {"prompt": ["The function"]}, params={"max_new_tokens": 16, "temperature": 0.0}
         )
         assert [r.json()["choices"][0]["text"]] == expected
-        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
     finally:
         proc.terminate()
         try:
