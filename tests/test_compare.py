@@ -295,3 +295,19 @@ def test_the_summary_says_where_cached_figures_came_from():
     line = summary.stage_line("train", info["train"], Path("/p"))
     assert line == "6 steps, val loss 5.000 -> 4.200 (ppl 66.7), 1,000 tokens/s" and "\n" not in line
     assert summary.stage_line("train", {**info["train"], "val_loss": None}, Path("/p")) == "done"
+
+
+def test_the_validation_split_is_identified_by_its_shards():
+    from laplace.data.shards import split_digest
+
+    def manifest(val_sha: str) -> dict:
+        return {
+            "shards": {"train": [{"path": "train/0", "tokens": 4}], "val": [{"path": "val/0", "tokens": 2}]},
+            "files": {"train/0/tokens.bin": {"sha256": "a" * 64}, "val/0/tokens.bin": {"sha256": val_sha}},
+        }
+
+    one = split_digest(manifest("b" * 64), "val")
+    assert len(one) == 64 and one == split_digest(manifest("b" * 64), "val")
+    assert one != split_digest(manifest("c" * 64), "val")  # other validation tokens: not comparable
+    assert split_digest(manifest("b" * 64), "train") == split_digest(manifest("c" * 64), "train")
+    assert split_digest({}, "val") == ""  # no shards listed: unknown, never "the same"

@@ -8,6 +8,7 @@ import os
 import time
 
 from laplace.config import Config
+from laplace.data.shards import split_digest
 from laplace.fileio import atomic_write_json
 from laplace.pipeline import tracking
 from laplace.pipeline.headline import headline
@@ -47,7 +48,7 @@ def run(cfg: Config, paths: Paths) -> dict:
         "preset": cfg.model.preset,
         # what the validation loss was measured on (tracking.COMPARABLE_TAGS)
         "tokenizer_sha256": manifest.get("tokenizer_sha256", ""),
-        "val_split_sha256": manifest.get("files", {}).get("val.bin", {}).get("sha256", ""),
+        "val_split_sha256": split_digest(manifest, "val"),
         "val_windows": f"{t.eval_batches} batches x {t.batch_size} x {t.seq_len} tokens, {t.precision}",
     }
     for env, tag in (("DVC_EXP_NAME", "dvc_experiment"), ("LAPLACE_PREFECT_FLOW_RUN_ID", "prefect_flow_run_id")):
@@ -67,7 +68,7 @@ def run(cfg: Config, paths: Paths) -> dict:
         tokenizer_path=paths.data_dir / "tokenizer.json",
         export_dir=paths.export_dir,
         dataset_path=paths.data_dir,
-        dataset_digest=data_hash or manifest.get("files", {}).get("train.bin", {}).get("sha256"),
+        dataset_digest=data_hash or split_digest(manifest, "train") or None,
         run_name=f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}",
         tags=tags,
         champion_tolerance=cfg.tracking.champion_tolerance,
