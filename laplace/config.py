@@ -284,7 +284,13 @@ class ProbesSection:
 class TrackingSection:
     experiment: str = knob("laplace", doc="MLflow experiment")
     model_name: str = knob("laplace-gla", doc="MLflow registered model name")
-    register: bool = knob(True, doc="register the exported model (alias candidate; champion when gates pass)")
+    champion_tolerance: float = knob(
+        0.0,
+        _non_negative,
+        "a new version takes the champion alias only if its val_loss is at most the current "
+        "champion's plus this (nats/token), on the same validation windows and tokenizer",
+    )
+    register: bool = knob(True, doc="register the exported model (alias candidate; champion when it earns it)")
     retry_seconds: float = knob(
         60.0,
         _non_negative,

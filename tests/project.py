@@ -139,3 +139,23 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def wait_until_answers(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Poll GET `url` until it answers 200; fails with the server's output if it exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = proc.stdout.read()[-3000:] if proc.stdout else ""
+            raise AssertionError(f"{proc.args[:4]} exited with {proc.returncode} before {url} answered:\n{tail}")
+        assert time.monotonic() < deadline, f"{url} did not answer 200 within {timeout_s:.0f}s"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)

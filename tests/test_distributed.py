@@ -305,7 +305,12 @@ def two_nodes(roots: tuple[Path, Path]) -> list[subprocess.CompletedProcess]:
             "train.nproc_per_node": 1,
             "train.rdzv_endpoint": f"127.0.0.1:{port}",
         }
-        cmd = [str(BIN / "laplace"), "train", *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
+        cmd = [
+            str(BIN / "laplace"),
+            "train",
+            "--json",
+            *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}")),
+        ]
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
         procs.append(subprocess.Popen(cmd, cwd=root, env=env(OMP_NUM_THREADS="1"), **pipes))
     results = []

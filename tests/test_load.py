@@ -156,7 +156,8 @@ def test_sustained_overload_serves_or_sheds_every_request_without_leaks(
     for key, value in figures.items():
         record_property(key, value)
     print("load:", figures)
-    assert tensors_end == tensors_start, figures
+    # a leak only grows the count; it may shrink when an earlier test's leftovers are collected meanwhile
+    assert tensors_end <= tensors_start, figures
     assert rss_end - rss_start < RSS_GROWTH_LIMIT_MB, figures
 
 

@@ -25,7 +25,7 @@ from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
 from laplace.serving.engine import DecodeEngine, Request, width_ladder
 
-from project import descendants, free_port
+from project import descendants, free_port, wait_until_answers
 from test_tracking_outage import write_stage_results
 
 pytestmark = pytest.mark.slow
@@ -123,16 +123,7 @@ def test_mlflow_models_serve_answers_one_request_and_a_bad_one_with_a_message(re
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "mlflow models serve did not start"
-            try:
-                if httpx.get(url + "/ping", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_answers(proc, url + "/ping", 300)
         headers = {"Content-Type": "application/json"}
         r = httpx.post(url + "/invocations", content=example, headers=headers, timeout=120)
         assert r.status_code == 200, r.text
@@ -159,3 +150,41 @@ def test_mlflow_models_serve_answers_one_request_and_a_bad_one_with_a_message(re
                 time.sleep(0.1)
             else:
                 os.kill(pid, 9)
+
+
+def test_laplace_serve_serves_the_registered_champion(registered):
+    """README's `laplace serve --model models:/laplace-gla@champion`: the CLI downloads the
+    registered export from the project's MLflow store and answers as the pyfunc does (greedy)."""
+    project, uri, _, _ = registered
+    port = free_port()
+    overrides = [a for k, v in SERVE.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)  # found from the project's mlflow.db, as a user's would be
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "laplace"), "serve", "--model", uri, "--port", str(port)]
+        + ["--policy", "eager", *overrides],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_answers(proc, url + "/health", 300)  # ready once the engine is built
+        (served_model,) = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        body = {"model": served_model["id"], "prompt": "The function", "max_tokens": 16, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        expected = mlflow.pyfunc.load_model(uri).predict(
+            {"prompt": ["The function"]}, params={"max_new_tokens": 16, "temperature": 0.0}
+        )
+        assert [r.json()["choices"][0]["text"]] == expected
+    finally:
+        proc.terminate()
+        try:
+            assert proc.wait(timeout=60) == 0  # SIGTERM drains and exits 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -1,14 +1,18 @@
-"""End to end through DVC in a temporary clone: repro, no-op repro, a params change, experiments,
-metrics, offline plots, push/pull, and the MLflow run with its registered pyfunc model."""
+"""End to end through DVC in a temporary clone: the main job (`laplace run`), no-op repro, a params
+change as an experiment compared with the committed baseline (metrics, exp show, plots at 80
+columns), offline plots, push/pull, and the MLflow runs with their registered pyfunc models, the
+champion rule and the figures labelled with the run that measured them."""
 
 import json
 import shutil
+from datetime import datetime
 
+import pandas as pd
 import pytest
 import yaml
 from mlflow import MlflowClient
 
-from project import TINY_PARAMS, commit_all, copy_project, run
+from project import BIN, TINY_PARAMS, commit_all, copy_project, env, run
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +30,23 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_run(repo):
-    out = run(DVC + ["repro"], repo)
+    out = run([str(BIN / "laplace"), "run"], repo)  # the main job: dvc repro, then the summary
     return out.stdout + out.stderr
+
+
+HEADLINE = {"eval_loss", "train_loss", "tps", "srv_tps", "ttft_p99", "srv_compile"} | {
+    f"gate_{stage}" for stage in ("serve", "numerics", "probes")
+}
+
+
+def figures(c, run) -> dict[tuple[str, str], float]:
+    """The run's table of every detailed figure: (stage, figure) -> value."""
+    table = c.load_table(run.info.experiment_id, "figures.json", run_ids=[run.info.run_id])
+    return {(s, f): v for s, f, v in zip(table.stage, table.figure, table.value)}
+
+
+def epoch(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
 def client(repo):
@@ -71,12 +90,19 @@ def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
     assert live["server_exit_status"] == 0 and serve["live_vs_replay"]["output_tokens_per_s"] > 0
     status = run(DVC + ["status"], repo).stdout
     assert "Data and pipelines are up to date" in status
+    assert "=== Laplace pipeline ===" in first_run and "registered laplace-gla v1 as champion" in first_run
+    assert "export PREFECT_API_URL=http://127.0.0.1:4200/api" in first_run
+    # each stage command ends with one line of outcome, not its metrics JSON
+    assert '"val_loss"' not in first_run and "laplace train: 6 steps, val loss" in first_run
+    headline = json.loads((repo / "metrics.json").read_text())
+    assert headline["eval_loss"] == round(train["val_loss"], 4) and headline["gates"] == "passed"
 
 
 def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, first_run):
     c = client(repo)
     exp = c.get_experiment_by_name("laplace")
     assert exp.artifact_location == (repo / "mlartifacts").as_uri()  # absolute, inside the project
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the runs table, not GenAI
     assert not (repo / "mlruns").exists()
     runs = c.search_runs([exp.experiment_id])
     assert len(runs) == 1
@@ -84,10 +110,16 @@ def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, f
     assert r.data.params["train.steps"] == "6" and r.data.params["model.d_model"] == "32"
     assert "muon.lr" in r.data.params and "data.source" in r.data.params
     train = json.loads((repo / "metrics/train.json").read_text())
-    assert r.data.metrics["train/val_loss"] == pytest.approx(train["val_loss"])
-    assert "tokenize/tokens_train" in r.data.metrics and "train/tokens_per_s" in r.data.metrics
-    history = c.get_metric_history(r.info.run_id, "train/loss")
+    assert set(r.data.metrics) == HEADLINE  # short names: the runs table's columns
+    assert r.data.metrics["eval_loss"] == pytest.approx(train["val_loss"])
+    assert r.data.metrics["tps"] == pytest.approx(train["tokens_per_s"])
+    history = c.get_metric_history(r.info.run_id, "train_loss")
     assert [m.step for m in history] == list(range(1, 7))
+    assert [m.step for m in c.get_metric_history(r.info.run_id, "eval_loss")] == [0, 3, 6]
+    # the run lasts as long as the pipeline run: it starts when the first stage started
+    tokenize = json.loads((repo / "metrics/tokenize.json").read_text())["measured"]
+    assert abs(r.info.start_time / 1000 - epoch(tokenize["started"])) < 2
+    assert all(r.data.tags[f"source.{s}"] == "measured in this run" for s in ("tokenize", "train", "probes"))
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     data_md5 = next(o["md5"] for o in lock["stages"]["tokenize"]["outs"] if o["path"] == "data/tokenized")
     assert r.data.tags["dvc_data_hash"] == data_md5
@@ -101,22 +133,26 @@ def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, f
 
     version = c.get_model_version_by_alias("laplace-gla", "candidate")
     assert version.run_id == r.info.run_id
-    assert r.data.metrics["serve/padded/compile_events"] == 0
-    assert r.data.metrics["serve/exact/compile_events"] > 0
-    assert r.data.metrics["warmup/compile_seconds_total"] > 0
-    assert "serve/padded/ttft_p99_s" in r.data.metrics
+    detail = figures(c, r)  # every detailed figure: a table artifact, beside metrics/*.json
+    assert detail[("serve", "padded/compile_events")] == 0
+    assert detail[("serve", "exact/compile_events")] > 0
+    assert detail[("warmup", "compile_seconds_total")] > 0
+    assert r.data.metrics["ttft_p99"] == pytest.approx(detail[("serve", "padded/ttft_p99_s")])
     assert r.data.tags["gate.serve"] == "passed" and r.data.tags["gate.numerics"] == "passed"
-    assert r.data.metrics["numerics/max_abs_logit_diff_fp32"] < 1e-3
-    assert r.data.metrics["numerics/passed"] == 1.0
-    champion = c.get_model_version_by_alias("laplace-gla", "champion")  # both validation stages passed
+    assert detail[("numerics", "max_abs_logit_diff_fp32")] < 1e-3
+    assert r.data.metrics["gate_numerics"] == 1.0
+    assert "metrics/serve.json" in {a.path for a in c.list_artifacts(r.info.run_id, "metrics")}
+    champion = c.get_model_version_by_alias("laplace-gla", "champion")  # gates passed, the first
     assert champion.version == c.get_model_version_by_alias("laplace-gla", "candidate").version
+    assert r.data.tags["registered_as"] == "champion"
 
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
     model = mlflow.pyfunc.load_model("models:/laplace-gla@candidate")
-    short = model.predict({"prompt": ["The function"]}, params={"max_new_tokens": 3, "temperature": 0.0})
-    longer = model.predict({"prompt": ["The function"]}, params={"max_new_tokens": 12, "temperature": 0.0})
+    prompts = pd.DataFrame({"prompt": ["The function"]})
+    short = model.predict(prompts, params={"max_new_tokens": 3, "temperature": 0.0})
+    longer = model.predict(prompts, params={"max_new_tokens": 12, "temperature": 0.0})
     assert len(short) == 1 and isinstance(short[0], str)
     assert longer[0].startswith(short[0]) and len(longer[0]) > len(short[0])  # greedy, runtime param honoured
 
@@ -155,17 +191,56 @@ def test_params_change_reruns_only_downstream_and_experiments_compare(repo, firs
     shown = json.loads(run(DVC + ["exp", "show", "--json"], repo).stdout)
     assert "lower-lr" in json.dumps(shown)
     diff = json.loads(run(DVC + ["metrics", "diff", "--json"], repo).stdout)
-    assert "val_loss" in diff["metrics/train.json"]
-    shown_metrics = run(DVC + ["metrics", "show"], repo).stdout
-    assert "metrics/train.json" in shown_metrics
+    assert "eval_loss" in diff["metrics.json"] and "metrics/train.json" not in diff  # the headline only
+    # the README's comparisons print readably at an 80-column terminal
+    narrow = env(COLUMNS="80")
+    exp_show = ["exp", "show", "--only-changed", "--drop", "Created|laplace|.*/.*", "--no-pager"]
+    for command in (["metrics", "show"], ["metrics", "diff"], exp_show):
+        out = run(DVC + command, repo, env=narrow).stdout
+        assert max(map(len, out.splitlines())) <= 80 and "…" not in out, out
+        assert "eval_loss" in out
+    plots = json.loads(run(DVC + ["plots", "diff", "--json"], repo).stdout)["data"]
+    mqar = plots["plots/probes_mqar.json"][0]["content"]
+    assert mqar["encoding"]["x"]["field"] == "context" and mqar["encoding"]["color"]["field"] == "series"
+    assert len({row["rev"] for row in mqar["data"]["values"]}) == 2  # the baseline commit and the experiment
     c = client(repo)
     runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
     assert [r.data.params["train.lr"] for r in runs] == ["0.003", "0.001"]
     assert runs[1].data.tags.get("dvc_experiment") == "lower-lr"
-    assert runs[1].data.metrics["train/world_size"] == 2 and runs[0].data.metrics["train/world_size"] == 1
-    assert runs[1].data.metrics["train/traffic/muon_bytes_per_rank_per_step_max"] > 0
+    first, second = figures(c, runs[0]), figures(c, runs[1])
+    assert second[("train", "world_size")] == 2 and first[("train", "world_size")] == 1
+    assert second[("train", "traffic/muon_bytes_per_rank_per_step_max")] > 0
     assert int(c.get_model_version_by_alias("laplace-gla", "candidate").version) == 2
+    # champion only when no worse than v1 on the same validation windows (tolerance 0)
+    better = runs[1].data.metrics["eval_loss"] <= runs[0].data.metrics["eval_loss"]
+    assert int(c.get_model_version_by_alias("laplace-gla", "champion").version) == (2 if better else 1)
+    assert runs[1].data.tags["registered_as"] == ("champion" if better else "candidate")
+    assert "champion v1's" in runs[1].data.tags["registered_reason"]
+    # tokenize and warmup did not run again: their figures say which run measured them
+    cached = f"cached from run {runs[0].info.run_name} ({runs[0].info.run_id[:8]}), measured "
+    assert runs[1].data.tags["source.tokenize"].startswith(cached)
+    assert runs[1].data.tags["source.warmup"].startswith(cached)
+    assert runs[1].data.tags["source.train"] == "measured in this run"
+    train = json.loads((repo / "metrics/train.json").read_text())["measured"]
+    assert abs(runs[1].info.start_time / 1000 - epoch(train["started"])) < 2  # this run began with train
     assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
+
+
+def test_a_stage_restored_from_the_run_cache_says_which_run_measured_it(repo, first_run):
+    """Back to the first run's params (as a Prefect override may do): train runs again and its
+    export is byte-identical, so `dvc repro` restores serve-check, numerics and probes from its
+    run-cache. MLflow and the summary say their figures, timings included, are the first run's."""
+    out = run([str(BIN / "laplace"), "run", "--set", "train.lr=0.003", "--set", "train.nproc_per_node=1"], repo)
+    restored = {line.split("'")[1] for line in out.stdout.splitlines() if "is cached - skipping run" in line}
+    assert {"serve-check", "numerics", "probes"} <= restored, out.stdout[-3000:]
+    c = client(repo)
+    runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
+    first, last = runs[0], runs[-1]
+    cached = f"cached from run {first.info.run_name} ({first.info.run_id[:8]}), measured "
+    assert all(last.data.tags[f"source.{stage}"].startswith(cached) for stage in ("serve", "numerics", "probes"))
+    assert last.data.tags["source.train"] == "measured in this run"
+    serving = out.stdout[out.stdout.index("\nserving") : out.stdout.index("\nnumerics")]
+    assert cached in serving  # the summary says so under the serving figures
 
 
 def test_plots_render_offline(repo, first_run):

@@ -40,7 +40,7 @@ from laplace.serving.loadgen import run_load, summarize_load
 from laplace.serving.replay import replay, summarize
 from laplace.serving.workload import build_requests
 
-from project import ROOT
+from project import ROOT, wait_until_answers
 
 pytestmark = pytest.mark.slow
 
@@ -504,15 +504,7 @@ def test_an_unwarmed_width_is_a_500_with_a_clear_log_line_and_serving_goes_on(ti
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600  # two graphs compile at startup
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_answers(proc, url + "/health", 600)  # two graphs compile at startup
         model, tokenizer, _ = load_export(export_dir)
         alone = complete(url, prompt="The function", max_tokens=12, temperature=0, return_token_ids=True)
         assert alone.status_code == 200  # width 1: warmed, compiled, and equal to eager greedy

@@ -140,8 +140,8 @@ def track_cmd(retry_seconds: float) -> list[str]:
 
 
 def assert_logged(run, project: Path) -> None:
-    assert run.data.metrics["train/val_loss"] == TRAIN["val_loss"]
-    assert run.data.metrics["serve/passed"] == 1.0 and run.data.params["train.steps"] == "300"
+    assert run.data.metrics["eval_loss"] == TRAIN["val_loss"]
+    assert run.data.metrics["gate_serve"] == 1.0 and run.data.params["train.steps"] == "300"
     assert run.data.tags["gate.serve"] == "passed" and run.data.tags["gate.numerics"] == "passed"
     summary = json.loads((project / "artifacts" / "tracking.json").read_text())
     assert summary["run_id"] == run.info.run_id
@@ -193,7 +193,13 @@ def test_server_down_fails_in_one_line_and_a_rerun_logs_everything(server, tmp_p
         "plots/train_loss.json",
         "plots/val_loss.json",
     ]  # through the server's artifact proxy
-    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "metrics")} == {
+        "metrics/tokenize.json",
+        "metrics/train.json",
+        "metrics/serve.json",
+        "metrics/numerics.json",
+    }  # every detailed figure, logged from the spool too
+    history = client.get_metric_history(run.info.run_id, "train_loss")
     assert [m.step for m in history] == list(range(1, 7))
     assert PASSWORD not in out.stdout + out.stderr
 

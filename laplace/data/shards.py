@@ -3,6 +3,7 @@ shards (what the sampler, validation and the evals index into)."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -141,3 +142,12 @@ def data_digests(found: dict) -> dict:
         shards = found.get("shards", {}).get(split, [])
         out[split] = [files.get(f"{e['path']}/{TOKENS}", {}).get("sha256") for e in shards]
     return out
+
+
+def split_digest(found: dict, split: str) -> str:
+    """One sha256 for a split (its shards' digests in order); "" when the manifest lists none.
+    Two runs measured their validation loss on the same tokens exactly when these agree."""
+    digests = data_digests(found).get(split) or []
+    if not digests or None in digests:
+        return ""
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()

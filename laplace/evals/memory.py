@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from laplace.model.config import ModelConfig, preset_model_config
 from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes, torch_dtype
+from laplace.progress import progress_bar
 from laplace.serving.engine import DecodeEngine
 
 
@@ -42,7 +42,7 @@ def decode_rss(
     decodes from a fixed-size state, so this should not grow with the context."""
     out = {}
     source = np.asarray(text if text is not None and len(text) else [engine.pad_id], dtype=np.int64)
-    for ctx in tqdm(contexts, desc="decode memory", unit="context", disable=not progress, dynamic_ncols=True):
+    for ctx in progress_bar(contexts, desc="decode memory", unit="context", enabled=progress):
         prompt = np.resize(source, ctx)
         with engine.leased([-1]) as (slot,):
             token = engine.prefill(slot, prompt).argmax(-1)

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 
 from laplace.config import AdamWSection, MuonSection, ProbesSection, TrainSection
 from laplace.errors import ConfigError
 from laplace.model.config import ModelConfig, preset_model_config
 from laplace.model.lm import LaplaceLM, analytic_state_bytes
 from laplace.optim.muon import MuonAdamW
+from laplace.progress import progress_bar
 from laplace.serving.engine import DecodeEngine
 from laplace.training.schedule import lr_scale
 
@@ -273,7 +273,7 @@ def train_mqar(probes: ProbesSection, seed: int, progress: bool = True) -> dict:
     model.train()
     if not _pair_counts(L, top, V):
         raise ConfigError(f"probes.mqar_train_seq_len={L} holds no MQAR pair (needs >= 4 tokens per pair)")
-    bar = tqdm(range(steps), desc="mqar train", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(range(steps), desc="mqar train", unit="step", enabled=progress)
     losses = []
     for step in bar:
         scale = lr_scale(step, schedule)
@@ -285,7 +285,7 @@ def train_mqar(probes: ProbesSection, seed: int, progress: bool = True) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     bar.close()
     train_seconds = time.perf_counter() - start
     model.eval()
@@ -354,7 +354,7 @@ def mqar_both_paths(
     eager: dict[int, dict[int, float]] = {}
     same, total, notes = 0, 0, []
     cells = [(c, p) for c in contexts for p in pairs if 4 * p <= c]
-    for ctx, p in tqdm(cells, desc="mqar", unit="cell", disable=not progress, dynamic_ncols=True):
+    for ctx, p in progress_bar(cells, desc="mqar", unit="cell", enabled=progress):
         tokens, targets, mask = mqar_batch(samples, ctx, p, vocab, np.random.default_rng([seed, ctx, p]))
         eager_preds = mqar_predictions_eager(model, tokens)
         eager.setdefault(ctx, {})[p] = score(eager_preds, targets, mask)

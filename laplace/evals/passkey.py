@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from laplace.errors import ConfigError
+from laplace.progress import progress_bar
 from laplace.serving.engine import DecodeEngine
 
 
@@ -83,7 +83,7 @@ def passkey_probe(
         raise ValueError("passkey haystack is empty")
     rows = []
     cells = [(c, d, s) for c in contexts for d in depths for s in range(samples)]
-    for ctx, depth, _ in tqdm(cells, desc="passkey", unit="prompt", disable=not progress, dynamic_ncols=True):
+    for ctx, depth, _ in progress_bar(cells, desc="passkey", unit="prompt", enabled=progress):
         key = int(rng.integers(10000, 100000))
         prompt = passkey_prompt(tokenizer, haystack, ctx, depth, key, rng)
         with engine.leased([-1]) as (slot,):

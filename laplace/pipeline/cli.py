@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, stage in stages.STAGES.items():
         p = sub.add_parser(name, help=f"stage: {stage.help}")
         add_config_arguments(p)
+        p.add_argument("--json", action="store_true", help="print the stage's figures as one JSON object")
         if name == "train":
             p.add_argument("--no-resume", action="store_true", help="start from step 0 even if checkpoints exist")
 
@@ -155,22 +156,41 @@ def _run(args) -> int:
         from laplace.serving.sampling import generate_text
 
         g = cfg.generate
+        max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens
         result = generate_text(
             Path(args.model) if args.model else paths.export_dir,
             args.prompt if args.prompt is not None else g.prompt,
-            args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens,
+            max_new_tokens,
             args.temperature if args.temperature is not None else g.temperature,
             args.top_p if args.top_p is not None else g.top_p,
             args.seed if args.seed is not None else g.seed,
             serve=cfg.serve,
         )
-        print(json.dumps(result) if args.json else result["prompt"] + result["completion"])
-    elif args.command == "train":
-        from laplace.pipeline.stage_train import run as train_stage
-
-        print(json.dumps(train_stage(cfg, paths, resume=not args.no_resume), indent=2))
+        if args.json:
+            print(json.dumps(result))
+            return 0
+        print(result["prompt"] + result["completion"])
+        if not result["completion"].strip():  # say why, rather than print the prompt alone
+            why = (
+                f"the model sampled end-of-text after {result['new_tokens']} token(s)"
+                if result["new_tokens"] < max_new_tokens
+                else f"its {result['new_tokens']} tokens decode to whitespace"
+            )
+            print(
+                f"laplace generate: no text generated: {why}; try another --seed, or --temperature 0 (greedy)",
+                file=sys.stderr,
+            )
     else:
-        print(json.dumps(stages.STAGES[args.command].run(cfg, paths), indent=2, default=str))
+        stage = stages.STAGES[args.command]
+        options = {"resume": not args.no_resume} if args.command == "train" else {}
+        result = stage.run(cfg, paths, **options)
+        if args.json:
+            print(json.dumps(result, default=str))
+            return 0
+        # one line of outcome; the figures are in the metrics file (or MLflow for track)
+        where = paths.metrics_file(stage.metrics) if stage.metrics else paths.tracking_file
+        line = summary.stage_line(stage.metrics, result, paths.root)
+        print(f"laplace {args.command}: {line} ({where.relative_to(paths.root)})")
     return 0
 
 

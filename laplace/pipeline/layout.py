@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +52,11 @@ class Paths:
         return self.metrics_dir / f"{stage}.json"
 
     @property
+    def headline_file(self) -> Path:
+        """The few figures DVC compares by default (dvc metrics show/diff, dvc exp show)."""
+        return self.root / "metrics.json"
+
+    @property
     def warmup_cache(self) -> Path:
         return self.root / "artifacts" / "warmup" / "compile-cache"
 
@@ -60,3 +68,30 @@ class Paths:
 def write_metrics(paths: Paths, stage: str, metrics: dict) -> dict:
     atomic_write_json(paths.metrics_file(stage), metrics)
     return metrics
+
+
+def _iso(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
+def stamp_measurement(paths: Paths, stage: str, started: float) -> dict | None:
+    """Add `measured` ({id, started, finished, seconds}) to the metrics file a stage wrote since
+    `started` (epoch seconds). The stamp travels with the figures: when DVC later restores the
+    file from its run-cache, or leaves it as it is because the stage is up to date, the stamp
+    still names the measurement, which the track stage traces to the MLflow run that logged it.
+    Returns the stamp, or None when the stage wrote no metrics in this run."""
+    path = paths.metrics_file(stage)
+    if not path.exists() or path.stat().st_mtime < started - 1:  # -1: coarse file-system clocks
+        return None
+    metrics = json.loads(path.read_text())
+    if not isinstance(metrics, dict):
+        return None
+    finished = time.time()
+    metrics["measured"] = {
+        "id": uuid.uuid4().hex[:16],
+        "started": _iso(started),
+        "finished": _iso(finished),
+        "seconds": round(finished - started, 3),
+    }
+    atomic_write_json(path, metrics)
+    return metrics["measured"]

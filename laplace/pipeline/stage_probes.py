@@ -27,24 +27,35 @@ def run(cfg: Config, paths: Paths) -> dict:
 
 
 def probe_and_plot(cfg: Config, export_dir: Path, data_dir: Path, plots_dir: Path) -> dict:
-    """The worker's body: run the probes, draw plots/probes_*.png and their data; returns the metrics."""
+    """The worker's body: run the probes, draw plots/probes_*.png, write their data (DVC plots:
+    accuracy against context length) and every passkey prompt; returns the metrics."""
     from laplace.evals.probes import run_probes
     from laplace.pipeline.plots import accuracy_plot, memory_plot, write_rows
 
     plots_dir = Path(plots_dir)
     metrics, figures = run_probes(cfg, export_dir, data_dir)
     accuracy_plot(figures["mqar"], plots_dir / "probes_mqar.png")
-    if cfg.probes.train_mqar:
-        write_rows(
-            plots_dir / "probes_mqar.json",
-            [
-                {"context": c, "pairs": n, "accuracy": a}
-                for c, row in figures["mqar"]["accuracy"].items()
-                for n, a in row.items()
-            ],
-        )
+    # DVC plot data: accuracy against context length, a line (`series`) per pair count or depth
+    write_rows(
+        plots_dir / "probes_mqar.json",
+        [
+            {"context": int(c), "pairs": int(n), "series": f"{n} pairs", "accuracy": a}
+            for c, row in sorted(figures["mqar"]["accuracy"].items(), key=lambda kv: int(kv[0]))
+            for n, a in sorted(row.items(), key=lambda kv: int(kv[0]))
+        ],
+    )
+    passkey = {}
+    for row in figures["passkey"]:
+        passkey.setdefault((int(row["context"]), float(row["depth"])), []).append(bool(row["found"]))
+    write_rows(
+        plots_dir / "probes_passkey.json",
+        [
+            {"context": c, "depth": d, "series": f"depth {d:g}", "accuracy": sum(found) / len(found)}
+            for (c, d), found in sorted(passkey.items())
+        ],
+    )
+    write_rows(plots_dir / "probes_passkey_prompts.json", figures["passkey"])  # every prompt and its output
     memory_plot(figures["memory"], plots_dir / "probes_memory.png")
-    write_rows(plots_dir / "probes_passkey.json", figures["passkey"])
     return metrics
 
 

@@ -11,10 +11,11 @@ command and the Prefect task come from here.
 from __future__ import annotations
 
 import importlib
+import time
 from dataclasses import dataclass
 
 from laplace.config import Config
-from laplace.pipeline.layout import Paths
+from laplace.pipeline.layout import Paths, stamp_measurement
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,15 @@ class Stage:
     metrics: str | None  # metrics/<metrics>.json, None for the tracking stage
     help: str
 
-    def run(self, cfg: Config, paths: Paths) -> dict:
-        return importlib.import_module(f"laplace.pipeline.{self.module}").run(cfg, paths)
+    def run(self, cfg: Config, paths: Paths, **options) -> dict:
+        """Run the stage; its metrics file gets a measurement stamp (layout.stamp_measurement),
+        also when a missed gate fails the stage after writing its figures."""
+        started = time.time()
+        try:
+            metrics = importlib.import_module(f"laplace.pipeline.{self.module}").run(cfg, paths, **options)
+        finally:
+            stamp = stamp_measurement(paths, self.metrics, started) if self.metrics else None
+        return {**metrics, "measured": stamp} if stamp else metrics
 
 
 STAGES: dict[str, Stage] = {

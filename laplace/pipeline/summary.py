@@ -1,6 +1,10 @@
 """The headline figures of the last pipeline run, read from the metrics on disk, as rows of
 (topic, lines). One renderer for every front door: `as_text` for the CLI (`laplace run`,
-`laplace summary`), `as_markdown` for the Prefect flow's artifact."""
+`laplace summary`), `as_markdown` for the Prefect flow's artifact, `stage_line` for the one
+line each stage command ends with.
+
+Figures a stage did not measure in this pipeline run (DVC skipped it as up to date, or
+restored it from its run-cache) are marked with the run they were measured in."""
 
 from __future__ import annotations
 
@@ -28,68 +32,72 @@ def _verdict(passed: bool) -> str:
 
 def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
     """(topic, lines) for every stage that has results, in pipeline order."""
+    from laplace.pipeline.tracking import source_text
+
     out: list[tuple[str, list[str]]] = []
+    sources = (info.get("tracking") or {}).get("sources") or {}
+
+    def add(stage: str, topic: str, lines: list[str]) -> None:
+        if sources.get(stage) is not None:  # measured in an earlier run: say which
+            lines = lines + [source_text(sources[stage])]
+        out.append((topic, lines))
+
     if tok := info.get("tokenize"):
-        out.append(
-            (
-                "corpus",
-                [
-                    f"{tok['documents_train'] + tok['documents_val']:,} documents, "
-                    f"{tok['tokens_train']:,} train / {tok['tokens_val']:,} val tokens"
-                ],
-            )
+        add(
+            "tokenize",
+            "corpus",
+            [
+                f"{tok['documents_train'] + tok['documents_val']:,} documents, "
+                f"{tok['tokens_train']:,} train / {tok['tokens_val']:,} val tokens"
+            ],
         )
     if tr := info.get("train"):
-        out.append(
-            (
-                "training",
-                [
-                    f"{tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f} "
-                    f"(ppl {tr['val_ppl']:.1f}), {tr['tokens_per_s'] or 0:,.0f} tokens/s"
-                ],
-            )
+        add(
+            "train",
+            "training",
+            [
+                f"{tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f} "
+                f"(ppl {tr['val_ppl']:.1f}), {tr['tokens_per_s'] or 0:,.0f} tokens/s"
+            ],
         )
     if ex := info.get("export"):
-        out.append(("model", [f"{root / ex['export_dir']} ({ex['parameters']:,} parameters)"]))
+        add("export", "model", [f"{root / ex['export_dir']} ({ex['parameters']:,} parameters)"])
     if wu := info.get("warmup"):
-        out.append(
-            (
-                "warmup",
-                [
-                    f"{wu['graphs']} graphs compiled in {wu['compile_seconds_total']:.1f}s cold, "
-                    f"{wu['warm_start_seconds_total']:.1f}s warm ({wu['warm_speedup']:.1f}x)"
-                ],
-            )
+        add(
+            "warmup",
+            "warmup",
+            [
+                f"{wu['graphs']} graphs compiled in {wu['compile_seconds_total']:.1f}s cold, "
+                f"{wu['warm_start_seconds_total']:.1f}s warm ({wu['warm_speedup']:.1f}x)"
+            ],
         )
     if sv := info.get("serve"):
         exact, padded = sv["exact"], sv["padded"]
         ratio_key = next(k for k in sv if k.startswith("decode_cost_ratio_"))
-        out.append(
-            (
-                "serving",
-                [
-                    f"{sv['headline_workload']}: padded {padded['output_tokens_per_s']:.0f} tokens/s, "
-                    f"{padded['compile_events']} compiles, TTFT p99 {padded['ttft_p99_s']:.3f}s | exact "
-                    f"{exact['output_tokens_per_s']:.0f} tokens/s, "
-                    f"compiles {exact['compile_step_share']:.1%} of steps, "
-                    f"{exact['compile_time_share']:.1%} of decode time",
-                    f"{ratio_key} = {sv[ratio_key]:.3f}; gates {_verdict(sv['passed'])}",
-                ]
-                + _live_line(sv),
-            )
+        add(
+            "serve",
+            "serving",
+            [
+                f"{sv['headline_workload']}: padded {padded['output_tokens_per_s']:.0f} tokens/s, "
+                f"{padded['compile_events']} compiles, TTFT p99 {padded['ttft_p99_s']:.3f}s | exact "
+                f"{exact['output_tokens_per_s']:.0f} tokens/s, "
+                f"compiles {exact['compile_step_share']:.1%} of steps, "
+                f"{exact['compile_time_share']:.1%} of decode time",
+                f"{ratio_key} = {sv[ratio_key]:.3f}; gates {_verdict(sv['passed'])}",
+            ]
+            + _live_line(sv),
         )
     if nm := info.get("numerics"):
         f32, b16 = nm["fp32"]["prefill"], nm["bf16"]["prefill"]
-        out.append(
-            (
-                "numerics",
-                [
-                    f"fp32 compiled vs fp64 rel RMS {f32['rel_rms_compiled_vs_fp64']:.1e}, max |compiled-eager| "
-                    f"{nm['max_abs_logit_diff_fp32']:.1e}; "
-                    f"bf16 compiled {b16['rel_rms_compiled_vs_fp64']:.1e} vs eager "
-                    f"{b16['rel_rms_eager_vs_fp64']:.1e}; gates {_verdict(nm['passed'])}"
-                ],
-            )
+        add(
+            "numerics",
+            "numerics",
+            [
+                f"fp32 compiled vs fp64 rel RMS {f32['rel_rms_compiled_vs_fp64']:.1e}, max |compiled-eager| "
+                f"{nm['max_abs_logit_diff_fp32']:.1e}; "
+                f"bf16 compiled {b16['rel_rms_compiled_vs_fp64']:.1e} vs eager "
+                f"{b16['rel_rms_eager_vs_fp64']:.1e}; gates {_verdict(nm['passed'])}"
+            ],
         )
     if pr := info.get("probes"):
         lines = []
@@ -106,11 +114,15 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
             f"3B: {pr['laplace_3b_state_bytes'] / 1e6:.1f} MB vs {pr['laplace_3b_kv_bytes_8192'] / 1e9:.2f} GB "
             f"({pr['laplace_3b_state_vs_kv_8192']:.1f}x); gates {_verdict(pr['passed'])}"
         )
-        out.append(("probes", lines))
+        add("probes", "probes", lines)
     if trk := info.get("tracking"):
-        version = f", registered {trk['model_name']} v{trk['model_version']}" if trk.get("model_version") else ""
-        alias = " (champion)" if trk.get("champion") else " (candidate)" if trk.get("model_version") else ""
-        out.append(("mlflow", [f"run {trk['run_id']} in {trk['tracking_uri']}{version}{alias}"]))
+        lines = [f"run {trk['run_id']} in {trk['tracking_uri']}"]
+        if trk.get("model_version"):
+            alias = "champion" if trk.get("champion") else "candidate"
+            lines.append(f"registered {trk['model_name']} v{trk['model_version']} as {alias}")
+            if trk.get("registered_reason"):
+                lines[-1] += f": {trk['registered_reason']}"
+        out.append(("mlflow", lines))
     return out
 
 
@@ -126,17 +138,35 @@ def _live_line(sv: dict) -> list[str]:
     ]
 
 
-def next_steps(root: Path) -> list[str]:
+def stage_line(stage_metrics: str | None, result: dict, root: Path) -> str:
+    """The one line a stage command ends with: its row of the summary (`stage_metrics` is the
+    stage's metrics name, None for track)."""
+    try:
+        found = rows({stage_metrics or "tracking": result}, root)
+    except (KeyError, TypeError, ValueError, StopIteration):  # figures the row does not expect
+        found = []  # the line is a courtesy: it must never fail a stage that succeeded
+    return "; ".join(line for _, lines in found for line in lines) if found else "done"
+
+
+def next_steps(root: Path, info: dict | None = None) -> list[str]:
+    trk = (info or {}).get("tracking") or {}
+    ui = [f"mlflow ui --backend-store-uri sqlite:///{root / 'mlflow.db'} --host 127.0.0.1 --port 5000"]
+    if trk.get("tracking_uri", "").startswith("http"):
+        ui = []  # a tracking server serves its own UI
+    if trk.get("ui_url"):
+        ui.append(f"open {trk['ui_url']}")
     return [
-        "dvc metrics show | dvc plots show   (open dvc_plots/index.html)",
-        f"mlflow ui --backend-store-uri sqlite:///{root / 'mlflow.db'} --host 127.0.0.1 --port 5000",
-        "make prefect-server; make prefect-worker; prefect deployment run 'laplace-pipeline/tiny'",
+        "dvc metrics diff ; dvc exp show --only-changed --drop 'Created|laplace|.*/.*'   (docs/pipeline.md)",
+        "dvc plots show   (open dvc_plots/index.html)",
+        *ui,
+        "make prefect-server ; make prefect-worker ; export PREFECT_API_URL=http://127.0.0.1:4200/api ;"
+        " prefect deployment run 'laplace-pipeline/tiny'",
     ]
 
 
 def as_text(info: dict, root: Path) -> str:
     lines = ["", "=== Laplace pipeline ==="]
-    for topic, texts in rows(info, root) + [("next", next_steps(root))]:
+    for topic, texts in rows(info, root) + [("next", next_steps(root, info))]:
         for i, text in enumerate(texts):
             lines.append(f"{topic if i == 0 else '':<12}{text}")
     return "\n".join(lines)

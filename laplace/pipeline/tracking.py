@@ -2,12 +2,25 @@
 
 Stages never talk to MLflow while they work: each writes plain metrics and plots to
 disk, and the last stage (`track`) logs the whole pipeline run at once: every
-effective param, each stage's metrics prefixed by the stage (`train/val_loss`), the
-training curve as step metrics, plots as images, the tokenizer, the dataset (with
-its DVC hash as digest) and the model, which is registered with the alias
-`candidate` and moved to `champion` only when every validation stage passed.
-So an MLflow outage never stops training, and every front door (dvc repro, the
-Prefect flow, the CLI) produces the same kind of run.
+effective param, the headline figures under short names (`eval_loss`, `tps`, ...:
+laplace.pipeline.headline; the loss curves as step histories), every detailed figure as
+artifacts (the metrics/*.json files and one table, `figures.json`), plots as images, the
+tokenizer, the dataset (with its DVC hash as digest) and the model. So an MLflow outage
+never stops training, and every front door (dvc repro, the Prefect flow, the CLI)
+produces the same kind of run. The experiment is tagged as model training
+(`mlflow.experimentKind`), so the UI opens on its runs, not on the GenAI overview.
+
+The run starts when the pipeline run did: at the first stage measured in it. A stage that
+DVC did not run this time (up to date, or restored from its run-cache) carries the
+measurement stamp of the run that did, and the MLflow run says so: the tag
+`source.<stage>` reads "cached from run NAME (ID), measured TIME" instead of presenting
+old timings as new.
+
+The model is registered with the alias `candidate`. It takes `champion` only when its
+gates pass (serve-check, numerics, probes) and its validation loss, on the same validation
+windows and tokenizer, is no worse than the current champion's plus
+`tracking.champion_tolerance`; the decision and its reason are the run's tags
+`registered_as` and `registered_reason`, and the summary prints them.
 
 The metrics/ and plots/ files are the spool: when the tracking server is down, `track`
 retries with backoff for `tracking.retry_seconds`, then fails with one line
@@ -26,9 +39,12 @@ import logging
 import os
 import re
 import time
+from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from laplace.config import GenerateSection
+from laplace.pipeline.headline import HEADLINE, gates, mlflow_metrics
 from laplace.pipeline.redact import redact, secret_values
 from laplace.pipeline.store import (
     DEFAULT_RETRY_SECONDS,
@@ -44,8 +60,21 @@ from laplace.pipeline.store import (
 
 log = logging.getLogger(__name__)
 
-# Stages whose metrics carry a `passed` gate; all must pass for the champion alias.
-VALIDATION_STAGES = ("serve", "numerics", "probes")
+# The experiment tag that marks an experiment as model training rather than GenAI development.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# A saved view of the runs table (MLflow 3's "Views" menu keeps them as experiment tags under
+# this prefix) showing the headline figures as columns, and the UI link that opens it. MLflow
+# 3.17's UI opens an experiment in the workflow last picked in the browser (GenAI by default,
+# whatever the tag says) unless the link names one, so the link says `machine_learning`.
+VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+HEADLINE_VIEW = "headline"
+VIEW_PARAMS = ("train.lr", "train.steps", "model.preset")
+# Run tags that say on what the validation loss was measured: two runs compare only when all agree.
+COMPARABLE_TAGS = {
+    "val_split_sha256": "validation split",
+    "tokenizer_sha256": "tokenizer",
+    "val_windows": "validation windows",
+}
 
 
 # --------------------------------------------------------------------------- metrics
@@ -68,13 +97,170 @@ def flatten_metrics(stage: str, metrics: dict) -> dict[str, float]:
     return {re.sub(r"[^\w\-./ ]", "_", k): v for k, v in out.items()}
 
 
-def gates(metrics_by_stage: dict[str, dict]) -> dict[str, bool | None]:
-    """passed / failed / missing (None) for each validation stage."""
-    result = {}
-    for stage in VALIDATION_STAGES:
-        m = metrics_by_stage.get(stage)
-        result[stage] = None if m is None else bool(m.get("passed"))
-    return result
+def headline_view(existing: str | None) -> str | None:
+    """The saved runs-table view "Headline figures" (an MLflow saved-view envelope: name, times,
+    the table state as JSON): the headline metrics and a few params as columns.
+    None when `existing` already holds the same state."""
+    columns = [f"metrics.`{name}`" for name in HEADLINE if name != "gates"]
+    columns += [f"params.`{name}`" for name in VIEW_PARAMS] + ["attributes.`Models`"]
+    # no column order: the table sorts metrics by name (eval_loss first) after Created and Duration
+    state = json.dumps({"selectedColumns": columns})
+    now = int(time.time() * 1000)
+    try:
+        old = json.loads(existing) if existing else None
+    except ValueError:
+        old = None
+    if isinstance(old, dict) and old.get("state") == state:
+        return None
+    created = old.get("createdAt", now) if isinstance(old, dict) else now
+    return json.dumps({"name": "Headline figures", "createdAt": created, "updatedAt": now, "state": state})
+
+
+def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None, base: str | None = None) -> str:
+    """The MLflow UI page of the experiment's runs table in the headline view (or of one run).
+    `base`: the UI's address; default the tracking server itself, or `mlflow ui`'s
+    http://127.0.0.1:5000 for a local store."""
+    if base is None and tracking_uri.startswith("http"):
+        parts = urlsplit(tracking_uri)
+        base = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}"
+    base = base or "http://127.0.0.1:5000"
+    if run_id:
+        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={HEADLINE_VIEW}"
+
+
+def figures_table(metrics_by_stage: dict[str, dict]) -> dict[str, list]:
+    """Every numeric figure of every stage as one table (columns stage, figure, value)."""
+    rows = [
+        (stage, name.split("/", 1)[1], value)
+        for stage, m in sorted(metrics_by_stage.items())
+        for name, value in sorted(flatten_metrics(stage, m).items())
+    ]
+    return {"stage": [r[0] for r in rows], "figure": [r[1] for r in rows], "value": [r[2] for r in rows]}
+
+
+# --------------------------------------------------------------------------- where figures came from
+
+
+def _utc(iso: str | None) -> str:
+    """'2026-11-30T16:52:43Z' -> '2026-11-30 16:52 UTC' (as given when it does not parse)."""
+    try:
+        return datetime.fromisoformat(str(iso).replace("Z", "+00:00")).strftime("%Y-%m-%d %H:%M UTC")
+    except ValueError:
+        return str(iso)
+
+
+def _epoch(iso: str | None) -> float | None:
+    try:
+        return datetime.fromisoformat(str(iso).replace("Z", "+00:00")).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def measurement_sources(client, experiment_id: str, metrics_by_stage: dict[str, dict]) -> dict[str, dict | None]:
+    """For each stage, None when its figures were measured in this pipeline run, else where they
+    came from (`run_id`, `run_name`, `measured_at`). A stage DVC did not run this time (up to
+    date, or restored from its run-cache) keeps the stamp of the run that measured it:
+
+    - the finished MLflow run that first logged that stamp (tag `measured.<stage>`), or
+    - when no run logged it (that pipeline run's track never succeeded, or logged elsewhere)
+      but it finished before the experiment's last finished run ended, an earlier pipeline
+      run all the same (`run_id` None, `measured_at` set);
+
+    a stage without a stamp (written by an older version) is reported as such."""
+    latest = client.search_runs(
+        [experiment_id], "attributes.status = 'FINISHED'", order_by=["attributes.end_time DESC"], max_results=1
+    )
+    last_end = latest[0].info.end_time / 1000 if latest and latest[0].info.end_time else None
+    sources: dict[str, dict | None] = {}
+    for stage, metrics in sorted(metrics_by_stage.items()):
+        stamp = metrics.get("measured") if isinstance(metrics.get("measured"), dict) else None
+        if not stamp or not stamp.get("id"):
+            sources[stage] = {"run_id": None, "run_name": None, "measured_at": None}
+            continue
+        earlier = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`measured.{stage}` = '{stamp['id']}' and attributes.status = 'FINISHED'",
+            order_by=["attributes.start_time ASC"],
+            max_results=1,
+        )
+        finished = _epoch(stamp.get("finished"))
+        if earlier:
+            info = earlier[0].info
+            sources[stage] = {"run_id": info.run_id, "run_name": info.run_name, "measured_at": stamp.get("started")}
+        elif last_end is not None and finished is not None and finished + 1 < last_end:  # stamps keep whole seconds
+            sources[stage] = {"run_id": None, "run_name": None, "measured_at": stamp.get("started")}
+        else:
+            sources[stage] = None
+    return sources
+
+
+def source_text(source: dict | None) -> str:
+    """How a person reads where a stage's figures came from."""
+    if source is None:
+        return "measured in this run"
+    if source.get("run_id") is None:
+        if source.get("measured_at"):
+            return f"cached from an earlier pipeline run not in MLflow, measured {_utc(source['measured_at'])}"
+        return "from an earlier run (no measurement stamp)"
+    return f"cached from run {source['run_name']} ({source['run_id'][:8]}), measured {_utc(source['measured_at'])}"
+
+
+def pipeline_started(metrics_by_stage: dict[str, dict], sources: dict[str, dict | None], fallback: float) -> float:
+    """When this pipeline run began: the start of the earliest stage measured in it."""
+    starts = [
+        _epoch((m.get("measured") or {}).get("started"))
+        for stage, m in metrics_by_stage.items()
+        if sources.get(stage) is None and isinstance(m.get("measured"), dict)
+    ]
+    return min([s for s in starts if s is not None] + [fallback])
+
+
+# --------------------------------------------------------------------------- the champion rule
+
+
+def champion_decision(new: dict, champion: dict | None, tolerance: float) -> tuple[bool, str]:
+    """(take champion?, why). `new` and `champion` hold `val_loss`, the COMPARABLE_TAGS and
+    (for the champion) `version`; `new` also holds `gates` (stage -> True/False/None)."""
+    failed = [f"{stage} {'failed' if ok is False else 'missing'}" for stage, ok in new["gates"].items() if not ok]
+    if failed:
+        return False, f"gates not passed ({', '.join(failed)})"
+    if new.get("val_loss") is None:
+        return False, "no validation loss to compare"
+    if champion is None:
+        return True, "gates passed; no champion before"
+    name = f"champion v{champion['version']}"
+    differ = [what for key, what in COMPARABLE_TAGS.items() if not new.get(key) or new.get(key) != champion.get(key)]
+    if differ:
+        return False, f"not comparable with {name}: different {', '.join(differ)}"
+    if champion.get("val_loss") is None:
+        return False, f"not comparable with {name}: it has no validation loss"
+    limit = champion["val_loss"] + tolerance
+    if new["val_loss"] <= limit:
+        return True, (
+            f"validation loss {new['val_loss']:.4f} <= {name}'s {champion['val_loss']:.4f} + tolerance {tolerance:g}"
+        )
+    return False, (
+        f"validation loss {new['val_loss']:.4f} is worse than {name}'s {champion['val_loss']:.4f} "
+        f"(tolerance {tolerance:g}, tracking.champion_tolerance)"
+    )
+
+
+def current_champion(client, model_name: str) -> dict | None:
+    """The version holding the champion alias: its number, val_loss and comparability tags."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = client.get_model_version_by_alias(model_name, "champion")
+    except MlflowException:  # no such model, or no champion yet
+        return None
+    run = client.get_run(version.run_id)
+    return {
+        "version": version.version,
+        "run_id": version.run_id,
+        "val_loss": run.data.metrics.get("eval_loss"),
+        **{key: run.data.tags.get(key) for key in COMPARABLE_TAGS},
+    }
 
 
 # --------------------------------------------------------------------------- logging a run
@@ -97,18 +283,24 @@ def log_pipeline_run(
     dataset_digest: str | None,
     run_name: str,
     tags: dict[str, str],
+    metrics_dir: Path | None = None,
+    champion_tolerance: float = 0.0,
+    track_started: float | None = None,
     retry_seconds: float | None = None,
 ) -> dict:
-    """Create one MLflow run holding the whole pipeline run. Returns ids and the model version.
+    """Create one MLflow run holding the whole pipeline run. Returns ids, the model version, the
+    alias it got and why, and where each stage's figures came from.
 
     First waits up to `retry_seconds` (default: the params' tracking.retry_seconds) for the
     tracking server, else raises TrackingUnavailable having logged nothing. Param and tag
-    values go through `redact`."""
+    values go through `redact`. `tags` should hold the COMPARABLE_TAGS of this run's
+    validation loss; `track_started` (epoch seconds) is when the track stage began."""
     import mlflow
     from mlflow import MlflowClient
 
     if retry_seconds is None:
         retry_seconds = float(params.get("tracking.retry_seconds", DEFAULT_RETRY_SECONDS))
+    track_started = time.time() if track_started is None else track_started
     secrets = secret_values()
     uri, artifacts = tracking_store(root)
     deadline = wait_for_tracking(uri, retry_seconds)
@@ -117,27 +309,48 @@ def log_pipeline_run(
 
     def ensure_experiment():
         found = client.get_experiment_by_name(experiment)
-        if found is not None:
-            return found.experiment_id
-        return client.create_experiment(experiment, artifact_location=artifacts)
+        experiment_id = (
+            found.experiment_id
+            if found is not None
+            else client.create_experiment(experiment, artifact_location=artifacts)
+        )
+        tags = found.tags if found is not None else {}
+        if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
+            client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+        view = headline_view(tags.get(VIEW_TAG_PREFIX + HEADLINE_VIEW))
+        if view is not None:
+            client.set_experiment_tag(experiment_id, VIEW_TAG_PREFIX + HEADLINE_VIEW, view)
+        return experiment_id
 
     experiment_id = _retrying(ensure_experiment, uri, deadline, retry_seconds)
+    sources = _retrying(
+        lambda: measurement_sources(client, experiment_id, metrics_by_stage), uri, deadline, retry_seconds
+    )
+    champion = (
+        _retrying(lambda: current_champion(client, model_name), uri, deadline, retry_seconds) if register else None
+    )
     gate_results = gates(metrics_by_stage)
-    champion = bool(gate_results) and all(v is True for v in gate_results.values())
     all_tags = {
         **tags,
         "params_hash": params_hash,
         **{f"gate.{k}": {True: "passed", False: "failed", None: "missing"}[v] for k, v in gate_results.items()},
+        **{
+            f"measured.{stage}": m["measured"]["id"]
+            for stage, m in metrics_by_stage.items()
+            if isinstance(m.get("measured"), dict) and m["measured"].get("id")
+        },
+        **{f"source.{stage}": source_text(source) for stage, source in sources.items()},
     }
-    try:  # MLflow's own run-context tags (user, source, git) come from the environment too
+    try:  # MLflow's own run-context tags (user, source, git), as mlflow.start_run would add them
         from mlflow.tracking.context.registry import resolve_tags
 
-        all_tags = {**{k: v for k, v in resolve_tags({}).items() if redact(v, secrets) != v}, **all_tags}
+        all_tags = resolve_tags(all_tags)
     except ImportError:
         pass
-    all_tags = {k: redact(v, secrets) for k, v in all_tags.items()}
+    all_tags = {k: redact(str(v), secrets) for k, v in all_tags.items()}
+    started = pipeline_started(metrics_by_stage, sources, fallback=track_started)
 
-    run_id = None
+    run_id, version, decision = None, None, (False, "not registered")
     # MLflow prints "View run ... at: <tracking URI>/#/..." to stdout, credentials included: with
     # a user:password URI, silence it and log the link with the password masked instead.
     hide_url = redact(uri, secrets) != uri
@@ -145,8 +358,12 @@ def log_pipeline_run(
     try:
         if hide_url:
             os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-        with mlflow.start_run(experiment_id=experiment_id, run_name=redact(run_name, secrets), tags=all_tags) as run:
-            run_id = run.info.run_id
+        # created with the pipeline's start time, so the run's duration is the pipeline run's
+        created = client.create_run(
+            experiment_id, start_time=int(started * 1000), tags=all_tags, run_name=redact(run_name, secrets)
+        )
+        run_id = created.info.run_id
+        with mlflow.start_run(run_id=run_id):
             version = _log_run_contents(
                 client,
                 run_id,
@@ -155,14 +372,22 @@ def log_pipeline_run(
                 metrics_by_stage=metrics_by_stage,
                 step_series=step_series,
                 plots_dir=plots_dir,
+                metrics_dir=metrics_dir,
                 tokenizer_path=tokenizer_path,
                 export_dir=export_dir,
                 dataset_path=dataset_path,
                 dataset_digest=dataset_digest,
                 model_name=model_name,
                 register=register,
-                champion=champion,
             )
+            if register and version is not None:
+                new = {"val_loss": (metrics_by_stage.get("train") or {}).get("val_loss"), "gates": gate_results}
+                new.update({key: tags.get(key) for key in COMPARABLE_TAGS})
+                decision = champion_decision(new, champion, champion_tolerance)
+                _assign_aliases(client, model_name, version, decision)
+            registered_as = ("champion" if decision[0] else "candidate") if version is not None else "not registered"
+            client.set_tag(run_id, "registered_as", registered_as)
+            client.set_tag(run_id, "registered_reason", decision[1])
     except Exception as exc:  # the server went away mid-run: the same one line as above
         if isinstance(exc, TrackingUnavailable) or not _connection_lost(exc):
             raise
@@ -182,15 +407,31 @@ def log_pipeline_run(
             experiment_id,
             run_id,
         )
+    if version is not None:
+        log.info("%s v%s: %s (%s)", model_name, version, "champion" if decision[0] else "candidate", decision[1])
     return {
         "tracking_uri": redact(uri, secrets),
         "experiment_id": experiment_id,
+        "ui_url": ui_url(redact(uri, secrets), experiment_id),
         "run_id": run_id,
+        "run_name": redact(run_name, secrets),
+        "started": datetime.fromtimestamp(started, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "model_name": model_name if register else None,
         "model_version": int(version) if version is not None else None,
-        "champion": champion and version is not None,
+        "champion": decision[0] and version is not None,
+        "registered_reason": decision[1],
         "gates": {k: v for k, v in gate_results.items()},
+        "sources": sources,
     }
+
+
+def _assign_aliases(client, model_name: str, version, decision: tuple[bool, str]) -> None:
+    """`candidate` always; `champion` when the rule said so. The reason goes on the version too."""
+    take, reason = decision
+    client.set_registered_model_alias(model_name, "candidate", str(version))
+    client.set_model_version_tag(model_name, str(version), "registered_reason", reason)
+    if take:
+        client.set_registered_model_alias(model_name, "champion", str(version))
 
 
 def _log_run_contents(
@@ -202,15 +443,16 @@ def _log_run_contents(
     metrics_by_stage,
     step_series,
     plots_dir,
+    metrics_dir,
     tokenizer_path,
     export_dir,
     dataset_path,
     dataset_digest,
     model_name,
     register,
-    champion,
 ) -> int | str | None:
-    """Params, metrics, dataset input, artifacts and the model of the active run; the model version."""
+    """Params, headline metrics, dataset input, artifacts and the model of the active run; the
+    model version. The detailed figures are artifacts: metrics/*.json and the table figures.json."""
     import mlflow
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
@@ -219,12 +461,13 @@ def _log_run_contents(
 
     now = int(time.time() * 1000)
     param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(params.items())]
-    metrics = [
-        Metric(k, v, now, 0)
-        for stage, m in sorted(metrics_by_stage.items())
-        for k, v in sorted(flatten_metrics(stage, m).items())
-    ]
-    metrics += [Metric(k, float(v), now, int(step)) for k, series in step_series.items() for step, v in series]
+    # one value each, except the names with a step history (the loss curves), logged as the history
+    # The histories first, in HEADLINE's order, then the single values: MLflow lists a run's metrics
+    # in the order they were first logged, and its compare view charts the first: eval_loss.
+    single = mlflow_metrics(metrics_by_stage)
+    order = [k for k in HEADLINE if k in step_series] + [k for k in HEADLINE if k in single and k not in step_series]
+    metrics = [Metric(k, float(v), now, int(step)) for k in order if k in step_series for step, v in step_series[k]]
+    metrics += [Metric(k, single[k], now, 0) for k in order if k not in step_series]
     for i in range(0, len(param_items), 100):
         client.log_batch(run_id, params=param_items[i : i + 100])
     for i in range(0, len(metrics), 500):
@@ -238,6 +481,10 @@ def _log_run_contents(
         mlflow.log_input(dataset, context="training")
     if plots_dir is not None and plots_dir.exists():
         mlflow.log_artifacts(str(plots_dir), "plots")
+    if metrics_dir is not None and metrics_dir.exists():
+        mlflow.log_artifacts(str(metrics_dir), "metrics")
+    if metrics_by_stage:
+        mlflow.log_table(figures_table(metrics_by_stage), "figures.json")
     if tokenizer_path is not None and tokenizer_path.exists():
         mlflow.log_artifact(str(tokenizer_path), "tokenizer")
 
@@ -273,12 +520,7 @@ def _log_run_contents(
         pip_requirements=["torch>=2.13", "numpy", "safetensors", "tokenizers", "pandas"],
         registered_model_name=model_name if register else None,
     )
-    version = info.registered_model_version
-    if register and version is not None:
-        client.set_registered_model_alias(model_name, "candidate", str(version))
-        if champion:
-            client.set_registered_model_alias(model_name, "champion", str(version))
-    return version
+    return info.registered_model_version
 
 
 def load_registered_model(root: Path, model_name: str, alias: str = "candidate"):

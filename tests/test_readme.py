@@ -1,0 +1,237 @@
+"""Every command and snippet in README.md runs as written (issue 17, item 5).
+
+The cheap ones run here, against a tiny trained, exported and tracked project: the predict
+snippet (whose greedy output must equal `laplace generate`'s), `laplace generate`, `laplace
+info`, `laplace summary` and the bad-key example with its exact output. The rest run end to
+end in the test named for each (full pipelines, or servers), and this test checks that file
+really runs that command, so a new README command without a test fails here."""
+
+import ast
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from laplace.pipeline import summary
+
+from project import BIN, ROOT, env
+
+README = (ROOT / "README.md").read_text()
+TESTS = ROOT / "tests"
+
+# command (a prefix of the README line) -> (test file, words that file must contain to run it)
+RUN_ELSEWHERE = {
+    "make run": ("test_pipeline_dvc.py", ['"laplace"', '"run"']),  # `make run` is `laplace run`
+    "make test": (".ci/run", ["make test"]),  # CI is `make lint` and `make test`
+    "dvc repro": ("test_pipeline_dvc.py", ['"repro"']),
+    "git add -A": ("project.py", ['"add", "-A"', '"commit"']),
+    "git commit": ("project.py", ['"commit"']),
+    "dvc exp run --set-param train.lr=0.001": ("test_pipeline_dvc.py", ['"exp"', '"run"', '"--set-param"']),
+    "dvc metrics diff": ("test_pipeline_dvc.py", ['"metrics", "diff"']),
+    "dvc exp show --only-changed": ("test_pipeline_dvc.py", ['"--only-changed"', '"Created|laplace|.*/.*"']),
+    "dvc plots diff": ("test_pipeline_dvc.py", ['"plots", "diff"']),
+    "make prefect-server": ("test_pipeline_prefect.py", ['"server", "start"']),
+    "make prefect-worker": ("test_pipeline_prefect.py", ['"work-pool", "create"', '"deploy"', '"worker", "start"']),
+    "export PREFECT_API_URL=": ("test_pipeline_prefect.py", ["PREFECT_API_URL"]),
+    "prefect deployment run 'laplace-pipeline/tiny' --watch": ("test_pipeline_prefect.py", ['"deployment"', "--watch"]),
+    "prefect deployment run 'laplace-pipeline/tiny' -p": ("test_pipeline_prefect.py", ['"overrides"']),
+    "make mlflow-ui": ("test_readme.py", ['"ui"', '"--backend-store-uri"']),
+    "laplace plan": ("test_distributed.py", ['"plan"', '"--nproc"']),
+    "laplace serve --model models:/laplace-gla@champion": ("test_mlflow_model.py", ['"serve", "--model", uri']),
+    "laplace corpus": ("test_pipeline_dvc.py", ['"repro"']),
+    "laplace tokenize": ("test_pipeline_dvc.py", ['"repro"']),  # dvc.yaml's cmds are `laplace <stage>`
+    "laplace warmup": ("test_pipeline_dvc.py", ['"repro"']),
+    "laplace train": ("test_pipeline_dvc.py", ['"repro"']),
+    "laplace export": ("test_pipeline_dvc.py", ['"repro"']),
+    "laplace serve-check": ("test_pipeline_dvc.py", ['"repro"']),
+    "laplace numerics": ("test_pipeline_dvc.py", ['"repro"']),
+    "laplace probes": ("test_pipeline_dvc.py", ['"repro"']),
+    "laplace track": ("test_tracking_outage.py", ['"track"']),
+    "laplace run": ("test_pipeline_frame.py", ['"laplace", "run"']),
+}
+RUN_HERE = ("laplace info", "laplace generate", "laplace summary")
+SHELL_SETUP = ("source .venv/bin/activate",)  # not a project command
+
+
+def bash_commands(text: str) -> list[str]:
+    """Every command line of the README's bash blocks (comments cut, `;` and `&&` split)."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            found += [part.strip() for part in re.split(r" ; | && ", line) if part.strip()]
+    return found
+
+
+def test_every_readme_command_is_run_by_a_test():
+    commands = bash_commands(README)
+    assert len(commands) > 20
+    for command in commands:
+        if command.startswith(RUN_HERE + SHELL_SETUP):
+            continue
+        matches = [k for k in RUN_ELSEWHERE if command.startswith(k)]
+        assert matches, f"README command {command!r} is run by no test: add it to RUN_ELSEWHERE or RUN_HERE"
+        where, words = RUN_ELSEWHERE[max(matches, key=len)]
+        source = (ROOT / where if where.startswith(".") else TESTS / where).read_text()
+        missing = [w for w in words if w not in source]
+        assert not missing, f"{where} does not run {command!r} (no {missing})"
+    # the Prefect commands need the API URL, set before the first `prefect` command
+    first_prefect = next(i for i, c in enumerate(commands) if c.startswith("prefect "))
+    assert "export PREFECT_API_URL=http://127.0.0.1:4200/api" in commands[:first_prefect]
+    assert any("PREFECT_API_URL=http://127.0.0.1:4200/api" in line for line in summary.next_steps(Path("/p")))
+
+
+@pytest.fixture(scope="module")
+def project(tiny_artifacts, tmp_path_factory):
+    """A tiny project after a pipeline run: its export, data, metrics and a champion in MLflow."""
+    from test_compare import prepare_project
+
+    root = prepare_project(tmp_path_factory.mktemp("readme"), tiny_artifacts)
+    out = subprocess.run(
+        [str(BIN / "laplace"), "track", "--set", "tracking.retry_seconds=0"],
+        cwd=root,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "champion" in out.stdout
+    return root
+
+
+def readme_command(prefix: str) -> list[str]:
+    (line,) = [c for c in bash_commands(README) if c.startswith(prefix)]
+    return shlex.split(line)
+
+
+def laplace(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    assert args[0] == "laplace"
+    return subprocess.run(
+        [str(BIN / "laplace"), *args[1:]], cwd=cwd, env=env(), capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_the_predict_snippet_runs_as_written_and_matches_the_cli_greedy_output(project):
+    (snippet,) = re.findall(r"```python\n(.*?)```", README, re.S)
+    assert 'pd.DataFrame({"prompt": ["The function"]})' in snippet  # the signature's input, one row a prompt
+    code = snippet.replace("sqlite:////ABS/PATH/mlflow.db", f"sqlite:///{project / 'mlflow.db'}")
+    out = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (completion,) = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert "['The function']" not in completion  # the prompt reached the model as text, not a list's repr
+    # the same prompt, greedy, the same number of tokens, through the CLI
+    cli = laplace(shlex.split('laplace generate --prompt "The function" --max-new-tokens 32 --temperature 0'), project)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == "The function" + completion + "\n"
+
+
+@pytest.mark.slow
+def test_the_readme_laplace_commands_run_as_written(project):
+    out = laplace(readme_command("laplace generate"), project)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("The function")
+    text = out.stdout[len("The function") :].strip()
+    # text, or one line saying why there is none
+    assert text or "laplace generate: no text generated: " in out.stderr, (out.stdout, out.stderr)
+
+    out = laplace(readme_command("laplace info"), project)
+    import json
+
+    facts = json.loads(out.stdout)
+    assert facts["preset"] == "laplace-3b" and facts["params"] > 2.5e9
+
+    out = laplace(readme_command("laplace summary"), project)
+    assert out.returncode == 0 and "registered laplace-gla v1 as champion" in out.stdout
+
+    # the bad-key example prints exactly what the README shows, and exits 2
+    (example,) = re.findall(r"```\n\$ (laplace train --set train\.lrr=0\.01)\n(.*?)\n```", README, re.S)
+    out = laplace(shlex.split(example[0]), project)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == example[1]
+
+
+def test_generate_says_why_when_it_produced_no_text(monkeypatch, capsys, tmp_path):
+    """The model may end the text at once (it samples end-of-text first): the CLI says so rather
+    than print the prompt alone. The model is replaced here by its outcome."""
+    import laplace.serving.sampling as sampling
+    from laplace.pipeline.cli import main
+
+    monkeypatch.setattr(
+        sampling, "generate_text", lambda *a, **kw: {"prompt": "The function", "completion": "", "new_tokens": 1}
+    )
+    assert main(["generate", "--params", str(ROOT / "params.yaml"), "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "The function\n"
+    assert out.err.strip() == (
+        "laplace generate: no text generated: the model sampled end-of-text after 1 token(s); "
+        "try another --seed, or --temperature 0 (greedy)"
+    )
+
+
+@pytest.mark.slow
+def test_the_mlflow_ui_serves_the_runs_table_with_the_headline_columns(project):
+    """`make mlflow-ui`'s command on the project's store; the runs table reads the run through
+    the UI's own API: the headline metrics as the run's metrics, the experiment marked as
+    model training (so MLflow 3 opens its runs table, not the GenAI overview)."""
+    import json
+    import time
+    import urllib.request
+
+    from project import free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [str(BIN / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{project / 'mlflow.db'}"]
+        + ["--host", "127.0.0.1", "--port", str(port)],
+        cwd=project,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def call(path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    try:
+        deadline = time.monotonic() + 300  # four uvicorn workers start slowly on a loaded machine
+        while True:
+            assert server.poll() is None, "mlflow ui exited"
+            try:
+                experiment = call("/ajax-api/2.0/mlflow/experiments/get-by-name?experiment_name=laplace")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "mlflow ui did not answer in 300 s"
+                time.sleep(0.5)
+        tags = {t["key"]: t["value"] for t in experiment["experiment"]["tags"]}
+        assert tags["mlflow.experimentKind"] == "custom_model_development"
+        found = call(
+            "/ajax-api/2.0/mlflow/runs/search", {"experiment_ids": [experiment["experiment"]["experiment_id"]]}
+        )
+        (run,) = found["runs"]
+        # the compare view charts the first metric the UI receives: the validation loss
+        assert run["data"]["metrics"][0]["key"] == "eval_loss"
+        metrics = {m["key"] for m in run["data"]["metrics"]}
+        assert metrics == {"eval_loss", "train_loss", "tps", "srv_tps", "ttft_p99", "srv_compile"} | {
+            f"gate_{s}" for s in ("serve", "numerics", "probes")
+        }
+        with urllib.request.urlopen(base + "/", timeout=10) as r:
+            assert r.status == 200 and b"<html" in r.read().lower()  # the UI page itself
+    finally:
+        import os
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)  # the CLI and its uvicorn workers
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
