@@ -3,9 +3,9 @@
 For each preset (default `tiny` and `small`) it builds the model and Muon+AdamW, then
 times full training steps (forward, loss, backward, optimizer step), eager and with the
 loss compiled (`torch.compile(fullgraph=True, dynamic=False)`: Inductor fuses the
-forward and, through AOTAutograd, the backward) and the Muon update compiled
-(CompiledMuonUpdate, the LR a tensor; AdamW foreach, fused on CUDA). The optimizer step
-is reported apart, as is forward+backward alone. Model FLOPs per
+forward and, through AOTAutograd, the backward), and on CUDA the Muon update compiled
+(CompiledMuonUpdate, the LR a tensor; AdamW fused), as train.compile does. The optimizer
+step is reported apart, as is forward+backward alone. Model FLOPs per
 token are counted from the modules (6 x matmul parameters + the GLA core and short
 convolutions, forward + backward); MFU = model FLOP/s / the fp32 matmul peak measured
 in the same run. Prints a table and one JSON object.
@@ -109,8 +109,8 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, peak: float,
     for mode in ("eager", "compiled"):
         torch.manual_seed(0)
         model = LaplaceLM(cfg).to(device)
-        # compiled: the loss and the Muon update (laplace.optim.muon.CompiledMuonUpdate), AdamW foreach/fused
-        backend = "inductor" if mode == "compiled" else None
+        # compiled: the loss, and on CUDA the Muon update too (CompiledMuonUpdate; AdamW fused), as training does
+        backend = "inductor" if mode == "compiled" and device.type == "cuda" else None
         optimizer = MuonAdamW(model, 1e-3, AdamWSection(), MuonSection(), compile_backend=backend)
 
         def loss_fn(x, y, model=model):

@@ -195,8 +195,10 @@ def train(
 
         mesh = init_device_mesh(group.device.type, (group.world,))
         model = build_model(model_cfg, mesh, group.device, t, cfg.seed)
-        # train.compile also compiles the Muon update (the LR a tensor: the schedule never recompiles)
-        backend = compile_backend(group.device) if t.compile else None
+        # train.compile on CUDA also compiles the Muon update (the LR a tensor: the schedule never
+        # recompiles). Not on CPU: there Inductor's OpenMP loops over many small tensors measured
+        # slower than eager when the cores were shared (bench/RESULTS.md), and eager is not launch-bound.
+        backend = compile_backend(group.device) if t.compile and group.device.type == "cuda" else None
         optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon, compile_backend=backend)
         return _loop(
             cfg,
