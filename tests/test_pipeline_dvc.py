@@ -7,6 +7,7 @@ import json
 import shutil
 from datetime import datetime
 
+import mlflow
 import pandas as pd
 import pytest
 import yaml
@@ -41,6 +42,7 @@ HEADLINE = {"eval_loss", "train_loss", "tps", "srv_tps", "ttft_p99", "srv_compil
 
 def figures(c, run) -> dict[tuple[str, str], float]:
     """The run's table of every detailed figure: (stage, figure) -> value."""
+    mlflow.set_tracking_uri(c.tracking_uri)  # load_table finds the run through the default store
     table = c.load_table(run.info.experiment_id, "figures.json", run_ids=[run.info.run_id])
     return {(s, f): v for s, f, v in zip(table.stage, table.figure, table.value)}
 
@@ -117,9 +119,9 @@ def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, f
     assert [m.step for m in history] == list(range(1, 7))
     assert [m.step for m in c.get_metric_history(r.info.run_id, "eval_loss")] == [0, 3, 6]
     # the run lasts as long as the pipeline run: it starts when the first stage started
-    tokenize = json.loads((repo / "metrics/tokenize.json").read_text())["measured"]
-    assert abs(r.info.start_time / 1000 - epoch(tokenize["started"])) < 2
-    assert all(r.data.tags[f"source.{s}"] == "measured in this run" for s in ("tokenize", "train", "probes"))
+    corpus = json.loads((repo / "metrics/corpus.json").read_text())["measured"]  # the first stage
+    assert abs(r.info.start_time / 1000 - epoch(corpus["started"])) < 2
+    assert all(r.data.tags[f"source.{s}"] == "measured in this run" for s in ("corpus", "tokenize", "train", "probes"))
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     data_md5 = next(o["md5"] for o in lock["stages"]["tokenize"]["outs"] if o["path"] == "data/tokenized")
     assert r.data.tags["dvc_data_hash"] == data_md5
@@ -194,7 +196,9 @@ def test_params_change_reruns_only_downstream_and_experiments_compare(repo, firs
     assert "eval_loss" in diff["metrics.json"] and "metrics/train.json" not in diff  # the headline only
     # the README's comparisons print readably at an 80-column terminal
     narrow = env(COLUMNS="80")
-    exp_show = ["exp", "show", "--only-changed", "--drop", "Created|laplace|.*/.*", "--no-pager"]
+    # (the README changes one param; this experiment two: the launch knob is dropped as well)
+    readme_drop = "Created|laplace|.*/.*"
+    exp_show = ["exp", "show", "--only-changed", "--drop", readme_drop + "|train.nproc_per_node", "--no-pager"]
     for command in (["metrics", "show"], ["metrics", "diff"], exp_show):
         out = run(DVC + command, repo, env=narrow).stdout
         assert max(map(len, out.splitlines())) <= 80 and "…" not in out, out
