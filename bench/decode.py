@@ -10,7 +10,11 @@ all layers), the cost our state avoids. Also the state bytes per sequence (the r
 State tensors) vs the KV cache a transformer keeps. Prints a table and one JSON object.
 
     .venv/bin/python bench/decode.py [--preset small] [--contexts 512 2048 8192]
-        [--widths 1 2 4 8 16 32] [--device cuda]
+        [--widths 1 2 4 8 16 32] [--device cuda] [--engine]
+
+`--engine` times the serving engine's decode step instead (laplace.serving.engine: the whole
+step, sampler included, compiled per width; with CUDA graphs on CUDA), tokens read back once
+per step.
 """
 
 from __future__ import annotations
@@ -65,6 +69,28 @@ def time_decode(model: LaplaceLM, state: State, steps: int, seed: int) -> float:
     return statistics.median(times[1:])
 
 
+def time_engine_decode(engine, state: State, width: int, steps: int, seed: int) -> float:
+    """Median seconds of one step of the serving engine's decode graph (model, state writes and
+    the on-device sampler; CUDA graphs on CUDA) on `width` slots holding `state`, the produced
+    tokens read back once per step as the engine reads them."""
+    slots = torch.arange(width, device=engine.device)
+    engine.state.recurrent[:, :width] = state.recurrent
+    if state.conv is not None:
+        engine.state.conv[:, :width] = state.conv
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, engine.model.cfg.vocab_size, (width,), generator=gen).to(engine.device)
+    greedy = torch.zeros(width, device=engine.device), torch.ones(width, device=engine.device)
+    keys = torch.zeros(width, dtype=torch.long, device=engine.device)
+    times = []
+    for _ in range(steps + 1):
+        synchronize(engine.device)
+        start = time.perf_counter()
+        next_tokens = engine.step_rows(tokens, slots, *greedy, keys)[0].tolist()
+        times.append(time.perf_counter() - start)
+        tokens = torch.tensor(next_tokens, device=engine.device)
+    return statistics.median(times[1:])
+
+
 def kv_attention_seconds(cfg, context: int, steps: int, device) -> float:
     """One decode token's softmax attention over `context` cached keys/values, every layer."""
     H, D = cfg.n_heads, cfg.d_model // cfg.n_heads
@@ -95,6 +121,11 @@ def main(argv=None) -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per (context, width, round)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="time the serving engine's compiled decode step (CUDA graphs on CUDA) instead of eager decode_step",
+    )
     add_device_argument(ap)
     args = ap.parse_args(argv)
     device, kept = prepare_device(args.device)
@@ -108,10 +139,32 @@ def main(argv=None) -> None:
             states[c] = state_after(model, c, seed=c)
             prefill_s[c] = time.perf_counter() - start
         samples = {(c, w): [] for c in args.contexts for w in args.widths}
+        engine = None
+        if args.engine:
+            from laplace.runtime import configure_compiler
+            from laplace.serving.engine import DecodeEngine
+
+            ladder = sorted(set(args.widths))
+            engine = DecodeEngine(
+                model,
+                max_slots=ladder[-1],
+                ladder=ladder,
+                prefill_buckets=[16],
+                max_prompt_tokens=16,
+                compile_scope="model",
+            )
+            configure_compiler(engine.graphs_needed())
+            start = time.perf_counter()
+            engine.warmup(widths=ladder, buckets=[])
+            compile_s = time.perf_counter() - start
         for r in range(args.rounds):
             for w in args.widths:
                 for c in args.contexts:
-                    samples[(c, w)].append(time_decode(model, widened(states[c], w), args.steps, seed=r))
+                    if engine is not None:
+                        seconds = time_engine_decode(engine, states[c], w, args.steps, seed=r)
+                    else:
+                        seconds = time_decode(model, widened(states[c], w), args.steps, seed=r)
+                    samples[(c, w)].append(seconds)
         step_s = {key: statistics.median(v) for key, v in samples.items()}
         kv_s = {c: kv_attention_seconds(cfg, c, args.steps, device) for c in args.contexts}
 
@@ -122,6 +175,8 @@ def main(argv=None) -> None:
         "machine": machine(device),
         "kept_cpu_allocations": kept,
         "preset": args.preset,
+        "mode": "engine (compiled step, CUDA graphs on CUDA)" if engine is not None else "eager decode_step",
+        "engine_warmup_s": compile_s if engine is not None else None,
         "params": sum(p.numel() for p in model.parameters()),
         "decode_s_per_step": {str(c): {str(w): step_s[(c, w)] for w in args.widths} for c in args.contexts},
         "decode_s_per_token": {str(c): {str(w): step_s[(c, w)] / w for w in args.widths} for c in args.contexts},
@@ -134,7 +189,8 @@ def main(argv=None) -> None:
         "kv_cache_bytes_bf16": {str(c): kv_cache_bytes(cfg, c) for c in args.contexts},
         "state_vs_kv": {str(c): kv_cache_bytes(cfg, c) / state_bytes for c in args.contexts},
     }
-    print(f"{args.preset} on {device}: {result['params'] / 1e6:.1f}M parameters, fp32, eager; seconds per decode step")
+    how = "the engine's compiled step" if engine is not None else "eager"
+    print(f"{args.preset} on {device}: {result['params'] / 1e6:.1f}M parameters, fp32, {how}; seconds per decode step")
     rows = [
         [c, *(step_s[(c, w)] for w in args.widths), kv_s[c], state_bytes, kv_cache_bytes(cfg, c)] for c in args.contexts
     ]

@@ -1,41 +1,64 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run (CI has none; see bench/RESULTS.md, "On a GPU"):
-#   1. the device-parametrised numerical tests ([cuda] ids) against their fp64 / torch.optim.Muon references,
-#   2. the three benchmarks with --device cuda (the training step on `small`),
-#   3. the training step again at a GPU-sized batch,
-#   4. the distributed training step (FSDP2 + ShardedMuonAdamW, one NCCL rank),
-#   5. a 1-rank NCCL pipeline training of `small` (`laplace tokenize` + `laplace train`, bf16): every
-#      collective of the trainer (FSDP2's, the Muon exchange, the verdicts, DCP's) goes through NCCL,
-#      which serves only cuda, so a host tensor would stop it with "No backend type associated with
-#      device type cpu"; the checkpoint it writes is resumed by a second `laplace train`.
-# Steps 1-4 need only torch, pytest, pyyaml and safetensors: they run from a bare checkout with PYTHONPATH.
-# Step 5 runs the CLI, so it also needs the project's light dependencies (tokenizers, numpy, tqdm,
-# matplotlib, psutil); nothing is downloaded (the corpus is the Python docs shipped with Python).
-# Logs go to $OUT (or bench/gpu-out). Each step has its own time limit so one slow step
-# cannot eat the others' time; a failed step does not stop the rest.
+# The checks that need a CUDA GPU, in one run that fits 10 minutes (CI has none; see bench/RESULTS.md,
+# "On a GPU"). Usage, from the repository root:  bash bench/gpu_check.sh   (BUDGET_S=570 by default)
+#   1. the CUDA tests: fla vs torch kernels (outputs, final states, gradients; strong decays, ragged T,
+#      initial state, decode after prefill), the CUDA-graph decode step against eager over 64 steps
+#      at every warmed width, the compiled Muon, and the device-parametrised numerical tests,
+#   2. gla_scaling with model.kernel fla against SDPA (8k and 32k tokens) and the torch form,
+#   3. decode through the serving engine's CUDA-graph step, widths up to 32, contexts 512..8192,
+#   4. the training step of `small`: FSDP2 on one rank, bf16, 32 x 1024 tokens, compiled per block
+#      with the compiled Muon update and fused AdamW; tokens/s and MFU against the measured bf16 peak,
+#   5. if the budget has time left (BUDGET_S=1200 for all): the eager/compiled fp32 training step at
+#      8 x 256 (as in the CPU table) and a 1-rank NCCL pipeline training of `small` (`laplace
+#      tokenize` + `laplace train`, bf16) with a resume from its checkpoint.
+# Each step has its own time limit, cut to what is left of the budget, so one slow step cannot eat
+# the others'; a failed step does not stop the rest; a step with under 20 s left is skipped.
+# Every benchmark prints one JSON line on stdout: {"benchmark", "exit", "seconds", "result"}, where
+# result is the benchmark's own JSON object (null if it failed). Logs go to $OUT (or bench/gpu-out).
+# Steps 1-5 need torch, pytest, pyyaml, safetensors and the [cuda] extra (fla-core); step 6 runs the
+# CLI and needs the project's light dependencies too. Nothing is downloaded. Scripts run with
+# python -P: bench/tokenize.py would otherwise shadow the standard library's tokenize.
 set -uo pipefail
 out=${OUT:-bench/gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-step() {  # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s)"
+deadline=$((SECONDS + ${BUDGET_S:-570}))
+step() {  # step KIND NAME SECONDS CMD...   (KIND: test or bench)
+  local kind=$1 name=$2 limit=$3; shift 3
+  local left=$((deadline - SECONDS))
+  if ((left < 20)); then
+    echo "=== $name: skipped, ${left}s of the budget left"
+    [[ $kind == bench ]] && echo "{\"benchmark\": \"$name\", \"exit\": null, \"seconds\": 0, \"result\": null}"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  echo "=== $name (limit ${limit}s)" >&2
   local start=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name: exit $rc after $((SECONDS - start)) s"
-  tail -n 15 "$out/$name.log" | cut -c1-400
+  local rc=$? took=$((SECONDS - start))
+  echo "=== $name: exit $rc after ${took} s" >&2
+  if [[ $kind == bench ]]; then
+    local result
+    result=$(grep '^{' "$out/$name.log" | tail -n 1)
+    echo "{\"benchmark\": \"$name\", \"exit\": $rc, \"seconds\": $took, \"result\": ${result:-null}}"
+  else
+    tail -n 15 "$out/$name.log" | cut -c1-400 >&2
+  fi
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >"$out/gpu.txt" 2>&1
 "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' >>"$out/gpu.txt" 2>&1
-cat "$out/gpu.txt"
-step tests 150 "$py" -m pytest -q -p no:cacheprovider -k cuda tests/test_gla.py tests/test_model.py tests/test_muon.py
-step gla_scaling 80 "$py" bench/gla_scaling.py --device cuda --repeats 10
-step decode 50 "$py" bench/decode.py --device cuda
-step train_step 150 "$py" bench/train_step.py --device cuda --presets small --steps 5
-step train_step_big 120 "$py" bench/train_step.py --device cuda --presets small --batch 32 --seq-len 1024 --steps 5
-step train_step_dist 150 "$py" bench/train_step.py --distributed --device cuda --worlds 1 --presets small --steps 5
+"$py" -c 'import fla; print("fla", fla.__version__)' >>"$out/gpu.txt" 2>&1
+cat "$out/gpu.txt" >&2
+step test tests 170 "$py" -m pytest -q -p no:cacheprovider -rs -k "cuda or fla" tests/test_kernels.py \
+  tests/test_decode_step.py tests/test_muon.py tests/test_gla.py tests/test_model.py
+step bench gla_scaling_fla 110 "$py" -P bench/gla_scaling.py --device cuda --kernel fla --repeats 10 \
+  --lengths 512 2048 8192 32768 --recurrent-repeats 0
+step bench decode_engine 90 "$py" -P bench/decode.py --device cuda --engine --widths 1 8 32 --rounds 2
+step bench train_step_bf16 200 "$py" -P bench/train_step.py --distributed --device cuda --worlds 1 --presets small \
+  --precision bf16 --compile --batch 32 --seq-len 1024 --steps 5
+# with the default budget the steps below are usually skipped; BUDGET_S=1200 runs them too
+step bench train_step 150 "$py" -P bench/train_step.py --device cuda --presets small --steps 5
 pipeline_train() {  # tokenize a small corpus, train `small` on one NCCL rank, then resume from its checkpoint
   local proj args
   proj=$(mktemp -d)
@@ -47,4 +70,4 @@ pipeline_train() {  # tokenize a small corpus, train `small` on one NCCL rank, t
 }
 export -f pipeline_train
 export py
-step pipeline_train 420 bash -c pipeline_train
+step test pipeline_train 420 bash -c pipeline_train

@@ -3,8 +3,9 @@
 For each preset (default `tiny` and `small`) it builds the model and Muon+AdamW, then
 times full training steps (forward, loss, backward, optimizer step), eager and with the
 loss compiled (`torch.compile(fullgraph=True, dynamic=False)`: Inductor fuses the
-forward and, through AOTAutograd, the backward). The optimizer step is the same eager
-code in both; its time is reported apart, as is forward+backward alone. Model FLOPs per
+forward and, through AOTAutograd, the backward), and on CUDA the Muon update compiled
+(CompiledMuonUpdate, the LR a tensor; AdamW fused), as train.compile does. The optimizer
+step is reported apart, as is forward+backward alone. Model FLOPs per
 token are counted from the modules (6 x matmul parameters + the GLA core and short
 convolutions, forward + backward); MFU = model FLOP/s / the fp32 matmul peak measured
 in the same run. Prints a table and one JSON object.
@@ -19,6 +20,7 @@ NCCL on CUDA).
 
     .venv/bin/python bench/train_step.py [--presets tiny small] [--batch 8 --seq-len 256] [--steps 3] [--device cuda]
     .venv/bin/python bench/train_step.py --distributed [--worlds 1 2] [--presets tiny] [--device cuda]
+        [--precision bf16] [--compile]
 """
 
 from __future__ import annotations
@@ -107,7 +109,9 @@ def bench_preset(preset: str, batch: int, seq_len: int, steps: int, peak: float,
     for mode in ("eager", "compiled"):
         torch.manual_seed(0)
         model = LaplaceLM(cfg).to(device)
-        optimizer = MuonAdamW(model, 1e-3, AdamWSection(), MuonSection())
+        # compiled: the loss, and on CUDA the Muon update too (CompiledMuonUpdate; AdamW fused), as training does
+        backend = "inductor" if mode == "compiled" and device.type == "cuda" else None
+        optimizer = MuonAdamW(model, 1e-3, AdamWSection(), MuonSection(), compile_backend=backend)
 
         def loss_fn(x, y, model=model):
             logits = model(x)
@@ -149,6 +153,7 @@ def distributed_worker(args) -> None:
 
     from laplace.config import TrainSection
     from laplace.optim.sharded import ShardedMuonAdamW
+    from laplace.runtime import compile_backend
     from laplace.training import distributed
     from laplace.training.loop import build_model, cross_entropy
 
@@ -159,9 +164,13 @@ def distributed_worker(args) -> None:
     group = distributed.join(device)
     mesh = init_device_mesh(group.device.type, (group.world,))
     cfg = preset_model_config(args.presets[0], vocab_size=VOCAB.get(args.presets[0], 16384))
-    t = TrainSection(precision=args.precision)
-    model = build_model(cfg, mesh, group.device, t, seed=0)
-    optimizer = ShardedMuonAdamW(model, 1e-3, AdamWSection(), MuonSection(comm=args.comm))
+    t = TrainSection(precision=args.precision, compile=args.compile)
+    model = build_model(cfg, mesh, group.device, t, seed=0)  # compiled per block with --compile
+    backend = compile_backend(group.device) if args.compile else None
+    optimizer = ShardedMuonAdamW(model, 1e-3, AdamWSection(), MuonSection(comm=args.comm), compile_backend=backend)
+    flops = model_flops_per_token(model, args.seq_len)  # reads shapes and cfg only: fine on shards
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    peak = matmul_peak_gflops(dtype=dtype, device=group.device)
     gen = torch.Generator().manual_seed(0)
     per_rank = args.batch // group.world
     steps, fwd_bwd, opt = [], [], []
@@ -179,7 +188,7 @@ def distributed_worker(args) -> None:
         synchronize(group.device)
         distributed.barrier()
         end = time.perf_counter()
-        if i:  # the first step allocates the optimizer state
+        if i:  # the first step allocates the optimizer state (and compiles)
             steps.append(end - start)
             fwd_bwd.append(mid - start)
             opt.append(end - mid)
@@ -192,6 +201,10 @@ def distributed_worker(args) -> None:
             "fwd_bwd_s": statistics.median(fwd_bwd),
             "optimizer_s": statistics.median(opt),
             "tokens_per_s": args.batch * args.seq_len / step,
+            "compiled": args.compile,
+            "precision": args.precision,
+            "matmul_peak_gflops": peak,  # of the precision's dtype, per rank
+            "mfu": flops * args.batch * args.seq_len / step / 1e9 / (peak * group.world),
             "threads_per_rank": torch.get_num_threads() if group.device.type == "cpu" else None,
         }
         Path(args.out).write_text(json.dumps(result))
@@ -204,20 +217,29 @@ def distributed_main(args) -> None:
     for n in args.worlds:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__]
+            # --no-python and -P: the script's folder must not lead sys.path (bench/tokenize.py would shadow tokenize)
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                "--no-python",
+            ]
+            cmd += [sys.executable, "-P", __file__]
             cmd += ["--distributed-worker", "--out", str(out), "--presets", args.presets[0], "--device", args.device]
             cmd += ["--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
             cmd += ["--precision", args.precision, "--comm", args.comm]
-            cmd += ["--threads-per-rank", str(args.threads_per_rank)]
+            cmd += ["--threads-per-rank", str(args.threads_per_rank)] + (["--compile"] if args.compile else [])
             subprocess.run(cmd, check=True, capture_output=True)
             r = json.loads(out.read_text())
         runs.append(r)
-        rows.append([n, r["params"], r["tokens_per_s"], r["step_s"], r["fwd_bwd_s"], r["optimizer_s"]])
+        rows.append([n, r["params"], r["tokens_per_s"], r["mfu"], r["step_s"], r["fwd_bwd_s"], r["optimizer_s"]])
     print(
         f"{device}: distributed training step, FSDP2 + ShardedMuonAdamW ({args.comm}, {args.precision}), "
         f"`{args.presets[0]}`, global batch {args.batch} x {args.seq_len}"
     )
-    print_table(["ranks", "params", "tok/s", "step s", "fwd+bwd s", "optimizer s"], rows)
+    print_table(["ranks", "params", "tok/s", "MFU", "step s", "fwd+bwd s", "optimizer s"], rows)
     emit({"machine": machine(device), "preset": args.presets[0], "comm": args.comm, "runs": runs})
 
 
@@ -233,6 +255,9 @@ def main(argv=None) -> None:
     ap.add_argument("--comm", choices=["alltoall", "allgather"], default="alltoall", help="--distributed only")
     ap.add_argument(
         "--threads-per-rank", type=int, default=0, help="--distributed on CPU: torch threads per rank (0: cores / N)"
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="--distributed only: per-block compile and the compiled Muon update"
     )
     ap.add_argument("--distributed-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

@@ -81,6 +81,11 @@ class ModelSection:
     tie_embeddings: bool | None = knob(None)
     init_std: float | None = knob(None)
     dtype: str | None = knob(None)
+    kernel: Literal["auto", "torch", "fla"] = knob(
+        "auto",
+        doc="the GLA core: torch (plain PyTorch, anywhere), fla (flash-linear-attention's Triton kernels, CUDA, "
+        "pip install 'laplace[cuda]'), auto (fla on CUDA when installed, else torch)",
+    )
 
 
 @dataclass(frozen=True)

@@ -99,15 +99,17 @@ def configure_compiler(max_graphs_per_function: int) -> None:
     dynamo.fail_on_recompile_limit_hit = True
 
 
-def compile_static(fn, backend: str = "inductor"):
+def compile_static(fn, backend: str = "inductor", mode: str | None = None):
     """torch.compile with one static graph per input shape (what Neuron requires). A module is
-    compiled in place (and returned): every instance of its class shares the compiled graphs."""
+    compiled in place (and returned): every instance of its class shares the compiled graphs.
+    `mode`: Inductor's, e.g. "reduce-overhead" (CUDA graphs) for the GPU decode step."""
     if backend == "neuron" and not neuron_available():
         raise RuntimeErrorConfig("compile backend 'neuron' needs torch-neuronx (pip install 'laplace[neuron]')")
+    options = dict(fullgraph=True, dynamic=False, backend=backend, **({"mode": mode} if mode else {}))
     if isinstance(fn, torch.nn.Module):
-        fn.compile(fullgraph=True, dynamic=False, backend=backend)
+        fn.compile(**options)
         return fn
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+    return torch.compile(fn, **options)
 
 
 def compiled_graph_count() -> int:

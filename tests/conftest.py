@@ -8,6 +8,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # fp32 tests compare at 1e-5: TF32 (cuDNN's default for convolutions on CUDA) would give ~1e-3.
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
+# ... and Triton's fp32 dots (flash-linear-attention's kernels) likewise; read when a kernel compiles.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 # Numerical tests that take `device` run on the CPU everywhere and on CUDA where a GPU is present.
 DEVICES = [

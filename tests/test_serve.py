@@ -158,7 +158,7 @@ def test_cancel_and_failed_steps_free_their_slots_and_the_engine_serves_on():
     assert failed[0].reason == (
         "decode step at width 1: RuntimeError: Detected recompile when torch.compile stance is 'fail_on_recompile'"
     )
-    eng._decode = eng._decode_eager  # the next request is served as usual
+    eng._decode = eng.slot_states.decode  # the next request is served as usual
     (done,) = eng.complete([Request(9, [4, 5], 3)])
     assert done.status == "done" and done.output_ids == naive_greedy(m, [4, 5], 3)
 

@@ -11,7 +11,7 @@ import torch
 from laplace.config import Config, DataSection, TokenizerSection, TrainSection, config_from_dict
 from laplace.data.tokenize import tokenize_corpus
 from laplace.model.export import ExportError, export_model, load_export
-from laplace.serving.sampling import generate_ids, sample_next
+from laplace.serving.sampling import generate_ids, sample_next, stream_key
 from laplace.training import checkpoint as ckpt
 from laplace.training.loop import TrainingDiverged, lr_scale, train
 
@@ -172,11 +172,18 @@ def test_export_rejects_a_mismatched_tokenizer(data_dir, tmp_path):
 
 
 def test_top_p_keeps_only_the_nucleus():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    gen = torch.Generator().manual_seed(0)
-    draws = {int(sample_next(logits, 1.0, 0.7, gen)) for _ in range(300)}
-    assert draws == {0, 1}  # 0.5 + 0.3 covers 0.7; tokens 2 and 3 are outside the nucleus
-    assert int(sample_next(logits, 0.0, 1.0)) == 0
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
+    keys = torch.tensor([stream_key(7, i) for i in range(4000)])  # 4000 draws of one request seeded 7
+    draws = sample_next(logits, 1.0, 0.7, keys)
+    assert set(draws.tolist()) == {0, 1}  # 0.5 + 0.3 covers 0.7; tokens 2 and 3 are outside the nucleus
+    # renormalised inside the nucleus: 0.625 / 0.375 (binomial sd 0.008 at 4000 draws)
+    assert abs((draws == 0).float().mean().item() - 0.625) < 0.03
+    full = sample_next(logits, 1.0, 1.0, keys)
+    assert torch.allclose(torch.bincount(full, minlength=4) / 4000.0, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+    assert int(sample_next(logits[:1], 0.0, 1.0)) == 0
+    assert torch.equal(draws, sample_next(logits, 1.0, 0.7, keys))  # a pure function of (seed, token index)
+    other = torch.tensor([stream_key(8, i) for i in range(4000)])
+    assert not torch.equal(draws, sample_next(logits, 1.0, 0.7, other))
 
 
 def test_bf16_training_tracks_fp32(data_dir, tmp_path):

@@ -46,7 +46,7 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     device = resolve_device(cfg.serve.device)
-    model, tokenizer, _ = load_export(export_dir, device=device)
+    model, tokenizer, _ = load_export(export_dir, device=device, kernel=cfg.model.kernel)
     engine = DecodeEngine.for_policy(model, cfg.serve, "padded", compile_backend(device))
     configure_compiler(engine.graphs_needed())
     engine.warmup()

@@ -37,6 +37,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: str = "float32"  # dtype the model is served in (parameters, activations, conv cache)
+    # How the GLA core runs, not what the model is (laplace.model.kernels): auto | torch | fla.
+    # Left out of exports and of the training run's fingerprint.
+    kernel: str = "auto"
 
     @property
     def key_dim(self) -> int:
@@ -64,6 +67,10 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def architecture(self) -> dict:
+        """Every field that decides the weights and the function they compute (not `kernel`)."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     # ~5.5M parameters with a 4k vocabulary: trains in minutes on 2 CPU cores.
@@ -75,6 +82,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
+KERNELS = ("auto", "torch", "fla")  # laplace.model.kernels
+RUNTIME_FIELDS = ("kernel",)
 
 
 def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
@@ -113,6 +122,8 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
         )
     if m.conv_size < 2 and m.use_short_conv:
         bad("conv_size", "must be >= 2 when use_short_conv is true")
+    if m.kernel not in KERNELS:
+        bad("kernel", f"must be one of {', '.join(KERNELS)}, got {m.kernel!r}")
     if m.dtype not in MODEL_DTYPES:
         bad("dtype", f"must be one of {', '.join(MODEL_DTYPES)}, got {m.dtype!r}")
     return m

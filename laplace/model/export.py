@@ -46,7 +46,7 @@ def export_model(checkpoint, tokenizer_path: Path, out_dir: Path) -> dict:
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
         config = {
             "format": FORMAT,
-            "model": model_cfg.to_dict(),
+            "model": model_cfg.architecture(),  # the kernel is the serving process's choice
             "step": checkpoint.step,
             "tokenizer_sha256": tokenizer_sha256(tokenizer),
             "eos_id": tokenizer.token_to_id("<|endoftext|>"),
@@ -73,14 +73,17 @@ def read_export_config(export_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def load_export(export_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
-    """(model in eval mode, tokenizer, config dict) from an export directory; checks they belong together."""
+def load_export(
+    export_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, kernel: str = "auto"
+):
+    """(model in eval mode, tokenizer, config dict) from an export directory; checks they belong together.
+    `kernel` (model.kernel) is how this process runs the GLA core; the export does not decide it."""
     export_dir = Path(export_dir)
     config = read_export_config(export_dir)
     ok, reason = manifest.verify(export_dir, KIND)
     if not ok:
         raise ExportError(reason)
-    model_cfg = validate_model_config(ModelConfig(**config["model"]))
+    model_cfg = validate_model_config(ModelConfig(**{**config["model"], "kernel": kernel}))
     tokenizer = load_tokenizer(export_dir / "tokenizer.json")
     if tokenizer_sha256(tokenizer) != config["tokenizer_sha256"]:
         raise ExportError(f"{export_dir / 'tokenizer.json'} is not the tokenizer this model was trained with")

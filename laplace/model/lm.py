@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from laplace.model import kernels
 from laplace.model.config import ModelConfig
-from laplace.model.gla import accum_dtype, chunk_gla, gla_step, min_log_decay
+from laplace.model.gla import accum_dtype, min_log_decay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -275,7 +276,8 @@ class GatedLinearAttention(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Chunked form over [B, T, D]. Returns (y, final recurrent state, conv cache)."""
         q, k, v, gk, new_conv = self._qkvg(x, conv, lengths)
-        o, S = chunk_gla(
+        o, S = kernels.chunk(
+            self._kernel(x),
             q,
             k,
             v,
@@ -291,8 +293,14 @@ class GatedLinearAttention(nn.Module):
     def step(self, x: Tensor, recurrent: Tensor, conv: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Recurrent form for one token per row: x [B, 1, D]."""
         q, k, v, gk, new_conv = self._qkvg(x, conv, None)
-        o, S = gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], recurrent)
+        o, S = kernels.step(
+            self._kernel(x), q[:, 0], k[:, 0], v[:, 0], gk[:, 0], recurrent, sub_chunk_size=self.cfg.sub_chunk_size
+        )
         return self._output(x, o.unsqueeze(1)), S, new_conv
+
+    def _kernel(self, x: Tensor) -> str:
+        """model.kernel resolved for where this call runs (constants only: free inside a traced graph)."""
+        return kernels.resolve_kernel(self.cfg.kernel, x.device, x.dtype)
 
 
 class SwiGLU(nn.Module):

@@ -6,6 +6,10 @@ itself. The sharded optimizer (laplace.optim.sharded) needs Muon cut into three 
 (needs the whole matrix) and `apply_update_` (element-wise again). Run in order they
 perform exactly torch.optim.Muon's operations, so the results are bit-identical
 (tests/test_muon.py checks it).
+
+`CompiledMuonUpdate` runs the same three steps as three torch.compile graphs, each over every
+matrix of the step at once, with the learning rate a 0-d tensor: the schedule changes its value,
+never a guard, so the graphs compile once (per set of shapes) and never again.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import Tensor, nn
 
 from laplace.config import AdamWSection, MuonSection
 from laplace.errors import ConfigError
+from laplace.runtime import compile_static
 
 
 def zeropower_via_newtonschulz(
@@ -65,6 +70,47 @@ def apply_update_(param: Tensor, ortho: Tensor, lr: float, weight_decay: float, 
     param.add_(ortho, alpha=-lr_adjusted)
 
 
+def momentum_directions(grads: list[Tensor], bufs: list[Tensor], momentum: float, nesterov: bool) -> list[Tensor]:
+    return [momentum_direction(g, b, momentum, nesterov) for g, b in zip(grads, bufs)]
+
+
+def orthogonalise_all(
+    matrices: list[Tensor], coefficients: tuple[float, float, float], steps: int, eps: float
+) -> list[Tensor]:
+    return [zeropower_via_newtonschulz(m, coefficients, steps, eps) for m in matrices]
+
+
+def apply_updates_(
+    params: list[Tensor], orthos: list[Tensor], lr: Tensor, weight_decay: float, lr_factors: list[float]
+) -> None:
+    """apply_update_ with lr a 0-d tensor (lr_adjusted = lr * factor, the factor from the shape)."""
+    for param, ortho, factor in zip(params, orthos, lr_factors):
+        param.mul_(1 - lr * weight_decay)
+        param.sub_(ortho.to(param.dtype) * (lr * factor))
+
+
+class CompiledMuonUpdate:
+    """Muon's momentum, Newton-Schulz and scaled update as three compiled graphs over lists of
+    local tensors (one call per param group and phase, not per matrix: a Python loop of small
+    element-wise kernels is what makes the eager step launch-bound on a GPU). The phases stay
+    apart because between them the sharded optimizer exchanges rows with the other ranks.
+    Numerically it is the eager pieces up to Inductor's fusion: the bf16 Newton-Schulz may round
+    at other points (tests/test_muon.py states the tolerance)."""
+
+    def __init__(self, backend: str = "inductor"):
+        self.directions = compile_static(momentum_directions, backend)
+        self.orthogonalise = compile_static(orthogonalise_all, backend)
+        self.apply = compile_static(apply_updates_, backend)
+        self._lrs: dict[tuple[int, torch.device], Tensor] = {}
+
+    def lr_tensor(self, group_index: int, lr: float, device: torch.device) -> Tensor:
+        """The group's learning rate in a persistent 0-d fp32 tensor, refilled in place each step."""
+        key = (group_index, device)
+        if key not in self._lrs:
+            self._lrs[key] = torch.zeros((), dtype=torch.float32, device=device)
+        return self._lrs[key].fill_(lr)
+
+
 # --------------------------------------------------------------------------- routing
 
 
@@ -89,11 +135,20 @@ def route_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
 class MuonAdamW:
     """The training optimizer: Muon + AdamW over one model, with a shared LR schedule scale."""
 
-    def __init__(self, model: nn.Module, adamw_lr: float, adamw: AdamWSection, muon: MuonSection):
+    def __init__(
+        self,
+        model: nn.Module,
+        adamw_lr: float,
+        adamw: AdamWSection,
+        muon: MuonSection,
+        compile_backend: str | None = None,
+    ):
+        """compile_backend: run Muon as CompiledMuonUpdate's graphs (through ShardedMuon on whole
+        matrices) and AdamW fused on CUDA, foreach elsewhere; None: torch.optim.Muon and
+        single-tensor AdamW, as before."""
         self.routes = route_parameters(model)
         self.base_lrs = {"muon": muon.lr, "adamw": adamw_lr}
-        self.muon = torch.optim.Muon(
-            [p for _, p in self.routes["muon"]],
+        kw = dict(
             lr=muon.lr,
             weight_decay=muon.weight_decay,
             momentum=muon.momentum,
@@ -103,6 +158,14 @@ class MuonAdamW:
             ns_steps=muon.ns_steps,
             adjust_lr_fn=muon.adjust_lr_fn,
         )
+        matrices = [p for _, p in self.routes["muon"]]
+        if compile_backend:
+            from laplace.optim.sharded import ShardedMuon  # it imports this module
+
+            self.muon = ShardedMuon(matrices, compile_backend=compile_backend, **kw)
+        else:
+            self.muon = torch.optim.Muon(matrices, **kw)
+        fused = bool(compile_backend) and any(p.is_cuda for p in model.parameters())
         self.adamw = torch.optim.AdamW(
             [
                 {"params": [p for _, p in self.routes["adamw_decay"]], "weight_decay": adamw.weight_decay},
@@ -111,7 +174,8 @@ class MuonAdamW:
             lr=adamw_lr,
             betas=tuple(adamw.betas),
             eps=adamw.eps,
-            foreach=False,
+            foreach=bool(compile_backend) and not fused,
+            fused=fused or None,
         )
 
     def set_lr_scale(self, scale: float) -> None:

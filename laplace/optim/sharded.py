@@ -4,7 +4,7 @@ FSDP2 (`torch.distributed.fsdp.fully_shard`) leaves every parameter, gradient an
 optimizer state as a DTensor sharded by rows over a 1-D mesh: rank r holds rows
 [r*c, (r+1)*c) of an R-row matrix, c = ceil(R/W) (torch.chunk's rule; the last ranks may
 hold fewer rows, or none). AdamW is element-wise and steps those shards directly
-(`torch.optim.AdamW`, foreach). Muon's momentum and update are element-wise too, but
+(`torch.optim.AdamW`, fused on CUDA, foreach elsewhere). Muon's momentum and update are element-wise too, but
 Newton-Schulz needs whole matrices. `ShardedMuon` gets them one of two ways (`muon.comm`):
 
 - `alltoall`, the article's design with Dion's batching: the matrices of one shape are
@@ -38,6 +38,7 @@ from laplace.config import AdamWSection, MuonSection
 from laplace.errors import ConfigError
 from laplace.model.lm import local_rows
 from laplace.optim.muon import (
+    CompiledMuonUpdate,
     adjusted_lr,
     apply_update_,
     momentum_direction,
@@ -225,7 +226,10 @@ class ShardedMuon(torch.optim.Optimizer):
         adjust_lr_fn: str | None = None,
         comm: str = "alltoall",
         meter: TrafficMeter | None = None,
+        compile_backend: str | None = None,
     ):
+        """compile_backend: None runs the eager pieces (torch.optim.Muon's result bit for bit);
+        a torch.compile backend runs them as CompiledMuonUpdate's graphs, the LR a tensor."""
         if comm not in COMMS:
             raise ConfigError(f"muon.comm: unknown strategy {comm!r} (choose from {', '.join(COMMS)})")
         defaults = dict(
@@ -247,6 +251,7 @@ class ShardedMuon(torch.optim.Optimizer):
                 raise ValueError(f"Muon only takes 2-D parameters, got shape {tuple(p.shape)}")
         self.group, self.world, self.rank = _mesh_group(everything)
         self._plans: dict[tuple, ExchangePlan] = {}
+        self.compiled = CompiledMuonUpdate(compile_backend) if compile_backend else None
 
     def plan(self, shapes: list[tuple[int, int]]) -> ExchangePlan:
         key = tuple(shapes)
@@ -265,25 +270,75 @@ class ShardedMuon(torch.optim.Optimizer):
         entries = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not entries:
             return loss
-        directions = []
-        for p, g in entries:
+        bufs = []
+        for p, _ in entries:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            grad, _ = local_rows(p.grad)
-            buf, _ = local_rows(state["momentum_buffer"])
-            directions.append(momentum_direction(grad, buf, g["momentum"], g["nesterov"]))
+            bufs.append(local_rows(state["momentum_buffer"])[0])
+        grads = [local_rows(p.grad)[0] for p, _ in entries]
+        directions = self._directions(entries, grads, bufs)
         settings = [(g["ns_coefficients"], g["ns_steps"], g["eps"]) for _, g in entries]
         shapes = [tuple(p.shape) for p, _ in entries]
         if self.comm == "alltoall":
             ortho = self._via_owners(shapes, directions, settings)
         else:
             ortho = self._via_allgather(shapes, directions, settings)
-        for (p, g), update in zip(entries, ortho):
-            lr = g["lr"]
-            param, _ = local_rows(p)
-            apply_update_(param, update, lr, g["weight_decay"], adjusted_lr(lr, g["adjust_lr_fn"], tuple(p.shape)))
+        self._apply(entries, ortho)
         return loss
+
+    def _by_group(self, entries) -> dict[int, list[int]]:
+        """Entry indices per param group (a compiled phase runs once per group: its constants)."""
+        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        out: dict[int, list[int]] = defaultdict(list)
+        for k, (_, g) in enumerate(entries):
+            out[index[id(g)]].append(k)
+        return out
+
+    def _directions(self, entries, grads: list[Tensor], bufs: list[Tensor]) -> list[Tensor]:
+        if self.compiled is None:
+            return [
+                momentum_direction(grad, buf, g["momentum"], g["nesterov"])
+                for grad, buf, (_, g) in zip(grads, bufs, entries)
+            ]
+        out: list[Tensor] = [None] * len(entries)  # type: ignore[list-item]
+        for gi, members in self._by_group(entries).items():
+            g = self.param_groups[gi]
+            found = self.compiled.directions(
+                [grads[k] for k in members], [bufs[k] for k in members], g["momentum"], g["nesterov"]
+            )
+            for k, d in zip(members, found):
+                out[k] = d
+        return out
+
+    def _orthogonalise(self, fulls: list[Tensor], settings: list) -> list[Tensor]:
+        """Newton-Schulz of whole matrices: one at a time eagerly, or one graph per distinct setting."""
+        if self.compiled is None:
+            return [self._newton_schulz(f, s) for f, s in zip(fulls, settings)]
+        out: list[Tensor] = [None] * len(fulls)  # type: ignore[list-item]
+        by_setting: dict[tuple, list[int]] = defaultdict(list)
+        for k, (coefficients, steps, eps) in enumerate(settings):
+            by_setting[(tuple(coefficients), steps, eps)].append(k)
+        for (coefficients, steps, eps), members in by_setting.items():
+            for k, o in zip(
+                members, self.compiled.orthogonalise([fulls[k] for k in members], coefficients, steps, eps)
+            ):
+                out[k] = o
+        return out
+
+    def _apply(self, entries, ortho: list[Tensor]) -> None:
+        if self.compiled is None:
+            for (p, g), update in zip(entries, ortho):
+                lr = g["lr"]
+                param, _ = local_rows(p)
+                apply_update_(param, update, lr, g["weight_decay"], adjusted_lr(lr, g["adjust_lr_fn"], tuple(p.shape)))
+            return
+        for gi, members in self._by_group(entries).items():
+            g = self.param_groups[gi]
+            params = [local_rows(entries[k][0])[0] for k in members]
+            lr = self.compiled.lr_tensor(gi, g["lr"], params[0].device)
+            factors = [adjusted_lr(1.0, g["adjust_lr_fn"], tuple(entries[k][0].shape)) for k in members]
+            self.compiled.apply(params, [ortho[k] for k in members], lr, g["weight_decay"], factors)
 
     def _newton_schulz(self, full: Tensor, settings) -> Tensor:
         coefficients, steps, eps = settings
@@ -312,11 +367,13 @@ class ShardedMuon(torch.optim.Optimizer):
         received = self._exchange("muon_to_owner", send)
         # received[r] holds rank r's row shard of each matrix I own: stack them, orthogonalise
         back = torch.zeros_like(send)
-        for b, m in plan.owned_by(me):
-            rows, cols = b.shape
-            full = received[:, b.offset : b.offset + b.chunk].reshape(W * b.rows, cols)[:rows]
-            padded = full.new_zeros(W * b.rows, cols)
-            padded[:rows] = self._newton_schulz(full, settings[m])
+        owned = plan.owned_by(me)
+        fulls = [
+            received[:, b.offset : b.offset + b.chunk].reshape(W * b.rows, b.shape[1])[: b.shape[0]] for b, _ in owned
+        ]
+        for (b, _), full, ortho in zip(owned, fulls, self._orthogonalise(fulls, [settings[m] for _, m in owned])):
+            padded = full.new_zeros(W * b.rows, b.shape[1])
+            padded[: b.shape[0]] = ortho
             back[:, b.offset : b.offset + b.chunk] = padded.view(W, b.chunk)  # rank r's rows go to rank r
         # 2nd all-to-all: the way back mirrors the way there; returned[owner] holds my rows
         returned = self._exchange("muon_from_owner", back)
@@ -342,13 +399,14 @@ class ShardedMuon(torch.optim.Optimizer):
             self.meter.record("muon_allgather", moved, moved)
         else:
             gathered = send.view(1, -1)
-        out = []
-        for (rows, cols), off, d, s in zip(shapes, plan.allgather_offsets, directions, settings):
-            per_rank = -(-rows // W)
-            full = gathered[:, off : off + per_rank * cols].reshape(W * per_rank, cols)[:rows]
-            ortho = self._newton_schulz(full, s)  # every rank orthogonalises every matrix
-            out.append(ortho[me * per_rank : me * per_rank + d.shape[0]].clone())  # let the whole matrix go
-        return out
+        per_rank = [-(-rows // W) for rows, _ in shapes]
+        fulls = [
+            gathered[:, off : off + n * cols].reshape(W * n, cols)[:rows]
+            for (rows, cols), off, n in zip(shapes, plan.allgather_offsets, per_rank)
+        ]
+        orthos = self._orthogonalise(fulls, settings)  # every rank orthogonalises every matrix
+        # my rows of each, copied so the whole matrices can go
+        return [o[me * n : me * n + d.shape[0]].clone() for o, n, d in zip(orthos, per_rank, directions)]
 
 
 # --------------------------------------------------------------------------- Muon + AdamW
@@ -356,12 +414,20 @@ class ShardedMuon(torch.optim.Optimizer):
 
 class ShardedMuonAdamW:
     """The training optimizer over an FSDP2 model: ShardedMuon for the blocks' 2-D matrices,
-    AdamW (foreach, on the DTensor shards) for embeddings, head, norms, biases and
+    AdamW (fused on CUDA, foreach elsewhere, on the DTensor shards) for embeddings, head, norms, biases and
     convolutions (route_parameters), one LR schedule, and global-norm clipping.
     `optimizers` are plain torch.optim.Optimizers, so torch.distributed.checkpoint.state_dict
     saves and reshards their state."""
 
-    def __init__(self, model: nn.Module, adamw_lr: float, adamw: AdamWSection, muon: MuonSection):
+    def __init__(
+        self,
+        model: nn.Module,
+        adamw_lr: float,
+        adamw: AdamWSection,
+        muon: MuonSection,
+        compile_backend: str | None = None,
+    ):
+        """compile_backend: compile the Muon update (CompiledMuonUpdate); None runs it eagerly."""
         self.routes = route_parameters(model)
         self.base_lrs = {"muon": muon.lr, "adamw": adamw_lr}
         self.muon = ShardedMuon(
@@ -375,13 +441,18 @@ class ShardedMuonAdamW:
             ns_steps=muon.ns_steps,
             adjust_lr_fn=muon.adjust_lr_fn,
             comm=muon.comm,
+            compile_backend=compile_backend,
         )
         groups = [
             {"params": [p for _, p in self.routes[route]], "weight_decay": wd}
             for route, wd in (("adamw_decay", adamw.weight_decay), ("adamw_no_decay", 0.0))
             if self.routes[route]
         ]
-        self.adamw = torch.optim.AdamW(groups, lr=adamw_lr, betas=tuple(adamw.betas), eps=adamw.eps, foreach=True)
+        # fused (one kernel for every tensor) on CUDA; foreach elsewhere, as the CPU figures were measured
+        fused = any(p.device.type == "cuda" for members in self.routes.values() for _, p in members)
+        self.adamw = torch.optim.AdamW(
+            groups, lr=adamw_lr, betas=tuple(adamw.betas), eps=adamw.eps, foreach=not fused, fused=fused or None
+        )
         self.optimizers = [self.muon, self.adamw]
         self.params = [p for members in self.routes.values() for _, p in members]
 

@@ -98,7 +98,7 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
         cache = Path(args.compile_cache) if args.compile_cache else paths.warmup_cache
         use_compile_cache(cache, scratch, policy)
         device = resolve_device(s.device)
-        model, tokenizer, config = load_export(export_dir, device=device)
+        model, tokenizer, config = load_export(export_dir, device=device, kernel=cfg.model.kernel)
         engine = DecodeEngine.for_policy(model, s, policy, compile_backend(device))
         configure_compiler(engine.graphs_needed())
         log.info(

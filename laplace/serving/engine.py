@@ -35,13 +35,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from laplace.config import ServeSection
 from laplace.errors import ConfigError, InputError, one_line
+from laplace.model.kernels import resolve_kernel
 from laplace.model.lm import LaplaceLM, State
 from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
-from laplace.serving.sampling import sample_next
+from laplace.serving.sampling import sample_next, stream_key
 
 POLICIES = ("padded", "exact", "eager")
 # The `serve:` params that decide an engine's shapes (the MLflow model is logged with them).
@@ -181,7 +182,36 @@ class _Live:
     request: Request
     completion: Completion
     slot: int
-    generator: torch.Generator | None
+
+
+class SlotStates(nn.Module):
+    """The state pool as module buffers, and the two computations over it.
+
+    As gpt-fast keeps its KV cache: buffers have static addresses, so a compiled step (and a
+    CUDA graph of it) reads and writes them in place, rows picked by `slots`, instead of taking
+    them as inputs. `decode` is one whole decode step: the model's recurrent form, then the
+    sampler on the device, returning the next tokens and the logits; nothing in it reads a value
+    back to the host."""
+
+    def __init__(self, model: LaplaceLM, rows: int):
+        super().__init__()
+        self.model = model
+        state = model.allocate_state(rows)
+        self.register_buffer("recurrent", state.recurrent, persistent=False)
+        self.register_buffer("conv", state.conv, persistent=False)
+
+    def state(self) -> State:
+        return State(self.recurrent, self.conv)
+
+    def decode(self, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
+        """ints [3, W] (tokens, slots, sampling keys), floats [2, W] (temperature, top_p): one token
+        per row, packed so a step copies two small inputs. Returns (next tokens [W], logits [W, V])."""
+        tokens, slots, keys = ints.unbind(0)
+        logits = self.model.decode_step(tokens, State(self.recurrent, self.conv), slots)
+        return sample_next(logits, floats[0], floats[1], keys), logits
+
+    def prefill(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+        return self.model.prefill(tokens, State(self.recurrent, self.conv), slots, lengths)
 
 
 class DecodeEngine:
@@ -209,9 +239,12 @@ class DecodeEngine:
         if not prefill_buckets or min(prefill_buckets) < 1:
             raise ConfigError(f"serve.prefill_buckets: need at least one length >= 1, got {prefill_buckets}")
         self.model = model.eval()
-        self.device = next(model.parameters()).device
+        first = next(model.parameters())
+        self.device = first.device
+        resolve_kernel(model.cfg.kernel, self.device, first.dtype)  # model.kernel: fla where it cannot run fails now
         self.max_slots = max_slots
-        self.state: State = model.allocate_state(max_slots + 1)
+        self.slot_states = SlotStates(model, max_slots + 1)
+        self.state: State = self.slot_states.state()  # views of the buffers: the same memory
         self.ladder = ladder
         self.buckets = sorted(set(prefill_buckets))
         self.max_prompt_tokens = max_prompt_tokens
@@ -222,10 +255,15 @@ class DecodeEngine:
         self.on_logits = None  # optional callback(logits of a step's real rows), for inspection
         self.on_token: Callable[[Completion, int], None] | None = None  # called for every emitted token
         self.reset()
-        self._decode, self._prefill = self._decode_eager, self._prefill_eager
+        self._decode, self._prefill = self.slot_states.decode, self.slot_states.prefill
+        # CUDA graphs for the whole decode step (gpt-fast's "reduce-overhead"): on a GPU an eager or
+        # per-block step is bound by kernel launches. Prefill, longer and run once per request, is not graphed.
+        self.cuda_graphs = compile_scope == "model" and self.device.type == "cuda" and backend == "inductor"
         if compile_scope == "model":
-            self._decode = compile_static(self._decode_eager, backend)
-            self._prefill = compile_static(self._prefill_eager, backend)
+            self._decode = compile_static(
+                self.slot_states.decode, backend, mode="reduce-overhead" if self.cuda_graphs else None
+            )
+            self._prefill = compile_static(self.slot_states.prefill, backend)
         elif compile_scope == "block":
             for block in model.blocks:
                 compile_static(block, backend)
@@ -279,23 +317,31 @@ class DecodeEngine:
         self.steps: list[StepRecord] = []
         self.state.zero_()
 
-    # -- the two graphs (state tensors are explicit inputs, mutated in place) ----------------
+    # -- the two graphs (over the state buffers, mutated in place) -----------------------------
 
-    def _decode_eager(self, tokens: Tensor, slots: Tensor, recurrent: Tensor, conv: Tensor | None) -> Tensor:
-        return self.model.decode_step(tokens, State(recurrent, conv), slots)
+    def step_rows(
+        self, tokens: Tensor, slots: Tensor, temperature: Tensor, top_p: Tensor, keys: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The decode graph on exactly these rows (no padding: `decode` pads): next tokens [W] and
+        logits [W, V], both still on the device. Under CUDA graphs both live in the graph's static
+        memory until the next step: read or copy them before it."""
+        return self._run_step(torch.stack([tokens, slots, keys]), torch.stack([temperature, top_p]))
 
-    def _prefill_eager(
-        self, tokens: Tensor, slots: Tensor, lengths: Tensor, recurrent: Tensor, conv: Tensor | None
-    ) -> Tensor:
-        return self.model.prefill(tokens, State(recurrent, conv), slots, lengths)
+    def _run_step(self, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's outputs may be overwritten
+        return self._decode(ints, floats)
 
     def decode_rows(self, tokens: Tensor, slots: Tensor) -> Tensor:
-        """The decode graph on exactly these rows (no padding: `decode` pads)."""
-        return self._decode(tokens, slots, self.state.recurrent, self.state.conv)
+        """The decode graph, greedy, on exactly these rows: their logits [W, V] (a copy)."""
+        n = tokens.shape[0]
+        zeros = torch.zeros(n, dtype=torch.long, device=self.device)
+        greedy = torch.zeros(n, device=self.device), torch.ones(n, device=self.device)
+        return self.step_rows(tokens, slots, *greedy, zeros)[1].clone()
 
     def prefill_rows(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
         """The prefill graph on exactly these tokens (no padding: `prefill` pads)."""
-        return self._prefill(tokens, slots, lengths, self.state.recurrent, self.state.conv)
+        return self._prefill(tokens, slots, lengths)
 
     # -- the shapes: every caller goes through these four --------------------------------------
 
@@ -443,7 +489,7 @@ class DecodeEngine:
                 f"temperature must be >= 0 (finite) and top_p in (0, 1], got "
                 f"{reprlib.repr(req.temperature)}, {reprlib.repr(req.top_p)}"
             )
-        if not (_is_int(req.seed) and -(2**63) <= req.seed < 2**64):  # what torch.Generator.manual_seed takes
+        if not (_is_int(req.seed) and -(2**63) <= req.seed < 2**64):  # stream_key hashes the low 64 bits
             raise Rejected(f"seed must be an integer in [-2**63, 2**64), got {reprlib.repr(req.seed)}")
 
     def _reject(self, req: Request, reason: str) -> Completion:
@@ -528,11 +574,10 @@ class DecodeEngine:
         done = Completion(
             req.id, "done", prompt_tokens=len(req.prompt_ids), arrival_s=req.arrival_s, admitted_s=self.now
         )
-        gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
-        live = _Live(req, done, self.admit(req.id), gen)
+        live = _Live(req, done, self.admit(req.id))
         before = compiled_graph_count()
         try:
-            (token,), seconds = self._timed(lambda: self._sample([live], self.prefill(live.slot, req.prompt_ids)))
+            token, seconds = self._timed(lambda: self._first_token(live))
         except BaseException as exc:
             self.live.append(live)
             self._finish(live, "failed", f"prefill of {len(req.prompt_ids)} tokens: {one_line(exc)}")
@@ -542,16 +587,20 @@ class DecodeEngine:
         self.live.append(live)
         self._emit(live, token)
 
+    def _first_token(self, live: _Live) -> int:
+        """Prefill, then the first token by the same sampler the decode graph runs (here eagerly, once)."""
+        logits = self.prefill(live.slot, live.request.prompt_ids)
+        if self.on_logits is not None:
+            self.on_logits(logits)
+        r = live.request
+        return int(sample_next(logits, r.temperature, r.top_p, stream_key(r.seed, 0))[0])
+
     def _decode_step(self) -> None:
         rows = list(self.live)
         width = self.width_for(len(rows))
         before = compiled_graph_count()
         try:
-            next_tokens, seconds = self._timed(
-                lambda: self._sample(
-                    rows, self.decode([r.slot for r in rows], [r.completion.output_ids[-1] for r in rows], width)
-                )
-            )
+            next_tokens, seconds = self._timed(lambda: self._sample_step(rows, width))
         except BaseException as exc:
             for row in rows:
                 self._finish(row, "failed", f"decode step at width {width}: {one_line(exc)}")
@@ -560,18 +609,26 @@ class DecodeEngine:
         for row, token in zip(rows, next_tokens):
             self._emit(row, token)
 
-    def _sample(self, rows: list[_Live], logits: Tensor) -> list[int]:
+    def _sample_step(self, rows: list[_Live], width: int) -> list[int]:
+        """One decode step with sampling on the device; the produced tokens are read back once."""
+        n, pad = len(rows), width - len(rows)
+        reqs = [r.request for r in rows]
+        ints = torch.tensor(
+            [
+                [r.completion.output_ids[-1] for r in rows] + [self.pad_id] * pad,
+                [r.slot for r in rows] + [self.pool.dummy] * pad,
+                # the draw's key: (request seed, index of the token drawn), whatever the batch
+                [stream_key(r.request.seed, len(r.completion.output_ids)) for r in rows] + [0] * pad,
+            ],
+            dtype=torch.long,
+        ).to(self.device)
+        floats = torch.tensor(
+            [[float(q.temperature) for q in reqs] + [0.0] * pad, [float(q.top_p) for q in reqs] + [1.0] * pad]
+        ).to(self.device)
+        tokens, logits = self._run_step(ints, floats)
         if self.on_logits is not None:
-            self.on_logits(logits[: len(rows)])
-        greedy = logits[: len(rows)].argmax(-1).tolist()
-        out = []
-        for i, row in enumerate(rows):
-            r = row.request
-            if r.temperature > 0:
-                out.append(int(sample_next(logits[i : i + 1], r.temperature, r.top_p, row.generator)))
-            else:
-                out.append(greedy[i])
-        return out
+            self.on_logits(logits[:n].clone())
+        return tokens[:n].tolist()  # the step's one read of device memory
 
     def _finish(self, row: _Live, status: str = "done", reason: str = "") -> None:
         c = row.completion

@@ -168,7 +168,7 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
 
     set_threads(cfg.serve.threads)  # as laplace serve runs, so the live phase compares like with like
     device = resolve_device(cfg.serve.device)
-    model, _, _ = load_export(export_dir, device=device)
+    model, _, _ = load_export(export_dir, device=device, kernel=cfg.model.kernel)
     text = open_split(data_dir, "val")
     engine = DecodeEngine.for_policy(model, cfg.serve, policy, compile_backend(device))
     configure_compiler(engine.graphs_needed())

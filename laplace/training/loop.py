@@ -63,7 +63,7 @@ def run_fingerprint(cfg: Config, model_cfg, manifest: dict) -> str:
     blob = json.dumps(
         {
             "seed": cfg.seed,
-            "model": model_cfg.to_dict(),
+            "model": model_cfg.architecture(),  # model.kernel is how, not what: left out like _LAUNCH
             "train": train_knobs,
             "adamw": dataclasses.asdict(cfg.adamw),
             "muon": muon,
@@ -195,7 +195,11 @@ def train(
 
         mesh = init_device_mesh(group.device.type, (group.world,))
         model = build_model(model_cfg, mesh, group.device, t, cfg.seed)
-        optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon)
+        # train.compile on CUDA also compiles the Muon update (the LR a tensor: the schedule never
+        # recompiles). Not on CPU: there Inductor's OpenMP loops over many small tensors measured
+        # slower than eager when the cores were shared (bench/RESULTS.md), and eager is not launch-bound.
+        backend = compile_backend(group.device) if t.compile and group.device.type == "cuda" else None
+        optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon, compile_backend=backend)
         return _loop(
             cfg,
             model,
@@ -276,7 +280,7 @@ def _loop(
             )
 
     def save(step: int) -> Path:
-        trainer = {"history": history, "model_config": model_cfg.to_dict(), "fingerprint": fingerprint}
+        trainer = {"history": history, "model_config": model_cfg.architecture(), "fingerprint": fingerprint}
         return ckpt.save_sharded(ckpt_root, step, model, optimizer.optimizers, trainer, t.keep_checkpoints, device)
 
     if start_step == 0 and not history:
