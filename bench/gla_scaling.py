@@ -8,7 +8,7 @@ At each sequence length (batch 1, fp32, the `small` preset's width: 6 heads, key
 and reports each form's achieved GFLOP/s against this machine's fp32 matmul peak,
 measured in the same run. Prints a table and one JSON object.
 
-    .venv/bin/python -P bench/gla_scaling.py [--lengths 512 1024 2048 4096 8192] [--repeats 5] [--device cuda]
+    .venv/bin/python bench/gla_scaling.py [--lengths 512 1024 2048 4096 8192] [--repeats 5] [--device cuda]
         [--kernel fla] [--recurrent-repeats 0]
 """
 

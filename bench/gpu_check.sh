@@ -16,8 +16,7 @@
 # Every benchmark prints one JSON line on stdout: {"benchmark", "exit", "seconds", "result"}, where
 # result is the benchmark's own JSON object (null if it failed). Logs go to $OUT (or bench/gpu-out).
 # Steps 1-5 need torch, pytest, pyyaml, safetensors and the [cuda] extra (fla-core); step 6 runs the
-# CLI and needs the project's light dependencies too. Nothing is downloaded. Scripts run with
-# python -P: bench/tokenize.py would otherwise shadow the standard library's tokenize.
+# CLI and needs the project's light dependencies too. Nothing is downloaded.
 set -uo pipefail
 out=${OUT:-bench/gpu-out}
 mkdir -p "$out"
@@ -52,13 +51,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >
 cat "$out/gpu.txt" >&2
 step test tests 170 "$py" -m pytest -q -p no:cacheprovider -rs -k "cuda or fla" tests/test_kernels.py \
   tests/test_decode_step.py tests/test_muon.py tests/test_gla.py tests/test_model.py
-step bench gla_scaling_fla 110 "$py" -P bench/gla_scaling.py --device cuda --kernel fla --repeats 10 \
+step bench gla_scaling_fla 110 "$py" bench/gla_scaling.py --device cuda --kernel fla --repeats 10 \
   --lengths 512 2048 8192 32768 --recurrent-repeats 0
-step bench decode_engine 90 "$py" -P bench/decode.py --device cuda --engine --widths 1 8 32 --rounds 2
-step bench train_step_bf16 200 "$py" -P bench/train_step.py --distributed --device cuda --worlds 1 --presets small \
+step bench decode_engine 90 "$py" bench/decode.py --device cuda --engine --widths 1 8 32 --rounds 2
+step bench train_step_bf16 200 "$py" bench/train_step.py --distributed --device cuda --worlds 1 --presets small \
   --precision bf16 --compile --batch 32 --seq-len 1024 --steps 5
 # with the default budget the steps below are usually skipped; BUDGET_S=1200 runs them too
-step bench train_step 150 "$py" -P bench/train_step.py --device cuda --presets small --steps 5
+step bench train_step 150 "$py" bench/train_step.py --device cuda --presets small --steps 5
 pipeline_train() {  # tokenize a small corpus, train `small` on one NCCL rank, then resume from its checkpoint
   local proj args
   proj=$(mktemp -d)

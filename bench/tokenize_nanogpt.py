@@ -1,4 +1,4 @@
-"""nanoGPT's FineWeb tokenization (fineweb.py), restated for bench/tokenize.py: a process pool
+"""nanoGPT's FineWeb tokenization (fineweb.py), restated for bench/tokenize_throughput.py: a process pool
 encodes documents, the main process fills fixed-size uint16 shards. Its own module so that the
 spawned pool can import it."""
 

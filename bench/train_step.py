@@ -217,7 +217,7 @@ def distributed_main(args) -> None:
     for n in args.worlds:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            # --no-python and -P: the script's folder must not lead sys.path (bench/tokenize.py would shadow tokenize)
+            # --no-python: each rank runs this script with the same interpreter
             cmd = [
                 sys.executable,
                 "-m",
@@ -226,7 +226,7 @@ def distributed_main(args) -> None:
                 f"--nproc-per-node={n}",
                 "--no-python",
             ]
-            cmd += [sys.executable, "-P", __file__]
+            cmd += [sys.executable, __file__]
             cmd += ["--distributed-worker", "--out", str(out), "--presets", args.presets[0], "--device", args.device]
             cmd += ["--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
             cmd += ["--precision", args.precision, "--comm", args.comm]

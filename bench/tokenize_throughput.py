@@ -1,7 +1,7 @@
 """Tokenization throughput and memory: laplace's streaming sharded pipeline vs nanoGPT's FineWeb
 approach, side by side on the same text, the same tokenizer and the same number of processes.
 
-    python bench/tokenize.py --sizes-mb 100 1000 --workers 2
+    python bench/tokenize_throughput.py --sizes-mb 100 1000 --workers 2
 
 The text is JSON Lines files of real English (the python-docs corpus, each copy of a document
 numbered so none repeats exactly) until each size is reached. Both sides use one tokenizer.json
@@ -18,23 +18,17 @@ Results go to bench/results/tokenize.json; figures are copied by hand into bench
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
-# Run as a script, this file would shadow the standard library's `tokenize` (which numpy's imports
-# reach): its folder comes off the module path before anything else is imported.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
+import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +71,7 @@ def tree_peak_rss(proc: subprocess.Popen) -> tuple[int, float]:
 def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: int) -> dict:
     code = (
         "import json, sys, os\n"
-        "sys.path.append(os.path.join(os.environ['BENCH_ROOT'], 'bench'))  # after the stdlib's tokenize\n"
+        "sys.path.append(os.path.join(os.environ['BENCH_ROOT'], 'bench'))\n"
         "from tokenize_nanogpt import SHARD_TOKENS, nanogpt_style\n"
         "from pathlib import Path\n"
         f"which, corpus, tok, out, workers = {which!r}, Path({str(corpus)!r}), {tokenizer_path!r}, "
