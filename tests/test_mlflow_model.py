@@ -74,8 +74,8 @@ def test_the_pyfunc_predicts_a_batch_through_the_engine_at_the_ladder_widths(reg
     inner = model.unwrap_python_model()
     assert inner.engine.ladder == [1, 2] and inner.engine.buckets == [16, 32]  # the run's serve: shapes
     widths = []
-    decode = inner.engine.decode_rows
-    inner.engine.decode_rows = lambda t, s: widths.append(len(s)) or decode(t, s)
+    step = inner.engine._run_step  # every decode step: ints [3, width] (tokens, slots, keys)
+    inner.engine._run_step = lambda ints, floats: widths.append(ints.shape[1]) or step(ints, floats)
     prompts = ["The function", "A class is", "Return the value of the"]
     out = model.predict({"prompt": prompts}, params={"max_new_tokens": 7, "temperature": 0.0})
     assert set(widths) == {1, 2}  # three prompts on two slots: decoded together, padded to the ladder
