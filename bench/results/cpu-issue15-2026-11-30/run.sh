@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# As run for bench/RESULTS.md: /tmp/before is `git archive 124d29f` unpacked, /work/main this checkout.
 # Issue 15's "CPU figures must not get worse": before (124d29f) and after (main) interleaved, A B B A.
 set -u
 PY=/work/main/.venv/bin/python
