@@ -59,7 +59,8 @@ data = DataSection(source="files", path=corpus, num_proc=2, slices=4, shard_toke
 metrics = tokenize_corpus(data, TokenizerSection(path=tok), out, seed=0)
 print(json.dumps({"self_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   "workers_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-                  "tokens": metrics["tokens_train"] + metrics["tokens_val"]}))
+                  "tokens": metrics["tokens_train"] + metrics["tokens_val"],
+                  "shards_resumed": metrics["shards_resumed"]}))
 """
 
 
@@ -135,7 +136,8 @@ def test_killed_tokenize_leaves_no_process_and_resumes_to_identical_shards(tmp_p
     if how == signal.SIGTERM:  # it tidied up: only finished shards remain, to resume from
         assert [p for p in staging.rglob("*") if ".tmp-" in p.name] == []
 
-    tokenize_in_child(corpus, tokenizer_file, out, shard_tokens=20_000)
+    resumed = tokenize_in_child(corpus, tokenizer_file, out, shard_tokens=20_000)
+    assert resumed["shards_resumed"] >= len(kept), (resumed, len(kept))  # counted and reported
     names = sorted(p.relative_to(reference) for p in reference.rglob("*") if p.is_file())
     assert names == sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
     for name in names:

@@ -321,12 +321,13 @@ def _encode(job: _EncodeJob) -> dict:
     record_path = Path(job.staging) / "slices" / f"{job.slice:05d}.json"
     if record_path.is_file():
         record = json.loads(record_path.read_text())
-        if record.get("key") == job.key:
-            return record
+        if record.get("key") == job.key:  # the slice finished in an interrupted run: all of it is kept
+            return {**record, "shards_resumed": sum(len(shards) for shards in record["shards"].values())}
     tokenizer = Tokenizer.from_str(job.tokenizer_json)
     tokenizer.encode_special_tokens = True
     dtype = np.dtype(job.dtype)
     writers = {s: _SplitWriter(Path(job.staging), s, job.slice, job.key, data.shard_tokens, dtype) for s in SPLITS}
+    resumed = sum(len(w.finished) for w in writers.values())  # adopted from an interrupted run
     stats = SliceStats()
     counts = {s: 0 for s in SPLITS}
     cut = 0
@@ -375,7 +376,7 @@ def _encode(job: _EncodeJob) -> dict:
     }
     record_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(record_path, record)
-    return record
+    return {**record, "shards_resumed": resumed}
 
 
 # --------------------------------------------------------------------------- the stage
@@ -588,9 +589,10 @@ def _tokenize(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, stagi
                 )
             )  # fmt: skip
         progress = tqdm(total=len(busy), initial=len(reused), desc="tokenize slices", unit="slice")
-        tokens_done = 0
+        tokens_done = shards_resumed = 0
         with progress:
             for record in map_unordered(_encode, encode_jobs):
+                shards_resumed += record.pop("shards_resumed")  # a figure of this run, not of the slice
                 records[record["slice"]] = record
                 tokens_done += sum(s["tokens"] for shards in record["shards"].values() for s in shards)
                 rate = tokens_done / max(time.perf_counter() - started, 1e-9)
@@ -649,16 +651,20 @@ def _tokenize(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, stagi
         "shards_val": shards["val"],
         "slices": len(busy),
         "slices_reused": len(reused),
+        "shards_resumed": shards_resumed,
         "vocab_size": vocab_size,
         "workers": workers,
         "seconds": seconds,
         "tokens_per_s": (totals["train"] + totals["val"]) / max(seconds, 1e-9),
     }
+    if metrics["shards_resumed"]:
+        log.info("resumed an interrupted run: %d finished shards kept as they were", metrics["shards_resumed"])
     log.info(
-        "tokenized %d documents into %d train + %d val tokens in %d+%d shards (%d of %d slices reused) "
-        "in %.1fs (%.0f tokens/s)",
-        metrics["documents_read"], totals["train"], totals["val"], shards["train"], shards["val"],
-        len(reused), len(busy), seconds, metrics["tokens_per_s"],
+        "tokenized %d documents (of %d read; %d skipped) into %d train + %d val tokens in %d+%d shards "
+        "(%d of %d slices reused) in %.1fs (%.0f tokens/s)",
+        documents["train"] + documents["val"], metrics["documents_read"],
+        stats["empty"] + stats["too_short"] + stats["undecodable"], totals["train"], totals["val"],
+        shards["train"], shards["val"], len(reused), len(busy), seconds, metrics["tokens_per_s"],
     )  # fmt: skip
     return metrics
 
