@@ -496,6 +496,8 @@ def test_rerun_reuses_unchanged_slices_and_a_failure_keeps_the_last_good_output(
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == good
     leftovers = [p for p in tmp_path.rglob("*") if ".tmp-" in p.name or p.name.endswith(".next")]
     assert leftovers == []
+    empty_dirs = [p for p in tmp_path.rglob("*") if p.is_dir() and not any(p.iterdir())]
+    assert empty_dirs == []  # a staging directory with nothing to resume from is removed too
 
 
 def test_open_split_detects_corruption(tmp_path):

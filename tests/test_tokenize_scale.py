@@ -135,6 +135,7 @@ def test_killed_tokenize_leaves_no_process_and_resumes_to_identical_shards(tmp_p
     assert not out.exists()  # nothing half-made in the output
     if how == signal.SIGTERM:  # it tidied up: only finished shards remain, to resume from
         assert [p for p in staging.rglob("*") if ".tmp-" in p.name] == []
+        assert b"tokenize interrupted" in proc.stderr.read()  # and said what it kept
 
     resumed = tokenize_in_child(corpus, tokenizer_file, out, shard_tokens=20_000)
     assert resumed["shards_resumed"] >= len(kept), (resumed, len(kept))  # counted and reported

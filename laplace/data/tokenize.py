@@ -405,10 +405,14 @@ def _datasets_cache_in(directory: Path):
 
 
 def _remove_temporaries(staging: Path) -> None:
-    """Half-written shards of killed workers; finished shards stay for the next run to resume from."""
+    """Half-written shards of killed workers, and the staging directory itself when nothing in it is
+    worth resuming from; finished shards stay for the next run."""
     for split in SPLITS:
         for tmp in (staging / split).glob(".*.tmp-*") if (staging / split).is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
+    for directory in sorted((p for p in staging.rglob("*") if p.is_dir()), reverse=True) + [staging]:
+        with contextlib.suppress(OSError):  # not empty: keep it
+            directory.rmdir()
 
 
 def _previous(out_dir: Path) -> dict:
@@ -522,6 +526,13 @@ def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path,
     try:
         with _sigterm_unwinds(), _datasets_cache_in(staging / "hf-cache"):
             metrics = _tokenize(data, tok_cfg, out_dir, staging, seed)
+    except (SystemExit, KeyboardInterrupt):
+        finished = sum(1 for split in SPLITS for _ in staging.glob(f"{split}/*/manifest.json"))
+        log.warning(
+            "tokenize interrupted: %s left as it was; %d finished shards kept in %s for the next run to resume from",
+            out_dir, finished, staging,
+        )  # fmt: skip
+        raise
     finally:
         _remove_temporaries(staging)
         shutil.rmtree(out_dir.parent / f".{out_dir.name}.next", ignore_errors=True)
