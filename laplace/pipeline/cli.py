@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
 from laplace.model.config import preset_model_config
 from laplace.pipeline import serve, stages, summary
 from laplace.pipeline.layout import Paths
+from laplace.pipeline.logs import setup_logging
 from laplace.pipeline.params import add_config_arguments, load_config
 
 
@@ -105,7 +105,7 @@ def _print_info(facts: dict, as_json: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging()
     try:
         return _run(args)
     except InputError as exc:  # bad params or data, a missed gate: exit 2, never retried

@@ -25,6 +25,7 @@ from pathlib import Path
 from laplace.config import Config
 from laplace.errors import InputError
 from laplace.pipeline.layout import Paths
+from laplace.pipeline.logs import setup_logging
 
 log = logging.getLogger("laplace.serve")
 
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     add_config_arguments(parser)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging()
     try:
         return run(load_config(args.params, args.overrides), Paths.at(args.root), args)
     except InputError as exc:
