@@ -314,7 +314,9 @@ def _shard_entry(split: str, slice_index: int, part: int, found: dict) -> dict:
     }
 
 
-def _encode(job: _EncodeJob) -> dict:
+def _encode(job: _EncodeJob) -> tuple[dict, int]:
+    """Encode one slice: its record (what the manifest keeps) and how many of its shards were
+    adopted from an interrupted run (a figure of this run, not of the slice)."""
     from tokenizers import Tokenizer
 
     data = job.data
@@ -322,7 +324,7 @@ def _encode(job: _EncodeJob) -> dict:
     if record_path.is_file():
         record = json.loads(record_path.read_text())
         if record.get("key") == job.key:  # the slice finished in an interrupted run: all of it is kept
-            return {**record, "shards_resumed": sum(len(shards) for shards in record["shards"].values())}
+            return record, sum(len(shards) for shards in record["shards"].values())
     tokenizer = Tokenizer.from_str(job.tokenizer_json)
     tokenizer.encode_special_tokens = True
     dtype = np.dtype(job.dtype)
@@ -376,7 +378,7 @@ def _encode(job: _EncodeJob) -> dict:
     }
     record_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(record_path, record)
-    return {**record, "shards_resumed": resumed}
+    return record, resumed
 
 
 # --------------------------------------------------------------------------- the stage
@@ -602,8 +604,8 @@ def _tokenize(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, stagi
         progress = tqdm(total=len(busy), initial=len(reused), desc="tokenize slices", unit="slice")
         tokens_done = shards_resumed = 0
         with progress:
-            for record in map_unordered(_encode, encode_jobs):
-                shards_resumed += record.pop("shards_resumed")  # a figure of this run, not of the slice
+            for record, resumed in map_unordered(_encode, encode_jobs):
+                shards_resumed += resumed
                 records[record["slice"]] = record
                 tokens_done += sum(s["tokens"] for shards in record["shards"].values() for s in shards)
                 rate = tokens_done / max(time.perf_counter() - started, 1e-9)
