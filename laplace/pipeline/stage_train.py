@@ -4,13 +4,13 @@ node writes the result for that node's parent)."""
 
 from __future__ import annotations
 
-import logging
 import sys
 import tempfile
 from pathlib import Path
 
 from laplace.config import Config
 from laplace.pipeline.layout import Paths, write_metrics
+from laplace.pipeline.logs import setup_logging
 from laplace.training import distributed
 from laplace.training.loop import check_inputs, train
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     (metrics, history, checkpoint) to --out."""
     from laplace.pipeline.workers import worker_main
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()
 
     def body(cfg: Config, args) -> dict:
         result = train(cfg, args.data_dir, args.run_dir, resume=not args.no_resume, stop_at_step=args.stop_at_step)
