@@ -208,9 +208,18 @@ class ServeSection:
     prefill_buckets: list[int] = knob([64, 256], doc="prompt lengths are padded up to one of these")
     max_prompt_tokens: int = knob(256, _positive, "longer prompts are rejected")
     max_queue: int = knob(64, _positive, "requests that may wait for a slot; one more is rejected at once")
+    prefix_cache_bytes: int = knob(
+        64 << 20, _non_negative, "state prefix cache: bytes of cached prompt-prefix states (LRU; 0 = off)"
+    )
+    prefix_cache_min_tokens: int = knob(
+        16, _positive, "state prefix cache: the shortest shared prefix worth splitting a prefill at and storing"
+    )
     requests: int = knob(48, _positive, "requests per replayed workload")
     workloads: list[str] = knob(["batch", "poisson", "bursty"], doc="arrival processes replayed")
     exact_workloads: list[str] = knob(["poisson"], doc="workloads also replayed with the exact policy")
+    shared_prefix_tokens: int = knob(
+        128, _positive, "the shared_prefix workload: length of the system prompt every request starts with"
+    )
     rate: float = knob(25.0, _positive, "mean arrivals per second (poisson, bursty)")
     burst_cv: float = knob(3.0, _positive, "bursty: coefficient of variation of the gaps (Gamma)")
     prompt_tokens: list[int] = knob([8, 256], doc="[min, max] prompt length, log-uniform")

@@ -86,18 +86,20 @@ def use_compile_cache(cache: Path | None, scratch: Path, policy: str) -> Path | 
 def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
     """Serve until SIGTERM; the exit status (0 after a graceful drain)."""
     from laplace.model.export import load_export
-    from laplace.runtime import compile_backend, configure_compiler, resolve_device, set_threads
+    from laplace.runtime import compile_backend, configure_compiler, resolve_device
     from laplace.serving.engine import DecodeEngine
     from laplace.serving.server import serve
+    from laplace.serving.warmup import apply_compile_settings, settings_mismatch
 
     s = cfg.serve
-    set_threads(s.threads)
+    settings = apply_compile_settings(s)  # as warmup compiled: the thread count is in the cache key
     policy = args.policy or s.policy
     with tempfile.TemporaryDirectory(prefix="laplace-serve-") as tmp:
         scratch = Path(tmp)
         export_dir = export_dir_of(args.model, paths, scratch)
         cache = Path(args.compile_cache) if args.compile_cache else paths.warmup_cache
-        use_compile_cache(cache, scratch, policy)
+        if use_compile_cache(cache, scratch, policy) is not None and (why := settings_mismatch(cache, settings)):
+            log.warning(why)
         device = resolve_device(s.device)
         model, tokenizer, config = load_export(export_dir, device=device, kernel=cfg.model.kernel)
         engine = DecodeEngine.for_policy(model, s, policy, compile_backend(device))

@@ -2,7 +2,9 @@
 in its own fresh process so compile caches cannot leak between them:
 
 - exact:  an empty compile cache (a fresh deployment with no warmup);
-- padded: a copy of the warmup stage's compile cache, serving under fail_on_recompile;
+- padded: a copy of the warmup stage's compile cache (every graph must load from it), serving
+          under fail_on_recompile; also the shared_prefix workload with the state prefix
+          cache off and on, TTFT side by side;
 - eager:  no compiler at all.
 
 Then a short live phase (serve.live): `laplace serve` (padded, from the warmup cache) on a free
@@ -75,7 +77,7 @@ def replay_policies(
 
 def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
     headline = headline_workload(cfg)
-    metrics: dict = {"headline_workload": headline}
+    metrics: dict = {"headline_workload": headline, "compile_backend": results["padded"].get("backend", "inductor")}
     for policy in POLICIES:
         wl = results[policy]["workloads"]
         metrics[policy] = dict(wl.get(headline) or next(iter(wl.values())))
@@ -90,6 +92,9 @@ def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
     lo, hi = min(cfg.serve.decode_contexts), max(cfg.serve.decode_contexts)
     metrics[f"decode_cost_ratio_{hi}_vs_{lo}"] = cost["ratio"]
     metrics["warm_start_s"] = results["padded"]["warm_start_s"]
+    warm = results["padded"]["warm_start_report"]
+    metrics["warm_start_loaded_from_cache"] = f"{warm['loaded_from_cache']}/{warm['graphs']}"
+    metrics["prefix_cache"] = prefix_cache_figures(results["padded"]["prefix_cache"])
     exact_tps = metrics["exact"]["output_tokens_per_s"]
     metrics["padded_speedup_vs_exact"] = metrics["padded"]["output_tokens_per_s"] / exact_tps if exact_tps else None
     padded_compiles = sum(w["compile_events"] for w in results["padded"]["workloads"].values())
@@ -102,6 +107,8 @@ def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
     states = set(cost["state_bytes_per_sequence"].values())
     gates = {
         "padded_zero_compiles": padded_compiles == 0,
+        # one compile, loaded everywhere: warmup's graphs are the ones the replay looks up
+        "padded_warm_start_from_cache": warm["loaded_from_cache"] == warm["graphs"] or not inductor(results),
         "decode_cost_ratio": cost["ratio"] <= cfg.serve.max_decode_cost_ratio,
         "state_bytes_constant": len(states) == 1,
         "every_request_served": all(
@@ -114,6 +121,22 @@ def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
     metrics["_outputs"] = {p: results[p].get("outputs", {}).get(headline) for p in POLICIES}  # for add_live
     traces = {p: results[p]["traces"] for p in POLICIES}
     return metrics, traces
+
+
+def inductor(results: dict) -> bool:
+    """Whether the compile cache counters mean anything (Inductor's FX graph cache; not Neuron's)."""
+    return results["padded"].get("backend", "inductor") == "inductor"
+
+
+def prefix_cache_figures(pc: dict) -> dict:
+    """The shared_prefix workload with the prefix cache off and on: the figures side by side."""
+    keys = ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s", "prefill_tokens_computed")
+    out = {"budget_bytes": pc["budget_bytes"], "off": {k: pc["off"].get(k) for k in keys}}
+    if "on" in pc:
+        out["on"] = {k: pc["on"].get(k) for k in keys} | pc["on"]["prefix_cache"]
+        out["on_vs_off"] = pc["on_vs_off"]
+        out["identical_outputs_share"] = pc["identical_outputs_share"]
+    return out
 
 
 # --------------------------------------------------------------------------- the live phase
@@ -174,6 +197,9 @@ def live_phase(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path
         **summary,
         "wall_s": wall_s,
         "server_ready_s": ready_s,
+        "server_startup_s": counters.get("laplace_startup_seconds"),
+        "warmup_graphs": counters.get("laplace_warmup_graphs", 0.0),
+        "warmup_graphs_from_cache": counters.get("laplace_warmup_graphs_from_cache", 0.0),
         "compile_events": counters.get("laplace_compile_events_total", 0.0),
         "engine_errors": sum(v for k, v in counters.items() if k.startswith("laplace_engine_errors_total")),
         "busy_slots_after": counters.get("laplace_busy_slots", 0.0),
@@ -205,6 +231,9 @@ def add_live(metrics: dict, live: dict) -> dict:
     metrics["gates"].update(
         {
             "live_zero_compiles": live["compile_events"] == 0,
+            "live_warm_start_from_cache": live["warmup_graphs_from_cache"] == live["warmup_graphs"]
+            or live["policy"] == "eager"
+            or metrics.get("compile_backend", "inductor") != "inductor",
             "live_every_request_served": live["served"] == live["requests"],
             "live_clean_shutdown": live["server_exit_status"] == 0 and not live["server_traceback"],
         }

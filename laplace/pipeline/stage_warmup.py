@@ -53,6 +53,8 @@ def warm_up(cfg: Config, cache_dir: Path, vocab_size: int, scratch: Path) -> dic
         "compile_seconds_total": cold["seconds"]["total_s"],
         "warm_start_seconds_total": warm["seconds"]["total_s"],
         "warm_speedup": cold["seconds"]["total_s"] / max(warm["seconds"]["total_s"], 1e-9),
+        "warm_loaded_from_cache": warm["loaded_from_cache"],  # a warm start must load every graph
+        "threads": cold["settings"]["threads"],  # in Inductor's cache key: serve runs with the same
         "cold_process_s": cold["process_s"],
         "warm_process_s": warm["process_s"],
         "cache_files": files,

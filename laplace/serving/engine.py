@@ -42,6 +42,7 @@ from laplace.errors import ConfigError, InputError, one_line
 from laplace.model.kernels import resolve_kernel
 from laplace.model.lm import LaplaceLM, State
 from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
+from laplace.serving.prefix_cache import PrefixCache
 from laplace.serving.sampling import sample_next, stream_key
 
 POLICIES = ("padded", "exact", "eager")
@@ -228,14 +229,21 @@ class DecodeEngine:
         backend: str = "inductor",
         pad_id: int = 0,
         max_queue: int = ServeSection.max_queue,  # the params.yaml default
+        prefix_cache_bytes: int = 0,
+        prefix_cache_min_tokens: int = ServeSection.prefix_cache_min_tokens,
     ):
         """compile_scope: None (eager), "model" (each decode width / prefill bucket is one graph)
         or "block" (one GLA block is compiled per shape and reused by every layer).
         max_prompt_tokens: longer prompts are rejected (prompts longer than the largest bucket
         are prefilled in pieces). max_queue: requests that may wait for a slot; one arriving at
-        a full queue is rejected."""
+        a full queue is rejected. prefix_cache_bytes: the budget of the state prefix cache of
+        requests' prompts (0: off; serving/prefix_cache.py)."""
         if max_queue < 1:
             raise ConfigError(f"serve.max_queue: must be >= 1, got {max_queue}")
+        if prefix_cache_bytes < 0:
+            raise ConfigError(
+                f"serve.prefix_cache_bytes: must be >= 0 (0 turns the cache off), got {prefix_cache_bytes}"
+            )
         if not prefill_buckets or min(prefill_buckets) < 1:
             raise ConfigError(f"serve.prefill_buckets: need at least one length >= 1, got {prefill_buckets}")
         self.model = model.eval()
@@ -254,6 +262,8 @@ class DecodeEngine:
         self.pad_id = pad_id
         self.on_logits = None  # optional callback(logits of a step's real rows), for inspection
         self.on_token: Callable[[Completion, int], None] | None = None  # called for every emitted token
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
+        self.warmup_report: dict[str, float] = {}  # what the last warmup() compiled or loaded (see there)
         self.reset()
         self._decode, self._prefill = self.slot_states.decode, self.slot_states.prefill
         # CUDA graphs for the whole decode step (gpt-fast's "reduce-overhead"): on a GPU an eager or
@@ -286,6 +296,8 @@ class DecodeEngine:
             exact_widths=policy != "padded",
             backend=backend,
             max_queue=serve.max_queue,
+            prefix_cache_bytes=serve.prefix_cache_bytes,
+            prefix_cache_min_tokens=serve.prefix_cache_min_tokens,
         )
 
     @classmethod
@@ -308,7 +320,8 @@ class DecodeEngine:
         return (self.max_slots if self.exact_widths else len(self.ladder)) + len(self.buckets)
 
     def reset(self) -> None:
-        """Forget requests and timings (compiled graphs stay), for the next workload."""
+        """Forget requests, timings and cached prefixes (compiled graphs stay), for the next workload."""
+        self.prefix_cache.clear()
         self.pool = SlotPool(self.max_slots)
         self.now = 0.0
         self.queue: deque[Request] = deque()
@@ -389,6 +402,44 @@ class DecodeEngine:
         return logits
 
     @torch.inference_mode()
+    def prefill_cached(self, slot: int, prompt_ids) -> tuple[Tensor, int]:
+        """`prefill` of a request's prompt into its freshly admitted (zeroed) slot through the prefix
+        cache: the state of the longest cached prefix is copied into the slot and only the rest is
+        prefilled; the state at the split point the cache asks for and after the whole prompt is
+        stored (serving/prefix_cache.py says which). Returns (the last token's logits [1, V], the
+        padded tokens computed)."""
+        ids = np.asarray(prompt_ids, dtype=np.int64).ravel()
+        if not self.prefix_cache.enabled:
+            return self.prefill(slot, ids), self.padded_tokens(len(ids))
+        start, cached, split = self.prefix_cache.plan(ids)
+        rows = torch.tensor([slot], device=self.device)
+        if cached is not None:
+            self._write_rows(rows, cached)
+        computed = 0
+        if split is not None:
+            self.prefill(slot, ids[start:split])
+            computed += self.padded_tokens(split - start)
+            self.prefix_cache.put(ids[:split], self.state.select(rows))
+            start = split
+        logits = self.prefill(slot, ids[start:])
+        self.prefix_cache.put(ids, self.state.select(rows))
+        return logits, computed + self.padded_tokens(len(ids) - start)
+
+    def _write_rows(self, rows: Tensor, state: State) -> None:
+        self.state.recurrent.index_copy_(1, rows, state.recurrent)
+        if self.state.conv is not None:
+            self.state.conv.index_copy_(1, rows, state.conv)
+
+    def padded_tokens(self, n: int) -> int:
+        """Tokens the bucket graphs compute for an n-token prefill (its pieces, padded)."""
+        return sum(b for _, b in prefill_pieces(n, self.buckets))
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """The state prefix cache's counters: hits and misses (requests that did or did not start
+        from a cached prefix), bytes held, evictions; also entries and hit_tokens (prefill saved)."""
+        return self.prefix_cache.stats()
+
+    @torch.inference_mode()
     def decode(self, slots: Sequence[int], tokens, width: int | None = None) -> Tensor:
         """One decode step of the sequences in `slots`, each fed its token, at `width` rows
         (default: width_for(len(slots))). The pad rows take pad tokens and the dummy slot, so they
@@ -416,8 +467,16 @@ class DecodeEngine:
         """Run every decode width (the ladder, or every live count with exact widths) and prefill
         bucket, or the given ones, once on the dummy slot, compiling them when compiled. `log`
         gets a line as each graph starts and one with its seconds, so a cold compile of minutes
-        is not silent. Returns seconds per graph."""
+        is not silent, then a summary: how many graphs were loaded from the compile cache (a
+        server started after `laplace warmup` must load all of them). Returns seconds per graph;
+        `warmup_report` keeps the counts.
+
+        A graph is loaded (Inductor's FX graph cache hit, no miss), compiled (a miss: the cache
+        did not have it, e.g. it was built under another thread count, which Inductor's cache
+        key includes) or already compiled in this process."""
         dummy = self.pool.dummy
+        counts = {"loaded_from_cache": 0, "compiled": 0, "already_compiled": 0, "eager": 0}
+        started = time.perf_counter()
         out: dict[str, dict[int, float]] = {"decode": {}, "prefill": {}}
         if widths is None:
             widths = list(range(1, self.max_slots + 1)) if self.exact_widths else self.ladder
@@ -438,16 +497,27 @@ class DecodeEngine:
                 lengths = torch.tensor([size], device=self.device)
                 seconds = self._timed(lambda t=tokens, s=slots, n=lengths: self.prefill_rows(t, s, n))[1]
             out[kind][size] = seconds
+            hits, misses = (now - then for now, then in zip(compile_cache_counts(), cache_before))
+            if not self.compiled:
+                how, count = "ran eagerly", "eager"
+            elif compiled_graph_count() == before:
+                how, count = "was already compiled", "already_compiled"
+            elif misses or not hits:  # Neuron has no FX graph cache counters: counted as compiled
+                how, count = "compiled", "compiled"
+            else:
+                how, count = "loaded from the compile cache", "loaded_from_cache"
+            counts[count] += 1
             if log:
-                hits, misses = (now - then for now, then in zip(compile_cache_counts(), cache_before))
-                if not self.compiled:
-                    how = "ran eagerly"
-                elif compiled_graph_count() == before:
-                    how = "was already compiled"
-                else:
-                    how = "compiled" if misses or not hits else "loaded from the compile cache"
                 log(f"warmup {i}/{len(shapes)}: {what} {how} in {seconds:.2f}s")
         self.state.zero_()
+        self.warmup_report = {"graphs": len(shapes), **counts, "seconds": time.perf_counter() - started}
+        if log and self.compiled:
+            r = self.warmup_report
+            log(
+                f"warmup: {r['graphs']} graphs in {r['seconds']:.1f}s, loaded from cache "
+                f"{r['loaded_from_cache']}/{r['graphs']}, compiled {r['compiled']}, "
+                f"already compiled {r['already_compiled']}"
+            )
         return out
 
     def _timed(self, fn):
@@ -577,23 +647,23 @@ class DecodeEngine:
         live = _Live(req, done, self.admit(req.id))
         before = compiled_graph_count()
         try:
-            token, seconds = self._timed(lambda: self._first_token(live))
+            (token, padded_length), seconds = self._timed(lambda: self._first_token(live))
         except BaseException as exc:
             self.live.append(live)
             self._finish(live, "failed", f"prefill of {len(req.prompt_ids)} tokens: {one_line(exc)}")
             raise
-        padded_length = sum(b for _, b in prefill_pieces(len(req.prompt_ids), self.buckets))
         self._record("prefill", seconds, padded_length, 1, before)
         self.live.append(live)
         self._emit(live, token)
 
-    def _first_token(self, live: _Live) -> int:
-        """Prefill, then the first token by the same sampler the decode graph runs (here eagerly, once)."""
-        logits = self.prefill(live.slot, live.request.prompt_ids)
+    def _first_token(self, live: _Live) -> tuple[int, int]:
+        """Prefill (through the prefix cache), then the first token by the same sampler the decode
+        graph runs (here eagerly, once). Returns (the token, the padded tokens prefilled)."""
+        logits, padded_length = self.prefill_cached(live.slot, live.request.prompt_ids)
         if self.on_logits is not None:
             self.on_logits(logits)
         r = live.request
-        return int(sample_next(logits, r.temperature, r.top_p, stream_key(r.seed, 0))[0])
+        return int(sample_next(logits, r.temperature, r.top_p, stream_key(r.seed, 0))[0]), padded_length
 
     def _decode_step(self) -> None:
         rows = list(self.live)

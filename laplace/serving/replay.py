@@ -10,7 +10,9 @@ sleeping through the gaps. `replay_policy` runs every workload under one policy:
 - eager:  no compiler at all.
 
 The padded policy also measures decode cost against context: the per-token decode time
-after a 2,048- and an 8,192-token prompt, and the state bytes, which must not grow.
+after a 2,048- and an 8,192-token prompt, and the state bytes, which must not grow; and it
+replays the shared_prefix workload (one system prompt, different user text) twice, with the
+state prefix cache off and on, for TTFT side by side.
 """
 
 from __future__ import annotations
@@ -115,6 +117,42 @@ def trace(steps: list[StepRecord], done: list[Completion]) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- the prefix cache, off and on
+
+
+def prefix_cache_comparison(engine: DecodeEngine, requests: list[Request], ttft_slo: float, tpot_slo: float) -> dict:
+    """`requests` replayed twice on the same (warm) engine: its state prefix cache off, then on at
+    its budget. Figures of each, the cache's counters, and whether the outputs are identical."""
+    budget = engine.prefix_cache.budget_bytes
+    out: dict = {"budget_bytes": budget}
+    outputs = {}
+    try:
+        for name, bytes_ in (("off", 0), ("on", budget)):
+            if name == "on" and not budget:
+                break
+            engine.prefix_cache.budget_bytes = bytes_
+            engine.reset()
+            done = replay(engine, requests)
+            out[name] = summarize(engine.steps, done, ttft_slo, tpot_slo)
+            out[name]["prefill_tokens_computed"] = sum(s.width for s in engine.steps if s.kind == "prefill")
+            out[name]["prefix_cache"] = engine.prefix_cache_stats()
+            outputs[name] = [c.output_ids for c in done]
+    finally:
+        engine.prefix_cache.budget_bytes = budget
+        engine.reset()
+    if "on" in out:
+        off, on = out["off"], out["on"]
+        out["identical_outputs_share"] = sum(a == b for a, b in zip(outputs["off"], outputs["on"])) / max(
+            1, len(requests)
+        )
+        out["on_vs_off"] = {
+            k: on[k] / off[k]
+            for k in ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s", "prefill_tokens_computed")
+            if on.get(k) is not None and off.get(k)
+        }
+    return out
+
+
 # --------------------------------------------------------------------------- one policy
 
 
@@ -163,22 +201,27 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
 
     from laplace.data.shards import open_split
     from laplace.model.export import load_export
-    from laplace.runtime import compile_backend, configure_compiler, resolve_device, set_threads
-    from laplace.serving.workload import build_requests
+    from laplace.runtime import compile_backend, configure_compiler, resolve_device
+    from laplace.serving.warmup import apply_compile_settings
+    from laplace.serving.workload import SHARED_PREFIX, build_requests
 
-    set_threads(cfg.serve.threads)  # as laplace serve runs, so the live phase compares like with like
+    # as warmup compiled and laplace serve runs: the graphs load from the cache, and the live
+    # phase compares like with like
+    apply_compile_settings(cfg.serve)
     device = resolve_device(cfg.serve.device)
     model, _, _ = load_export(export_dir, device=device, kernel=cfg.model.kernel)
     text = open_split(data_dir, "val")
-    engine = DecodeEngine.for_policy(model, cfg.serve, policy, compile_backend(device))
+    backend = compile_backend(device)
+    engine = DecodeEngine.for_policy(model, cfg.serve, policy, backend)
     configure_compiler(engine.graphs_needed())
-    result: dict = {"policy": policy, "workloads": {}, "traces": {}, "outputs": {}}
+    result: dict = {"policy": policy, "backend": backend, "workloads": {}, "traces": {}, "outputs": {}}
     stance = contextlib.nullcontext()
     if policy == "padded":
         start = time.perf_counter()
         warm = engine.warmup(log=lambda line: print(line, flush=True))
         result["warm_start"] = {k: {str(w): s for w, s in v.items()} for k, v in warm.items()}
         result["warm_start_s"] = time.perf_counter() - start
+        result["warm_start_report"] = dict(engine.warmup_report)
         stance = torch.compiler.set_stance("fail_on_recompile")  # any compile from here on is an error
     kinds = cfg.serve.exact_workloads if policy == "exact" else cfg.serve.workloads
     for kind in kinds:
@@ -199,6 +242,18 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
             flush=True,
         )
     if policy == "padded":
+        requests = build_requests(SHARED_PREFIX, cfg.serve, text, cfg.serve.seed)
+        with stance:
+            result["prefix_cache"] = prefix_cache_comparison(
+                engine, requests, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s
+            )
+        pc = result["prefix_cache"]
+        if "on" in pc:
+            print(
+                f"padded/{SHARED_PREFIX}: TTFT p50 {pc['off']['ttft_p50_s']:.4f}s without the prefix cache, "
+                f"{pc['on']['ttft_p50_s']:.4f}s with it ({pc['on']['prefix_cache']['hits']} hits)",
+                flush=True,
+            )
         with stance:
             result["decode_cost"] = decode_cost(
                 engine, cfg.serve.decode_contexts, cfg.serve.decode_timing_steps, text[: max(cfg.serve.decode_contexts)]

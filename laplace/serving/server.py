@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 from fastapi import Request as HttpRequest
 
@@ -66,6 +67,10 @@ class ServerMetrics:
         )
         self.warmup_seconds = Gauge("laplace_warmup_seconds", "seconds warmup took", registry=r)
         self.warmup_graphs = Gauge("laplace_warmup_graphs", "decode widths and prefill buckets warmed up", registry=r)
+        self.warmup_from_cache = Gauge(
+            "laplace_warmup_graphs_from_cache", "graphs warmup loaded from the compile cache", registry=r
+        )
+        self.startup_seconds = Gauge("laplace_startup_seconds", "seconds from process start to ready", registry=r)
         self.requests = Counter(
             "laplace_requests", "engine requests by outcome (done, cancelled, failed)", ["outcome"], registry=r
         )
@@ -237,6 +242,7 @@ class EngineLoop:
             seconds = self.engine.warmup(widths=self.warmup_widths, log=log.info)
             self.metrics.warmup_seconds.set(time.perf_counter() - started)
             self.metrics.warmup_graphs.set(len(seconds["decode"]) + len(seconds["prefill"]))
+            self.metrics.warmup_from_cache.set(self.engine.warmup_report.get("loaded_from_cache", 0))
         except Exception as exc:  # a broken model or compiler: the server cannot serve
             self.fatal = f"warmup failed: {type(exc).__name__}: {exc}"
             log.error(self.fatal)
@@ -248,8 +254,11 @@ class EngineLoop:
         self._emitted: list[tuple[Completion, int]] = []
         self.ready.set()
         self.metrics.ready.set(1)
+        startup_s = time.time() - psutil.Process().create_time()
+        self.metrics.startup_seconds.set(startup_s)
         log.info(
-            "ready: %d slots, decode widths %s, prefill buckets %s, %s",
+            "ready %.1fs after start: %d slots, decode widths %s, prefill buckets %s, %s",
+            startup_s,
             self.engine.max_slots,
             self.engine.ladder if not self.engine.exact_widths else "exact",
             self.engine.buckets,

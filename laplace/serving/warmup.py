@@ -5,14 +5,61 @@ graph inputs), so warmup compiles an untrained model of the same configuration a
 needs only the tokenized data's vocabulary size: it can run before training. The
 compile cache directory comes from the environment (TORCHINDUCTOR_CACHE_DIR on CPU/CUDA,
 the Neuron NEFF cache on Trainium); the warmup stage runs this in fresh processes.
+
+One compile, loaded everywhere: a graph is looked up in the cache by a key that holds more
+than the graph. Inductor's FX graph cache key includes the intra-op thread count
+(`parallel_num_threads()`: the generated C++ is specialised for it), so warmup, serve-check's
+replays and `laplace serve` all call `apply_compile_settings` with the same `serve:` params,
+and warmup writes what it compiled under beside the cache (`compile-settings.json`): a server
+whose settings differ says so in one line instead of silently recompiling every graph.
+Neuron's NEFF cache is keyed by the graph (HLO) hash, the neuronx-cc version and its flags
+(NEURON_CC_FLAGS), not by threads: the same flags and compiler must be set where warmup and
+serve run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
-from laplace.config import Config
+from laplace.config import Config, ServeSection
+
+SETTINGS_FILE = "compile-settings.json"
+
+
+def apply_compile_settings(serve: ServeSection) -> dict:
+    """Set this process's settings that enter the compile cache key (the intra-op thread count:
+    serve.threads, 0 = torch's default) and return them, as recorded beside the cache."""
+    import torch
+
+    from laplace.runtime import set_threads
+
+    set_threads(serve.threads)
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def record_compile_settings(cache_dir: Path, settings: dict) -> None:
+    from laplace.fileio import atomic_write_json
+
+    atomic_write_json(Path(cache_dir) / SETTINGS_FILE, settings)
+
+
+def settings_mismatch(cache_dir: Path, settings: dict) -> str | None:
+    """One line naming the settings this process compiles under that differ from those the cache
+    at `cache_dir` was built under (None when they agree or the cache says nothing)."""
+    path = Path(cache_dir) / SETTINGS_FILE
+    if not path.is_file():
+        return None
+    built = json.loads(path.read_text())
+    diff = [f"{k} {built[k]} there, {settings[k]} here" for k in settings if k in built and built[k] != settings[k]]
+    if not diff:
+        return None
+    return (
+        f"the compile cache {cache_dir} was built under other settings ({'; '.join(diff)}): "
+        "every graph will compile (set serve.threads as warmup had it, or rerun laplace warmup)"
+    )
 
 
 def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
@@ -26,6 +73,7 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
     from laplace.runtime import compile_backend, configure_compiler, resolve_device
     from laplace.serving.engine import DecodeEngine
 
+    settings = apply_compile_settings(cfg.serve)  # as serve-check and laplace serve will run
     device = resolve_device(cfg.serve.device)
     model_cfg = cfg.model_config(vocab_size=vocab_size)
     torch.manual_seed(cfg.seed)
@@ -34,6 +82,9 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
     engine = DecodeEngine.for_policy(model, cfg.serve, "padded", backend)
     configure_compiler(engine.graphs_needed())
     seconds = engine.warmup(log=lambda line: print(line, flush=True))  # one line per graph as it compiles
+    cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache_dir:
+        record_compile_settings(Path(cache_dir), settings)
     total = sum(seconds["decode"].values()) + sum(seconds["prefill"].values())
     return {
         "backend": backend,
@@ -45,5 +96,8 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
             "total_s": total,
         },
         "process_s": time.perf_counter() - started,
-        "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "cache_dir": cache_dir,
+        "settings": settings,
+        "loaded_from_cache": engine.warmup_report["loaded_from_cache"],
+        "compiled": engine.warmup_report["compiled"],
     }

@@ -4,6 +4,9 @@
 - poisson: exponential gaps with mean 1/rate
 - bursty:  Gamma-distributed gaps with the same mean and a coefficient of variation of
            burst_cv (> 1 clusters arrivals into bursts separated by lulls)
+- shared_prefix: Poisson arrivals whose prompts all start with one system prompt of
+           serve.shared_prefix_tokens tokens, each followed by its own user text (what the
+           state prefix cache is for: serving/prefix_cache.py)
 
 Prompts are windows of real validation text, so the model decodes plausible tokens.
 """
@@ -17,6 +20,8 @@ from laplace.errors import ConfigError
 from laplace.serving.engine import Request
 
 ARRIVALS = ("batch", "poisson", "bursty")
+SHARED_PREFIX = "shared_prefix"
+WORKLOADS = (*ARRIVALS, SHARED_PREFIX)
 
 
 def arrival_times(kind: str, n: int, rate: float, burst_cv: float, rng: np.random.Generator) -> np.ndarray:
@@ -43,16 +48,28 @@ def log_uniform(lo: int, hi: int, n: int, rng: np.random.Generator) -> np.ndarra
 
 def build_requests(kind: str, serve: ServeSection, text_tokens: np.ndarray, seed: int) -> list[Request]:
     """The seeded workload `kind` of serve.requests requests over windows of `text_tokens`."""
-    rng = np.random.default_rng([seed, ARRIVALS.index(kind) if kind in ARRIVALS else 99])
+    rng = np.random.default_rng([seed, WORKLOADS.index(kind) if kind in WORKLOADS else 99])
     n = serve.requests
-    arrivals = arrival_times(kind, n, serve.rate, serve.burst_cv, rng)
+    system: list[int] = []
+    if kind == SHARED_PREFIX:
+        room = serve.max_prompt_tokens - serve.shared_prefix_tokens
+        if room < 1:
+            raise ConfigError(
+                f"serve.shared_prefix_tokens: {serve.shared_prefix_tokens} leaves no room for user text "
+                f"within serve.max_prompt_tokens={serve.max_prompt_tokens}"
+            )
+        start = int(rng.integers(0, len(text_tokens) - serve.shared_prefix_tokens))
+        system = [int(t) for t in text_tokens[start : start + serve.shared_prefix_tokens]]
+    arrivals = arrival_times("poisson" if kind == SHARED_PREFIX else kind, n, serve.rate, serve.burst_cv, rng)
     prompt_lens = log_uniform(*serve.prompt_tokens, n, rng)
+    if system:  # the user text after the system prompt
+        prompt_lens = prompt_lens.clip(1, serve.max_prompt_tokens - len(system))
     output_lens = log_uniform(*serve.output_tokens, n, rng)
     starts = rng.integers(0, len(text_tokens) - int(prompt_lens.max()) - 1, size=n)
     return [
         Request(
             id=i,
-            prompt_ids=[int(t) for t in text_tokens[s : s + p]],
+            prompt_ids=system + [int(t) for t in text_tokens[s : s + p]],
             max_new_tokens=int(o),
             temperature=serve.temperature,
             top_p=serve.top_p,
