@@ -1,0 +1,92 @@
+"""One compile, loaded everywhere: a `laplace serve` started after the warmup stage's worker loads
+every graph from the compile cache (Inductor's FX graph cache: hits counted, no miss), says so in
+its log and /metrics, and serves a shared system prompt through the state prefix cache with the
+same greedy tokens as the eager engine without it."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from laplace.data.shards import read_manifest
+from laplace.model.export import load_export
+from laplace.pipeline.params import load_config
+from laplace.pipeline.serve import ServerProcess
+from laplace.pipeline.stage_servecheck import scrape
+from laplace.pipeline.workers import compile_env, run_worker
+from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.warmup import SETTINGS_FILE, settings_mismatch
+
+from project import ROOT
+
+SERVE = {
+    # the architecture of conftest's tiny_artifacts export (warmup compiles the configured one)
+    "model.preset": "tiny",
+    "model.d_model": 32,
+    "model.n_layers": 1,
+    "model.n_heads": 2,
+    "model.chunk_size": 16,
+    "model.sub_chunk_size": 8,
+    "serve.max_slots": 2,  # decode widths 1, 2 and one prefill bucket: three graphs
+    "serve.prefill_buckets": [64],
+    "serve.max_prompt_tokens": 64,
+    "serve.threads": 1,
+    "serve.prefix_cache_min_tokens": 8,
+}
+
+
+def test_settings_mismatch_names_the_thread_count(tmp_path):
+    from laplace.serving.warmup import record_compile_settings
+
+    record_compile_settings(tmp_path, {"threads": 2, "torch": "2.13.0"})
+    assert settings_mismatch(tmp_path, {"threads": 2, "torch": "2.13.0"}) is None
+    why = settings_mismatch(tmp_path, {"threads": 1, "torch": "2.13.0"})
+    assert "threads 2 there, 1 here" in why and "every graph will compile" in why
+    assert settings_mismatch(tmp_path / "none", {"threads": 1}) is None  # a cache that says nothing
+
+
+@pytest.mark.slow
+def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path):
+    data_dir, export_dir = tiny_artifacts
+    cfg = load_config(ROOT / "params.yaml", SERVE)
+    cache = tmp_path / "compile-cache"
+    cache.mkdir()
+    # the warmup stage's worker as the stage runs it: a fresh process, at torch's default thread
+    # count in its environment (no OMP_NUM_THREADS): before serve.threads applied there, it
+    # compiled at the machine's core count and the 1-thread server below recompiled everything
+    env = compile_env(cache)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.pop(name, None)
+    vocab = str(read_manifest(data_dir)["vocab_size"])
+    cold = run_worker("laplace.pipeline.stage_warmup", cfg, ["--vocab-size", vocab], env, ROOT, tmp_path / "w.json")
+    assert (cold["graphs"], cold["compiled"], cold["loaded_from_cache"]) == (3, 3, 0)
+    assert cold["settings"]["threads"] == 1 and (cache / SETTINGS_FILE).is_file()
+
+    model, tokenizer, _ = load_export(export_dir)
+    system = tokenizer.encode("The function returns the value of the key in the table, and then").ids
+    prompts = [system + tokenizer.encode(f" {word} more text").ids for word in ("red", "green", "blue", "cold")]
+    server_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with ServerProcess(cfg, model=export_dir, policy="padded", compile_cache=cache, env=server_env) as server:
+        server.wait_ready(cfg.serve.live_startup_s)
+        outputs = []
+        for prompt in prompts:  # one at a time: each admission sees the cache the last one left
+            body = {"model": cfg.tracking.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            r = httpx.post(server.url + "/v1/completions", json=body | {"ignore_eos": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            outputs.append(r.json()["choices"][0]["text"])
+        counters = scrape(server.url)
+        assert server.stop() == 0
+    log = "\n".join(server.lines)
+    assert counters["laplace_warmup_graphs"] == counters["laplace_warmup_graphs_from_cache"] == 3, log
+    assert counters["laplace_compile_events_total"] == 0
+    assert counters["laplace_startup_seconds"] > 0
+    assert "loaded from cache 3/3, compiled 0" in log and "was built under other settings" not in log
+    assert "ready " in log and "s after start" in log
+
+    # greedy through the compiled engine and its prefix cache = the eager engine without a cache
+    eager = DecodeEngine.for_policy(model, cfg.serve, "eager")
+    eager.prefix_cache.budget_bytes = 0
+    done = eager.complete([Request(i, p, 6) for i, p in enumerate(prompts)])
+    assert outputs == [tokenizer.decode(c.output_ids) for c in done]
