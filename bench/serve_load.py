@@ -15,6 +15,15 @@ the same requests on the padded engine's virtual clock in a fresh process starte
 warmup cache (what serve-check does) and checks the targets side by side: live output
 tokens/s >= 80% of the replay's, no compile while serving, client p99 TTFT <= 2x the replay's.
 Every `--set` applies (e.g. --set serve.rate=50). Prints a table and, last, one JSON object.
+
+    .venv/bin/python bench/serve_load.py --prefix-cache                  # shared prefix, cache on vs off
+    .venv/bin/python bench/serve_load.py --cold-start                    # server startup, cold vs warm
+
+`--prefix-cache` sends the shared_prefix workload (every prompt starts with the same
+serve.shared_prefix_tokens-token system prompt) to two servers started one after the other from
+the warmup cache, one with serve.prefix_cache_bytes as set and one with 0: TTFT p50/p99 and output
+tokens/s side by side, and the cache's hits. `--cold-start` starts `laplace serve` with an empty
+compile cache, then from the warmup cache: seconds to healthy and graphs loaded from the cache.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from laplace.data.shards import open_split  # noqa: E402
 from laplace.pipeline.layout import Paths  # noqa: E402
 from laplace.pipeline.params import add_config_arguments, load_config  # noqa: E402
 from laplace.serving.loadgen import run_load, served_model, summarize_load, table  # noqa: E402
-from laplace.serving.workload import ARRIVALS, build_requests  # noqa: E402
+from laplace.serving.workload import SHARED_PREFIX, WORKLOADS, build_requests  # noqa: E402
 
 from common import emit, machine  # noqa: E402
 
@@ -44,19 +53,94 @@ def replay_padded(cfg, paths: Paths, workload: str) -> dict:
     return result["workloads"][workload]
 
 
+def launched(cfg, paths: Paths, requests, compile_cache: Path | None, stream: bool = True) -> dict:
+    """Start laplace serve (serve.policy), time it to healthy, send `requests` (if any), SIGTERM."""
+    from laplace.pipeline.serve import ServerProcess
+    from laplace.pipeline.stage_servecheck import scrape
+
+    s = cfg.serve
+    out: dict = {}
+    with ServerProcess(cfg, model=paths.export_dir, policy=s.policy, compile_cache=compile_cache) as server:
+        out["server_ready_s"] = server.wait_ready(s.live_startup_s)
+        if requests:
+            results, out["wall_s"] = run_load(server.url, requests, served_model(server.url), stream=stream)
+            out["live"] = summarize_load(results, s.slo_ttft_s, s.slo_tpot_s)
+        counters = scrape(server.url)
+        out["server_exit_status"] = server.stop()
+    out["startup_s"] = counters.get("laplace_startup_seconds")
+    out["warmup_graphs"] = counters.get("laplace_warmup_graphs")
+    out["warmup_graphs_from_cache"] = counters.get("laplace_warmup_graphs_from_cache")
+    out["compile_events"] = counters.get("laplace_compile_events_total")
+    out["counters"] = {k: v for k, v in counters.items() if "prefix_cache" in k}
+    return out
+
+
+def prefix_cache_on_off(cfg, paths: Paths, requests) -> dict:
+    """The same shared-prefix requests against a server with the prefix cache on, then off."""
+    budget = cfg.serve.prefix_cache_bytes or 64 << 20
+    runs = {}
+    for name, bytes_ in (("on", budget), ("off", 0)):
+        one = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, prefix_cache_bytes=bytes_))
+        runs[name] = launched(one, paths, requests, paths.warmup_cache)
+    keys = ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s", "tpot_p50_s", "e2e_p50_s")
+    print(f"{'shared_prefix':<22}{'cache on':>12}{'cache off':>12}{'on / off':>10}")
+    for k in keys:
+        on, off = runs["on"]["live"].get(k), runs["off"]["live"].get(k)
+        if on is not None and off:
+            print(f"{k:<22}{on:>12.4f}{off:>12.4f}{on / off:>10.2f}")
+    return {
+        "budget_bytes": budget,
+        "on": runs["on"],
+        "off": runs["off"],
+        "on_vs_off": {
+            k: runs["on"]["live"][k] / runs["off"]["live"][k]
+            for k in keys
+            if runs["on"]["live"].get(k) is not None and runs["off"]["live"].get(k)
+        },
+    }
+
+
+def cold_vs_warm_start(cfg, paths: Paths) -> dict:
+    """laplace serve started with an empty compile cache, then from the warmup stage's."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="laplace-cold-cache-") as empty:
+        cold = launched(cfg, paths, [], Path(empty))
+    warm = launched(cfg, paths, [], paths.warmup_cache)
+    for name, r in (("cold", cold), ("warm", warm)):
+        print(
+            f"{name} start: healthy after {r['server_ready_s']:.1f}s, loaded from cache "
+            f"{r['warmup_graphs_from_cache']:.0f}/{r['warmup_graphs']:.0f}"
+        )
+    return {"cold": cold, "warm": warm, "cold_vs_warm": cold["server_ready_s"] / warm["server_ready_s"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(ap)
     ap.add_argument("--url", default=None, help="the server (default: http://serve.host:serve.port)")
     ap.add_argument("--launch", action="store_true", help="start laplace serve for the run, stop it after")
     ap.add_argument("--compare-replay", action="store_true", help="also replay the workload; check the targets")
-    ap.add_argument("--workload", choices=ARRIVALS, default="poisson")
+    ap.add_argument("--workload", choices=WORKLOADS, default="poisson")
+    ap.add_argument("--prefix-cache", action="store_true", help="shared_prefix: two servers, prefix cache on / off")
+    ap.add_argument("--cold-start", action="store_true", help="server startup with an empty vs the warmup cache")
     ap.add_argument("--no-stream", action="store_true", help="plain JSON responses (no per-token timings)")
     ap.add_argument("--model", default=None, help="the model id to ask for (default: the server's)")
     args = ap.parse_args()
     cfg = load_config(args.params, args.overrides)
     paths = Paths.at(args.root)
     s = cfg.serve
+    if args.prefix_cache or args.cold_start:
+        result = {"bench": "serve_load", "machine": machine(), "preset": cfg.model.preset, "rate": s.rate}
+        if args.prefix_cache:
+            text = open_split(paths.data_dir, "val")
+            requests = build_requests(SHARED_PREFIX, s, text, s.seed)
+            result["prefix_cache"] = prefix_cache_on_off(cfg, paths, requests)
+            result["shared_prefix_tokens"], result["requests"] = s.shared_prefix_tokens, s.requests
+        if args.cold_start:
+            result["start"] = cold_vs_warm_start(cfg, paths)
+        emit(result)
+        return 0
     requests = build_requests(args.workload, s, open_split(paths.data_dir, "val"), s.seed)
     result: dict = {
         "bench": "serve_load",

@@ -36,6 +36,7 @@ TINY_PARAMS = {
     "serve.requests": 12,
     "serve.workloads": ["batch", "poisson"],
     "serve.prompt_tokens": [4, 64],
+    "serve.shared_prefix_tokens": 32,  # serve-check's shared_prefix workload within max_prompt_tokens
     "serve.output_tokens": [2, 12],
     "serve.decode_contexts": [256, 1024],
     "serve.decode_timing_steps": 16,

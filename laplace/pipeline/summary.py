@@ -69,6 +69,11 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
             [
                 f"{wu['graphs']} graphs compiled in {wu['compile_seconds_total']:.1f}s cold, "
                 f"{wu['warm_start_seconds_total']:.1f}s warm ({wu['warm_speedup']:.1f}x)"
+                + (
+                    f", warm start loaded from cache {wu['warm_loaded_from_cache']}/{wu['graphs']}"
+                    if wu.get("warm_loaded_from_cache") is not None
+                    else ""
+                )
             ],
         )
     if sv := info.get("serve"):
@@ -85,6 +90,7 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
                 f"{exact['compile_time_share']:.1%} of decode time",
                 f"{ratio_key} = {sv[ratio_key]:.3f}; gates {_verdict(sv['passed'])}",
             ]
+            + _prefix_cache_line(sv)
             + _live_line(sv),
         )
     if nm := info.get("numerics"):
@@ -126,15 +132,33 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
+def _prefix_cache_line(sv: dict) -> list[str]:
+    pc = sv.get("prefix_cache") or {}
+    if "on" not in pc:
+        return []
+    on, off = pc["on"], pc["off"]
+    return [
+        f"shared_prefix: TTFT p50 {on['ttft_p50_s']:.4f}s with the prefix cache vs {off['ttft_p50_s']:.4f}s "
+        f"without, p99 {on['ttft_p99_s']:.4f}s vs {off['ttft_p99_s']:.4f}s ({on['hits']} hits, "
+        f"{on['misses']} misses, identical outputs {pc['identical_outputs_share']:.0%})"
+    ]
+
+
 def _live_line(sv: dict) -> list[str]:
     live, ratio = sv.get("live"), sv.get("live_vs_replay") or {}
     if not live:
         return []
+    warm = ""
+    if live.get("warmup_graphs"):
+        warm = (
+            f", ready in {live.get('server_startup_s') or live['server_ready_s']:.1f}s, loaded from cache "
+            f"{live.get('warmup_graphs_from_cache', 0):.0f}/{live['warmup_graphs']:.0f}"
+        )
     return [
         f"live laplace serve: {live['output_tokens_per_s']:.0f} tokens/s "
         f"({ratio.get('output_tokens_per_s', 0):.2f}x the replay), TTFT p99 {live['ttft_p99_s'] or 0:.3f}s "
         f"({ratio.get('ttft_p99_s', 0):.2f}x), {live['compile_events']:.0f} compiles, "
-        f"{live['served']}/{live['requests']} served"
+        f"{live['served']}/{live['requests']} served" + warm
     ]
 
 
