@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from laplace.errors import ConfigError
-from laplace.model.config import PRESETS, ModelConfig, preset_model_config
+from laplace.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig, preset_model_config
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "config_from_dict", "default_params", "knob"]
 
@@ -58,34 +58,25 @@ def knob(default, check=None, doc: str = ""):
 # --------------------------------------------------------------------------- sections
 
 
-@dataclass(frozen=True)
-class ModelSection:
-    """`model:` in params.yaml: a preset plus optional per-field overrides (null = the preset's value)."""
+def _model_section() -> type:
+    """`model:` in params.yaml: a preset plus one knob per ModelConfig field, built from ModelConfig's
+    own fields and docs (so a new field is a knob at once). An architecture knob left empty (null)
+    takes the preset's value; a runtime field (RUNTIME_FIELDS: kernel) defaults to ModelConfig's."""
+    hints = typing.get_type_hints(ModelConfig)
+    fields: list[tuple[str, Any, Any]] = [("preset", str, knob("tiny", doc=" | ".join(PRESETS)))]
+    for f in dataclasses.fields(ModelConfig):
+        doc = f.metadata.get("doc", "")
+        if f.name in RUNTIME_FIELDS:
+            fields.append((f.name, hints[f.name], knob(f.default, doc=doc)))
+        else:
+            fields.append((f.name, hints[f.name] | None, knob(None, doc=doc)))
+    section = dataclasses.make_dataclass("ModelSection", fields, frozen=True)
+    section.__module__ = __name__
+    section.__doc__ = "`model:` a preset plus optional per-field overrides of ModelConfig (null = the preset's value)."
+    return section
 
-    preset: str = knob("tiny", doc="tiny | small | laplace-3b")
-    vocab_size: int | None = knob(None, doc="null: the preset's, or the tokenizer's vocab size")
-    d_model: int | None = knob(None)
-    n_layers: int | None = knob(None)
-    n_heads: int | None = knob(None)
-    expand_k: float | None = knob(None)
-    expand_v: float | None = knob(None)
-    mlp_hidden: int | None = knob(None)
-    gate_low_rank_dim: int | None = knob(None)
-    gate_logit_normalizer: float | None = knob(None)
-    gate_bias_init: float | None = knob(None)
-    use_short_conv: bool | None = knob(None)
-    conv_size: int | None = knob(None)
-    chunk_size: int | None = knob(None)
-    sub_chunk_size: int | None = knob(None)
-    segment_len: int | None = knob(None)
-    tie_embeddings: bool | None = knob(None)
-    init_std: float | None = knob(None)
-    dtype: str | None = knob(None)
-    kernel: Literal["auto", "torch", "fla"] = knob(
-        "auto",
-        doc="the GLA core: torch (plain PyTorch, anywhere), fla (flash-linear-attention's Triton kernels, CUDA, "
-        "pip install 'laplace[cuda]'), auto (fla on CUDA when installed, else torch)",
-    )
+
+ModelSection = _model_section()
 
 
 @dataclass(frozen=True)
@@ -184,10 +175,27 @@ class GenerateSection:
 
 
 @dataclass(frozen=True)
-class ServeSection:
-    """Serving: the decode engine, the compile warmup, `laplace serve` and the workloads of serve-check."""
+class EngineSection:
+    """`engine:` the decode engine's device and shapes. Every stage that builds an engine reads the
+    whole section (warmup, serve-check, numerics, probes), as do `laplace serve` and the logged
+    MLflow model; changing one reruns exactly those stages."""
 
     device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto")
+    compile_scope: Literal["block", "model"] = knob(
+        "block", doc="block: compile one GLA block, reused by every layer; model: the whole step as one graph"
+    )
+    max_slots: int = knob(8, _positive, "concurrent sequences (state slots); one more dummy slot pads")
+    widths: list[int] = knob([], doc="decode width ladder; empty = powers of two up to max_slots")
+    prefill_buckets: list[int] = knob([64, 256], doc="prompt lengths are padded up to one of these")
+    max_prompt_tokens: int = knob(256, _positive, "longer prompts are rejected")
+    max_queue: int = knob(64, _positive, "requests that may wait for a slot; one more is rejected at once")
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    """`server:` the live server, `laplace serve`. serve-check's live phase runs that server too, on
+    an address and policy of its own, so it declares only the keys it reads (not host, port, policy)."""
+
     host: str = knob("127.0.0.1", doc="laplace serve listens here (loopback: only this machine)")
     port: int = knob(8000, lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "laplace serve's port")
     policy: Literal["padded", "exact", "eager"] = knob(
@@ -200,14 +208,12 @@ class ServeSection:
         "intra-op threads of serve-check's replays and laplace serve (0 = torch's default, one per core)",
     )
     shutdown_grace_s: float = knob(10.0, _non_negative, "on SIGTERM, in-flight requests get this long to finish")
-    compile_scope: Literal["block", "model"] = knob(
-        "block", doc="block: compile one GLA block, reused by every layer; model: the whole step as one graph"
-    )
-    max_slots: int = knob(8, _positive, "concurrent sequences (state slots); one more dummy slot pads")
-    widths: list[int] = knob([], doc="decode width ladder; empty = powers of two up to max_slots")
-    prefill_buckets: list[int] = knob([64, 256], doc="prompt lengths are padded up to one of these")
-    max_prompt_tokens: int = knob(256, _positive, "longer prompts are rejected")
-    max_queue: int = knob(64, _positive, "requests that may wait for a slot; one more is rejected at once")
+
+
+@dataclass(frozen=True)
+class ServeCheckSection:
+    """`serve_check:` the workloads the serve-check stage replays (and serves live), and its gates."""
+
     requests: int = knob(48, _positive, "requests per replayed workload")
     workloads: list[str] = knob(["batch", "poisson", "bursty"], doc="arrival processes replayed")
     exact_workloads: list[str] = knob(["poisson"], doc="workloads also replayed with the exact policy")
@@ -316,7 +322,9 @@ class Config:
     adamw: AdamWSection = field(default_factory=AdamWSection)
     muon: MuonSection = field(default_factory=MuonSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
-    serve: ServeSection = field(default_factory=ServeSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    serve_check: ServeCheckSection = field(default_factory=ServeCheckSection)
     numerics: NumericsSection = field(default_factory=NumericsSection)
     probes: ProbesSection = field(default_factory=ProbesSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)

@@ -76,7 +76,7 @@ def test_broken_yaml_is_one_line(tmp_path):
         ("seed: 1\ntrain:\n  lr: 0.1\n   steps: 3\n", 4),  # bad indentation: that line
         ("seed: 1\ntrain:\n  lr 0.1\n  steps: 3\n", 3),  # a key without its colon
         ('seed: 1\ndata:\n  hub_name: "sample\n  hub_split: train\n', 3),  # an unclosed quote
-        ("seed: 1\nserve:\n  widths: [1, 2\n  max_slots: 2\n", 3),  # an unclosed bracket
+        ("seed: 1\nengine:\n  widths: [1, 2\n  max_slots: 2\n", 3),  # an unclosed bracket
     ],
 )
 def test_a_yaml_error_names_the_line_to_fix(tmp_path, text, line):
