@@ -305,13 +305,6 @@ def test_a_config_is_always_named_cfg():
 
 # --------------------------------------------------------------------------- imports point down
 
-# Import circles being taken apart (issue 22, item 3: Muon math below the sharded optimizer, sampling
-# below the engine). Each pair is allowed until its split lands; then delete the pair here.
-KNOWN_CIRCLES = {
-    frozenset({"laplace.optim.muon", "laplace.optim.sharded"}),
-    frozenset({"laplace.serving.engine", "laplace.serving.sampling"}),
-}
-
 
 def import_graph() -> dict[str, set[str]]:
     """laplace module -> the laplace modules it imports (anywhere in it, function-level included)."""
@@ -354,21 +347,9 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_imports_point_down_no_circle():
     """No two modules import each other, directly or around a loop, at top level or inside a function."""
-    graph = import_graph()
-    for pair in KNOWN_CIRCLES:  # tolerated until their split lands (see KNOWN_CIRCLES)
-        a, b = sorted(pair)
-        graph[a].discard(b)
-        graph[b].discard(a)
-    assert import_circles(graph) == []
+    assert import_circles(import_graph()) == []
 
 
 def test_the_circle_check_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_circles(graph) == [["a", "b", "c"]]
-
-
-def test_every_tolerated_circle_is_still_one():
-    """A circle taken apart leaves KNOWN_CIRCLES, so the exception cannot outlive the problem."""
-    circles = {frozenset(c) for c in import_circles(import_graph())}
-    gone = [sorted(pair) for pair in KNOWN_CIRCLES if pair not in circles]
-    assert gone == [], f"no longer import circles, delete them from KNOWN_CIRCLES: {gone}"
