@@ -122,7 +122,7 @@ def test_every_module_a_stage_runs_is_a_dependency_of_that_stage():
     problems = []
     for name, stage in STAGES.items():
         deps = [ROOT / d for d in dvc[name].get("deps", [])]
-        runs = closure({f"laplace.pipeline.{stage.module}", "laplace.pipeline.params"})
+        runs = closure({stage.module.__name__, "laplace.pipeline.params"})
         for path in sorted(runs):
             if not any(path == d or d in path.parents for d in deps):
                 problems.append(f"{name}: {path.relative_to(ROOT)} ({dotted(path)}) is not in its deps")
@@ -248,7 +248,7 @@ def stage_params_problems(dvc: dict) -> list[str]:
     sections = knob_keys()
     problems = []
     for name, stage in STAGES.items():
-        entry = {f"laplace.pipeline.{stage.module}", "laplace.pipeline.params"}
+        entry = {stage.module.__name__, "laplace.pipeline.params"}
         files = closure(entry) - {CONFIG_FILE}
         runs = used_definitions(files, {module_file(m) for m in entry})
         read = set().union(*(params_read(path, sections, runs[path]) for path in files))

@@ -9,7 +9,7 @@ import yaml
 
 from laplace.config import Config
 from laplace.errors import ConfigError
-from laplace.pipeline import repro
+from laplace.pipeline import cli, repro
 from laplace.pipeline.params import write_params
 from laplace.pipeline.stages import PIPELINE, STAGES
 
@@ -33,6 +33,25 @@ def test_dvc_yaml_matches_the_stage_registry():
             assert f"metrics/{STAGES[name].metrics}.json" in outs
     # the one DVC metrics file: the headline, written by track
     assert [next(iter(m)) for s in stages.values() for m in s.get("metrics", [])] == ["metrics.json"]
+
+
+def test_each_stage_has_one_name_module_cli_and_metrics_file():
+    """serve-check is laplace.pipeline.stage_serve_check, `laplace serve-check`, metrics/serve-check.json;
+    every stage module is registered, by reference."""
+    modules = sorted(p.stem for p in (ROOT / "laplace" / "pipeline").glob("stage_*.py"))
+    assert sorted(s.module.__name__.rsplit(".", 1)[1] for s in STAGES.values()) == modules
+    for name, stage in STAGES.items():
+        assert stage.module.__name__ == f"laplace.pipeline.stage_{name.replace('-', '_')}"
+        assert stage.metrics in (name, None) and (stage.metrics is None) == (name == "track")
+    commands = set(cli.build_parser()._subparsers._group_actions[0].choices)
+    assert set(STAGES) <= commands
+
+
+def test_the_registry_imports_no_torch():
+    """Every `laplace` command and the Prefect flow import the registry: its stages import their
+    heavy parts when they run, so `laplace --help` does not wait for torch."""
+    code = "import sys, laplace.pipeline.cli, laplace.pipeline.stages; print('torch' in sys.modules)"
+    assert run(["python", "-c", code], ROOT).stdout.strip() == "False"
 
 
 def test_write_params_validates_first_and_keeps_comments(tmp_path):

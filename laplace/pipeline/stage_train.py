@@ -11,8 +11,6 @@ from pathlib import Path
 from laplace.config import Config
 from laplace.pipeline.layout import Paths, write_metrics
 from laplace.pipeline.logs import setup_logging
-from laplace.training import distributed
-from laplace.training.loop import check_inputs, train
 
 
 def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
@@ -37,6 +35,9 @@ def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
 def run_training(cfg: Config, paths: Paths, resume: bool = True, stop_at_step: int | None = None):
     """Train in this process, or under torchrun when train.nproc_per_node / nnodes ask for more ranks.
     Returns (metrics, history, checkpoint path)."""
+    from laplace.training import distributed  # torch: imported when the stage runs, not with the registry
+    from laplace.training.loop import check_inputs, train
+
     if not distributed.needs_torchrun(cfg.train):
         result = train(cfg, paths.data_dir, paths.run_dir, resume=resume, stop_at_step=stop_at_step)
         return result.metrics, result.history, result.checkpoint
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     --data-dir D --run-dir R`. Every rank trains; each node's first rank writes the result
     (metrics, history, checkpoint) to --out."""
     from laplace.pipeline.workers import worker_main
+    from laplace.training.loop import train
 
     setup_logging()
 
