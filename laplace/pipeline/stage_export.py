@@ -1,4 +1,6 @@
-"""The export stage: the final training checkpoint -> artifacts/export/ (safetensors, config, tokenizer)."""
+"""The export stage: the final training checkpoint -> artifacts/export/ (safetensors, config, tokenizer).
+
+Processes: all of it runs in the `laplace export` process."""
 
 from __future__ import annotations
 

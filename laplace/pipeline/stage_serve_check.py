@@ -1,12 +1,16 @@
-"""The serve-check stage: replay seeded workloads under the exact, padded and eager policies, each
-in its own fresh process so compile caches cannot leak between them:
+"""The serve-check stage: replay seeded workloads under the exact, padded and eager policies.
+
+Processes: `run` starts this module as a worker once per policy (`main`,
+laplace.serving.replay.replay_policy), each in its own fresh process so compile caches cannot
+leak between them:
 
 - exact:  an empty compile cache (a fresh deployment with no warmup);
 - padded: a copy of the warmup stage's compile cache, serving under fail_on_recompile;
 - eager:  no compiler at all.
 
-Then a short live phase (serve_check.live): `laplace serve` (padded, from the warmup cache) on a free
-loopback port, the headline workload sent by the load generator in wall-clock time, SIGTERM.
+Then a short live phase (serve_check.live): `laplace serve` (padded, from the warmup cache) in a
+process of its own (`python -m laplace.pipeline.serve`, a real server) on a free loopback port,
+the headline workload sent by the load generator in wall-clock time, SIGTERM.
 The live figures sit beside the replay's, with how well the replay's virtual clock predicted
 them (live / replay).
 

@@ -1,6 +1,9 @@
 """The track stage: write the headline figures for DVC (metrics.json), then log this pipeline run
 to MLflow (one run holding every stage) and register the model; it reads only what the other
-stages wrote to disk."""
+stages wrote to disk.
+
+Processes: all of it runs in the `laplace track` process (MLflow's client; the model is logged
+from code, so nothing here is pickled for another process)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""The train stage: in this process, or under torchrun when train.nproc_per_node / nnodes ask for
-more ranks (this module is then torchrun's worker: every rank trains, the first rank of each
-node writes the result for that node's parent)."""
+"""The train stage: training, its plots and figures.
+
+Processes: one rank trains in the `laplace train` process itself. When train.nproc_per_node /
+nnodes ask for more ranks, `run_training` launches torchrun, which starts this module once per
+rank (`main`: torch.distributed needs a process per rank); every rank trains, the first rank
+of each node writes the result for that node's parent, which writes the plots and metrics."""
 
 from __future__ import annotations
 
