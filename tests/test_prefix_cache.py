@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from laplace.config import ServeSection
+from laplace.config import EngineSection, ServeCheckSection
 from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM, State
 from laplace.serving.engine import DecodeEngine, Request, width_ladder
@@ -154,16 +154,16 @@ def test_split_points_and_the_last_token_is_always_prefilled():
 
 def test_the_shared_prefix_workload_and_the_replay_side_by_side():
     serve = dataclasses.replace(
-        ServeSection(), requests=8, prompt_tokens=[4, 30], output_tokens=[2, 6], shared_prefix_tokens=40
+        ServeCheckSection(), requests=8, prompt_tokens=[4, 30], output_tokens=[2, 6], shared_prefix_tokens=40
     )
     text = np.random.default_rng(0).integers(0, VOCAB, 5000)
-    reqs = build_requests(SHARED_PREFIX, serve, text, seed=1)
-    assert reqs == build_requests(SHARED_PREFIX, serve, text, seed=1)  # seeded
+    reqs = build_requests(SHARED_PREFIX, serve, text, seed=1, max_prompt_tokens=EngineSection.max_prompt_tokens)
+    assert reqs == build_requests(SHARED_PREFIX, serve, text, 1, EngineSection.max_prompt_tokens)  # seeded
     system = reqs[0].prompt_ids[:40]
     assert all(r.prompt_ids[:40] == system and 44 <= len(r.prompt_ids) <= 70 for r in reqs)
     assert len({tuple(r.prompt_ids[40:]) for r in reqs}) == len(reqs)
     with pytest.raises(ValueError, match="shared_prefix_tokens: 300 leaves no room"):
-        build_requests(SHARED_PREFIX, dataclasses.replace(serve, shared_prefix_tokens=300), text, seed=1)
+        build_requests(SHARED_PREFIX, dataclasses.replace(serve, shared_prefix_tokens=300), text, 1, 256)
 
     eng = engine(model(), 1 << 20, min_tokens=16)
     out = prefix_cache_comparison(eng, reqs, 1.0, 0.05)

@@ -14,7 +14,7 @@ from laplace.data.shards import read_manifest
 from laplace.model.export import load_export
 from laplace.pipeline.params import load_config
 from laplace.pipeline.serve import ServerProcess
-from laplace.pipeline.stage_servecheck import scrape
+from laplace.pipeline.stage_serve_check import scrape
 from laplace.pipeline.workers import compile_env, run_worker
 from laplace.serving.engine import DecodeEngine, Request
 from laplace.serving.warmup import SETTINGS_FILE, settings_mismatch
@@ -29,11 +29,11 @@ SERVE = {
     "model.n_heads": 2,
     "model.chunk_size": 16,
     "model.sub_chunk_size": 8,
-    "serve.max_slots": 2,  # decode widths 1, 2 and one prefill bucket: three graphs
-    "serve.prefill_buckets": [64],
-    "serve.max_prompt_tokens": 64,
-    "serve.threads": 1,
-    "serve.prefix_cache_min_tokens": 8,
+    "engine.max_slots": 2,  # decode widths 1, 2 and one prefill bucket: three graphs
+    "engine.prefill_buckets": [64],
+    "engine.max_prompt_tokens": 64,
+    "engine.prefix_cache_min_tokens": 8,
+    "server.threads": 1,
 }
 
 
@@ -54,7 +54,7 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
     cache = tmp_path / "compile-cache"
     cache.mkdir()
     # the warmup stage's worker as the stage runs it: a fresh process, at torch's default thread
-    # count in its environment (no OMP_NUM_THREADS): before serve.threads applied there, it
+    # count in its environment (no OMP_NUM_THREADS): before server.threads applied there, it
     # compiled at the machine's core count and the 1-thread server below recompiled everything
     env = compile_env(cache)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -69,7 +69,7 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
     prompts = [system + tokenizer.encode(f" {word} more text").ids for word in ("red", "green", "blue", "cold")]
     server_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with ServerProcess(cfg, model=export_dir, policy="padded", compile_cache=cache, env=server_env) as server:
-        server.wait_ready(cfg.serve.live_startup_s)
+        server.wait_ready(cfg.serve_check.live_startup_s)
         outputs = []
         for prompt in prompts:  # one at a time: each admission sees the cache the last one left
             body = {"model": cfg.tracking.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0}
@@ -86,7 +86,7 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
     assert "ready " in log and "s after start" in log
 
     # greedy through the compiled engine and its prefix cache = the eager engine without a cache
-    eager = DecodeEngine.for_policy(model, cfg.serve, "eager")
+    eager = DecodeEngine.for_policy(model, cfg.engine, "eager")
     eager.prefix_cache.budget_bytes = 0
     done = eager.complete([Request(i, p, 6) for i, p in enumerate(prompts)])
     assert outputs == [tokenizer.decode(c.output_ids) for c in done]

@@ -32,7 +32,7 @@ def _verdict(passed: bool) -> str:
 
 def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
     """(topic, lines) for every stage that has results, in pipeline order."""
-    from laplace.pipeline.tracking import source_text
+    from laplace.pipeline.provenance import source_text
 
     out: list[tuple[str, list[str]]] = []
     sources = (info.get("tracking") or {}).get("sources") or {}
@@ -76,11 +76,11 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
                 )
             ],
         )
-    if sv := info.get("serve"):
+    if sv := info.get("serve-check"):
         exact, padded = sv["exact"], sv["padded"]
         ratio_key = next(k for k in sv if k.startswith("decode_cost_ratio_"))
         add(
-            "serve",
+            "serve-check",
             "serving",
             [
                 f"{sv['headline_workload']}: padded {padded['output_tokens_per_s']:.0f} tokens/s, "

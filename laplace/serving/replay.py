@@ -193,7 +193,7 @@ def decode_cost(engine, contexts: list[int], steps: int, text) -> dict:
 
 
 def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) -> dict:
-    """Replay every workload of `cfg.serve` under one policy in this process (the serve-check
+    """Replay every workload of `cfg.serve_check` under one policy in this process (the serve-check
     worker): figures, traces and, for `padded`, the decode cost against context."""
     import contextlib
 
@@ -207,12 +207,12 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
 
     # as warmup compiled and laplace serve runs: the graphs load from the cache, and the live
     # phase compares like with like
-    apply_compile_settings(cfg.serve)
-    device = resolve_device(cfg.serve.device)
+    apply_compile_settings(cfg.server.threads)
+    device = resolve_device(cfg.engine.device)
     model, _, _ = load_export(export_dir, device=device, kernel=cfg.model.kernel)
     text = open_split(data_dir, "val")
     backend = compile_backend(device)
-    engine = DecodeEngine.for_policy(model, cfg.serve, policy, backend)
+    engine = DecodeEngine.for_policy(model, cfg.engine, policy, backend)
     configure_compiler(engine.graphs_needed())
     result: dict = {"policy": policy, "backend": backend, "workloads": {}, "traces": {}, "outputs": {}}
     stance = contextlib.nullcontext()
@@ -223,16 +223,18 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
         result["warm_start_s"] = time.perf_counter() - start
         result["warm_start_report"] = dict(engine.warmup_report)
         stance = torch.compiler.set_stance("fail_on_recompile")  # any compile from here on is an error
-    kinds = cfg.serve.exact_workloads if policy == "exact" else cfg.serve.workloads
+    kinds = cfg.serve_check.exact_workloads if policy == "exact" else cfg.serve_check.workloads
     for kind in kinds:
         engine.reset()
-        requests = build_requests(kind, cfg.serve, text, cfg.serve.seed)
+        requests = build_requests(kind, cfg.serve_check, text, cfg.serve_check.seed)
         with stance:
             done = replay(engine, requests)
         leaked = engine.pool.owners
         if leaked:
             raise RuntimeError(f"slots still owned after {kind}: {leaked}")
-        result["workloads"][kind] = summarize(engine.steps, done, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s)
+        result["workloads"][kind] = summarize(
+            engine.steps, done, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s
+        )
         result["traces"][kind] = trace(engine.steps, done)
         result["workloads"][kind]["outputs_digest"] = hash(tuple(tuple(c.output_ids) for c in done)) & 0xFFFFFFFF
         result["outputs"][kind] = [c.output_ids for c in done]  # by request id
@@ -242,11 +244,10 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
             flush=True,
         )
     if policy == "padded":
-        requests = build_requests(SHARED_PREFIX, cfg.serve, text, cfg.serve.seed)
+        sc = cfg.serve_check
+        requests = build_requests(SHARED_PREFIX, sc, text, sc.seed, cfg.engine.max_prompt_tokens)
         with stance:
-            result["prefix_cache"] = prefix_cache_comparison(
-                engine, requests, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s
-            )
+            result["prefix_cache"] = prefix_cache_comparison(engine, requests, sc.slo_ttft_s, sc.slo_tpot_s)
         pc = result["prefix_cache"]
         if "on" in pc:
             print(
@@ -256,6 +257,9 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
             )
         with stance:
             result["decode_cost"] = decode_cost(
-                engine, cfg.serve.decode_contexts, cfg.serve.decode_timing_steps, text[: max(cfg.serve.decode_contexts)]
+                engine,
+                cfg.serve_check.decode_contexts,
+                cfg.serve_check.decode_timing_steps,
+                text[: max(cfg.serve_check.decode_contexts)],
             )
     return result

@@ -24,19 +24,19 @@ import os
 import time
 from pathlib import Path
 
-from laplace.config import Config, ServeSection
+from laplace.config import Config
 
 SETTINGS_FILE = "compile-settings.json"
 
 
-def apply_compile_settings(serve: ServeSection) -> dict:
+def apply_compile_settings(threads: int) -> dict:
     """Set this process's settings that enter the compile cache key (the intra-op thread count:
-    serve.threads, 0 = torch's default) and return them, as recorded beside the cache."""
+    server.threads, 0 = torch's default) and return them, as recorded beside the cache."""
     import torch
 
     from laplace.runtime import set_threads
 
-    set_threads(serve.threads)
+    set_threads(threads)
     return {"threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
@@ -73,13 +73,13 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
     from laplace.runtime import compile_backend, configure_compiler, resolve_device
     from laplace.serving.engine import DecodeEngine
 
-    settings = apply_compile_settings(cfg.serve)  # as serve-check and laplace serve will run
-    device = resolve_device(cfg.serve.device)
+    settings = apply_compile_settings(cfg.server.threads)  # as serve-check and laplace serve will run
+    device = resolve_device(cfg.engine.device)
     model_cfg = cfg.model_config(vocab_size=vocab_size)
     torch.manual_seed(cfg.seed)
     model = LaplaceLM(model_cfg).to(device=device, dtype=torch_dtype(model_cfg.dtype))
     backend = compile_backend(device)
-    engine = DecodeEngine.for_policy(model, cfg.serve, "padded", backend)
+    engine = DecodeEngine.for_policy(model, cfg.engine, "padded", backend)
     configure_compiler(engine.graphs_needed())
     seconds = engine.warmup(log=lambda line: print(line, flush=True))  # one line per graph as it compiles
     cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
