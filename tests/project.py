@@ -12,16 +12,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+# The tests' tiny model: the tiny preset cut to one 32-wide layer (the one copy; tests that need
+# more layers or another vocabulary say so with overrides).
+TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "chunk_size": 16, "sub_chunk_size": 8}
+
+
+def tiny_model_config(vocab_size: int, **overrides):
+    """The tests' tiny ModelConfig (TINY_MODEL), with field overrides."""
+    from laplace.model.config import preset_model_config
+
+    return preset_model_config("tiny", vocab_size=vocab_size, **{**TINY_MODEL, **overrides})
+
+
 # A pipeline small enough to run end to end in well under a minute on 2 cores.
 TINY_PARAMS = {
     "data.max_documents": 200,
     "data.num_proc": 1,
     "tokenizer.vocab_size": 300,
-    "model.d_model": 32,
-    "model.n_layers": 1,
-    "model.n_heads": 2,
-    "model.chunk_size": 16,
-    "model.sub_chunk_size": 8,
+    **{f"model.{key}": value for key, value in TINY_MODEL.items()},
     "train.steps": 6,
     "train.batch_size": 2,
     "train.seq_len": 32,

@@ -46,7 +46,7 @@ from laplace.training import checkpoint as ckpt
 from laplace.training.loop import cross_entropy
 
 from dist_worker import ADAMW_LR, CLIP, MUON, SEED, STEPS, batch, model_config
-from project import BIN, TINY_PARAMS, copy_project, env, free_port, run
+from project import BIN, TINY_MODEL, TINY_PARAMS, copy_project, env, free_port, run
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "dist_worker.py")
@@ -203,11 +203,8 @@ def run_cfg(world: int, steps: int = 8):
             "tokenizer": {"vocab_size": 400},
             "model": {
                 "preset": "tiny",
-                "d_model": 32,
+                **TINY_MODEL,
                 "n_layers": 2,
-                "n_heads": 2,
-                "chunk_size": 16,
-                "sub_chunk_size": 8,
                 "gate_low_rank_dim": 2,  # at 4 ranks, two hold no rows of that matrix: empty shards in DCP
             },
             "train": {
