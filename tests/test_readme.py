@@ -49,7 +49,7 @@ RUN_ELSEWHERE = {
     "laplace serve-check": ("test_pipeline_dvc.py", ['"repro"']),
     "laplace numerics": ("test_pipeline_dvc.py", ['"repro"']),
     "laplace probes": ("test_pipeline_dvc.py", ['"repro"']),
-    "laplace track": ("test_tracking_outage.py", ['"track"']),
+    "laplace track": ("test_tracking.py", ['"track"']),
     "laplace run": ("test_pipeline_frame.py", ['"laplace", "run"']),
 }
 RUN_HERE = ("laplace info", "laplace generate", "laplace summary")
