@@ -37,7 +37,7 @@ def source_tree(path: Path) -> ast.Module:
 
 
 @functools.cache
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path) -> frozenset[str]:
     """Every laplace module a file imports, anywhere in it (function-level imports included)."""
     tree = source_tree(path)
     found: set[str] = set()
@@ -50,7 +50,7 @@ def imported_modules(path: Path) -> set[str]:
         else:
             continue
         found.update(n for n in names if module_file(n) is not None)
-    return found
+    return frozenset(found)  # cached: shared by every caller
 
 
 def closure(start: set[str]) -> set[Path]:
