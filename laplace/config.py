@@ -127,6 +127,13 @@ class TrainSection:
     steps: int = knob(300, _positive)
     batch_size: int = knob(8, _positive, "sequences per step (global, across ranks)")
     seq_len: int = knob(256, _positive)
+    grad_accum_steps: int = knob(
+        1, _positive, "micro-batches per optimizer step; each rank's share of batch_size is split into this many"
+    )
+    activation_checkpoint: Literal["none", "full", "selective"] = knob(
+        "none",
+        doc="recompute in backward per block: full (keep only block inputs) | selective (keep the projections' outputs)",
+    )
     lr: float = knob(3e-3, _positive, "AdamW learning rate (embeddings, head, norms, biases)")
     schedule: Literal["cosine", "wsd", "constant"] = knob("cosine")
     warmup_steps: int = knob(20, _non_negative)
