@@ -92,7 +92,9 @@ def activation_bytes(model_cfg: ModelConfig, micro_batch: int, seq_len: int, dty
     computed in `dtype` (bf16 under FSDP2 mixed precision): the parts and each mode's peak."""
     with torch.device("meta"):
         model = LaplaceLM(dataclasses.replace(model_cfg, n_layers=1)).to(dtype)
-    with FakeTensorMode(allow_non_fake_inputs=True):  # meta storage, on the CPU as far as the code can tell (autocast checks it)
+    with FakeTensorMode(
+        allow_non_fake_inputs=True
+    ):  # meta storage, on the CPU as far as the code can tell (autocast checks it)
         model = model.to_empty(device="cpu")
         tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         x = torch.empty(micro_batch, seq_len, model.cfg.d_model, dtype=dtype, requires_grad=True)

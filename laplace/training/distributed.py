@@ -208,7 +208,10 @@ def shard_model(model: torch.nn.Module, mesh, precision: str) -> None:
         shard(block)
     shard(model)
     # explicit prefetch, as torchtitan sets it: each unit issues the next one's all-gather
-    for order, prefetch in ((forward, "set_modules_to_forward_prefetch"), (backward, "set_modules_to_backward_prefetch")):
+    for order, prefetch in (
+        (forward, "set_modules_to_forward_prefetch"),
+        (backward, "set_modules_to_backward_prefetch"),
+    ):
         for unit, following in zip(order, order[1:]):
             getattr(unit, prefetch)([following])
 
