@@ -1,6 +1,6 @@
 """Run by torchrun from tests/test_distributed.py, on gloo, with a collective spy installed.
 
-step PREFIX     a few training steps of the FSDP2 model with ShardedMuonAdamW (both Muon
+step PREFIX     a few training steps of the FSDP2 model with MuonAdamW (both Muon
                 strategies); each rank takes its slice of a global batch. Rank 0 writes the
                 final parameters, the traffic and the spy's report.
 recompute PREFIX [PRECISION COMPILE]
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from laplace.config import AdamWSection, MuonSection, TrainSection, config_from_dict
 from laplace.model.config import preset_model_config
-from laplace.optim.sharded import ShardedMuonAdamW
+from laplace.optim.muon_adamw import MuonAdamW
 from laplace.training import distributed
 from laplace.training.loop import accumulate_gradients, build_model, cross_entropy, train
 
@@ -144,7 +144,7 @@ def step_mode(prefix: str) -> None:
     # same: every rank trains on the whole batch, no clipping (the optimizer alone: bitwise)
     for mode, comm in (("split", "alltoall"), ("split", "allgather"), ("same", "alltoall"), ("same", "allgather")):
         model = build_model(model_config(), mesh, group.device, TrainSection(precision="fp32"), SEED)
-        opt = ShardedMuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(lr=MUON.lr, comm=comm))
+        opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(lr=MUON.lr, comm=comm))
         opt.set_lr_scale(1.0)
         norms, losses = [], []
         for step in range(STEPS):
@@ -180,7 +180,7 @@ def _run_steps(group, train_section, global_batch: int, micro_batches: int, step
 
     mesh = init_device_mesh("cpu", (group.world,))
     model = build_model(model_config(), mesh, group.device, train_section, SEED)
-    opt = ShardedMuonAdamW(model, ADAMW_LR, AdamWSection(), MUON)
+    opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MUON)
     opt.set_lr_scale(1.0)
     losses, grads = [], []
     for step in range(steps):

@@ -37,8 +37,8 @@ from safetensors.torch import load_file
 
 from laplace.config import AdamWSection, config_from_dict
 from laplace.model.lm import LaplaceLM
+from laplace.optim.exchange import muon_traffic
 from laplace.optim.muon import route_parameters
-from laplace.optim.sharded import muon_traffic
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
 from laplace.pipeline.stage_train import run_training
@@ -170,7 +170,7 @@ def test_a_device_only_process_group_sees_no_host_tensor():
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
 
     from laplace.config import MuonSection
-    from laplace.optim.sharded import ShardedMuonAdamW
+    from laplace.optim.muon_adamw import MuonAdamW
     from laplace.training.distributed import all_mean, shard_model
 
     dist.init_process_group("meta:fake", store=FakeStore(), rank=1, world_size=4)
@@ -181,7 +181,7 @@ def test_a_device_only_process_group_sees_no_host_tensor():
             model = LaplaceLM(model_config())
         shard_model(model, init_device_mesh("cpu", (4,)), "bf16")
         for comm in ("alltoall", "allgather"):
-            opt = ShardedMuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(comm=comm))
+            opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(comm=comm))
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
             norm = opt.step(max_grad_norm=1.0)
@@ -363,7 +363,8 @@ def test_dry_run_of_laplace_3b_on_64_ranks_fits_a_trn2_core_and_allocates_nothin
         "print(json.dumps({'maxrss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr); "
         "sys.exit(rc)"
     )
-    args = ["plan", "--preset", "laplace-3b", "--nproc", "64", "--precision", "bf16", "--json"]
+    args = ["plan", "--preset", "laplace-3b", "--nproc", "64", "--precision", "bf16"]
+    args += ["--seq-len", "2048", "--device-memory", "24GiB", "--json"]
     out = run([sys.executable, "-c", measure, *args], cwd=HERE.parent)
     plan = json.loads(out.stdout)
     rss = json.loads(out.stderr.strip().splitlines()[-1])["maxrss_kib"] * 1024
@@ -374,7 +375,10 @@ def test_dry_run_of_laplace_3b_on_64_ranks_fits_a_trn2_core_and_allocates_nothin
 
     per_rank = plan["per_rank_bytes"]
     assert 4 * params / 64 <= per_rank["parameters"] <= 1.01 * 4 * params / 64  # rank 0: the ceil-rows shards
-    assert plan["fits"] and plan["left_for_activations_bytes"] > 12 * GIB  # of the 24 GiB of a Trn2 logical core
+    assert plan["left_for_activations_bytes"] > 12 * GIB  # of the 24 GiB of a Trn2 logical core
+    # one 2,048-token sequence does not fit without activation checkpointing; selective does
+    assert plan["micro_batch"] == 1 and plan["seq_len"] == 2048 and not plan["fits"]
+    assert plan["needs_activation_checkpoint"] == "selective" and plan["modes"]["selective"]["fits"]
 
     with torch.device("meta"):
         shapes = [tuple(p.shape) for _, p in route_parameters(LaplaceLM(cfg))["muon"]]

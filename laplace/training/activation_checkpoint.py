@@ -23,6 +23,7 @@ change. The blocks draw no random numbers, so no RNG state is stashed for the re
 from __future__ import annotations
 
 import functools
+
 import torch
 from torch.utils.checkpoint import (
     CheckpointPolicy,

@@ -29,8 +29,8 @@ import torch
 
 from laplace.model.config import ModelConfig
 from laplace.model.lm import LaplaceLM
+from laplace.optim.exchange import EXCHANGE_BYTES, ExchangePlan, muon_traffic
 from laplace.optim.muon import route_parameters
-from laplace.optim.sharded import EXCHANGE_DTYPE, ExchangePlan, muon_traffic
 from laplace.training.activation_checkpoint import MODES
 from laplace.training.activations import activation_bytes
 
@@ -144,7 +144,7 @@ def plan(
 
     shapes = [tuple(p.shape) for p in muon]
     exchange = ExchangePlan(shapes, world)
-    ex_item = torch.empty((), dtype=EXCHANGE_DTYPE).element_size()
+    ex_item = EXCHANGE_BYTES
     param_item = 2 if precision == "bf16" else 4
     values = _local_values([tuple(p.shape) for p in muon + adamw], world)
     assert values[0] == rank0_values, "the shard arithmetic disagrees with FSDP2's rank 0"
