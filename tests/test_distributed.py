@@ -401,6 +401,7 @@ def _per_step(path: str) -> dict[int, dict[str, torch.Tensor]]:
     return steps
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_none_full_selective_give_the_same_losses_and_gradients(tmp_path):
     """Two gloo ranks, FSDP2 (embedding, blocks and head units), Muon + AdamW, four steps with
     clipping: recomputing each block in backward (full) or all but its projections (selective)
@@ -423,6 +424,7 @@ def test_activation_checkpointing_none_full_selective_give_the_same_losses_and_g
                 torch.testing.assert_close(grads[step][name], want, rtol=1e-5, atol=1e-7, msg=f"{mode} {step} {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_accumulating_4_micro_batches_equals_one_batch_4x_the_size(world, tmp_path):
     """Each rank's 4 sequences as one batch, or as 4 micro-batches of one (FSDP2 syncs gradients

@@ -205,6 +205,7 @@ def test_compiled_training_matches_eager(data_dir, tmp_path):
     assert max(abs(x - y) / x for x, y in zip(a, b)) < 1e-4
 
 
+@pytest.mark.slow
 def test_the_loop_with_checkpointing_and_accumulation_resumes_the_plain_run_and_trains_it_the_same(data_dir, tmp_path):
     """train() end to end: a plain run stopped at step 2 resumes with train.activation_checkpoint:
     selective and train.grad_accum_steps: 4 (neither is in the run fingerprint), and its steps 3
