@@ -5,7 +5,8 @@ The model is built on the meta device and sharded by FSDP2 (the trainer's own
 dry-run mode does: this process plays rank 0, every collective is a no-op, and the
 DTensor shards have their real shapes. Rank 0 holds the largest shards (torch.chunk
 gives the first ranks ceil(rows/W) rows), so its bytes are the per-rank maximum. The
-Muon exchange is laid out by the optimizer's own `ExchangePlan`.
+Muon exchange is laid out by the optimizer's own `ExchangePlan` (laplace.optim.exchange,
+arithmetic only): its bytes and Newton-Schulz work are given for every rank, max and mean.
 
 What is counted per rank: the fp32 master parameters and gradients (sharded), the AdamW
 moments and Muon momentum (sharded), the Muon exchange buffers and the Newton-Schulz
@@ -70,7 +71,6 @@ def plan(model_cfg: ModelConfig, world: int, precision: str = "bf16", hbm_gib: f
     exchange = ExchangePlan(shapes, world)
     ex_item = EXCHANGE_BYTES
     param_item = 2 if precision == "bf16" else 4
-    owned = exchange.owned_by(0)
     block = sum(p.numel() for p in model.blocks[0].parameters())
     root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
     per_rank = {
@@ -80,8 +80,9 @@ def plan(model_cfg: ModelConfig, world: int, precision: str = "bf16", hbm_gib: f
         "muon_momentum": 4 * sum(local(p) for p in muon),
         # send, received, back, returned: [W, segment] each
         "muon_exchange_buffers": 4 * world * exchange.segment * ex_item,
+        # the busiest rank's: the largest matrix any owner orthogonalises
         "newton_schulz_workspace": max(
-            (_newton_schulz_workspace(*b.shape, world, ex_item) for b, _ in owned), default=0
+            (_newton_schulz_workspace(*s.shape, world, ex_item) for s in exchange.slots), default=0
         ),
         # gathered in the param dtype; gradients unsharded in the param dtype plus their fp32 reduce copy
         "fsdp_transient_peak": root * (param_item + param_item + 4) + 2 * block * param_item + block * (param_item + 4),
@@ -95,7 +96,6 @@ def plan(model_cfg: ModelConfig, world: int, precision: str = "bf16", hbm_gib: f
         "params": model.num_parameters(),
         "muon_params": sum(math.prod(s) for s in shapes),
         "muon_matrices": len(shapes),
-        "muon_matrices_owned_by_rank0": len(owned),
         "per_rank_bytes": per_rank,
         "per_rank_total_bytes": total,
         "device_memory_bytes": hbm,
@@ -125,7 +125,8 @@ def as_text(p: dict, name: str) -> str:
         f"{name} on {ranks}, {p['precision']}: FSDP2 over torch's fake process group "
         "(rank 0, the largest shards; nothing allocated)",
         f"  {count(p['params'])} parameters, {count(p['muon_params'])} of them in {p['muon_matrices']} "
-        f"Muon matrices ({p['muon_matrices_owned_by_rank0']} orthogonalised by rank 0)",
+        f"Muon matrices (owners by bytes: {t['owned_matrices_per_rank_max']} per rank at most, "
+        f"{t['owned_matrices_per_rank_mean']:.2f} on average)",
         "  per rank",
         *(f"    {labels[k]:<34}{gib(v)}" for k, v in p["per_rank_bytes"].items()),
         f"    {'total':<34}{gib(p['per_rank_total_bytes'])}",
@@ -139,8 +140,18 @@ def as_text(p: dict, name: str) -> str:
         f"    {'alltoall (owner ranks)':<34}{gb(t['alltoall_bytes_per_rank'])}"
         + (f"  {gb(p['article']['alltoall_bytes'])}" if p["article"] else ""),
         f"    {'  of which padding':<34}{gb(t['alltoall_bytes_per_rank'] - t['alltoall_unpadded_bytes_per_rank'])}",
+        f"    {'  every rank (max / mean)':<34}{gb(t['alltoall_bytes_per_rank_max'])} / "
+        f"{t['alltoall_bytes_per_rank_mean'] / 1e9:.3f} GB (equal splits)",
     ]
     if t["ratio"]:
         article_ratio = p["article"]["allgather_bytes"] / p["article"]["alltoall_bytes"] if p["article"] else None
         lines.append(f"    {'ratio':<34}{t['ratio']:10.1f}x" + (f"  {article_ratio:11.1f}x" if article_ratio else ""))
+    lines += [
+        f"  Newton-Schulz per rank per step (max / mean over the {p['world_size']} ranks)",
+        f"    {'FLOPs':<34}{t['newton_schulz_flops_per_rank_max'] / 1e12:8.2f} / "
+        f"{t['newton_schulz_flops_per_rank_mean'] / 1e12:.2f} TFLOP"
+        + (f"   max/mean {t['newton_schulz_work_max_over_mean']:.3f}" if t["newton_schulz_work_max_over_mean"] else ""),
+        f"    {'Muon values owned':<34}{count(t['owned_values_per_rank_max']):>11} / "
+        f"{count(t['owned_values_per_rank_mean'])}",
+    ]
     return "\n".join(lines)
