@@ -21,7 +21,7 @@ def test_measured_alltoall_bytes_per_rank_at_2_and_4_ranks_equal_the_plan(tmp_pa
     result = json.loads(out.stdout.strip().splitlines()[-1])
     runs = {r["world_size"]: r for r in result["runs"]}
     assert sorted(runs) == [2, 4]
-    for n, r in runs.items():
+    for r in runs.values():
         # min, mean and max over the ranks, both strategies: exactly the plan's bytes
         assert r["bytes_equal_the_plan"], r
         assert r["bytes_per_rank_alltoall"] == r["plan_bytes_per_rank_alltoall"] > 0, r
