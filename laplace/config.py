@@ -143,6 +143,9 @@ class TrainSection:
     eval_batches: int = knob(8, _positive)
     checkpoint_every: int = knob(100, _positive)
     keep_checkpoints: int = knob(2, _positive)
+    async_checkpoint: bool = knob(
+        False, doc="save with DCP's async_save: the write runs in the background, the step goes on"
+    )
     log_every: int = knob(10, _positive)
     nproc_per_node: int = knob(1, _positive, "ranks per node; > 1 launches torchrun")
     nnodes: int = knob(1, _positive)

@@ -47,7 +47,7 @@ class TrainingDiverged(InputError):
 
 
 # Train knobs that change what is logged or saved, never the weights.
-_BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints"}
+_BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints", "async_checkpoint"}
 # Where and how the run executes: the same weights come out (up to rounding) on any of these,
 # so a checkpoint resumes across world sizes, node counts, devices and compile settings.
 _LAUNCH = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts", "device", "compile"}
@@ -280,13 +280,14 @@ def _loop(
                 group.world,
             )
 
+    saver = ckpt.Checkpointer(ckpt_root, t.keep_checkpoints, device, asynchronous=t.async_checkpoint)
     save_seconds = None  # the last save's duration: does one fit in what is left of a SIGTERM's grace?
 
     def save(step: int) -> Path:
         nonlocal save_seconds
         start = time.perf_counter()
         trainer = {"history": history, "model_config": model_cfg.architecture(), "fingerprint": fingerprint}
-        path = ckpt.save_sharded(ckpt_root, step, model, optimizer.optimizers, trainer, t.keep_checkpoints, device)
+        path = saver.save(step, model, optimizer.optimizers, trainer)
         save_seconds = time.perf_counter() - start
         return path
 
@@ -369,11 +370,13 @@ def _loop(
         elif stopping and lifecycle.time_to_save(save_seconds, device):
             last_path = save(done)
         if stopping:
+            saver.close()  # an async write is put in place before the job ends
             kept = f"checkpoint {last_path.name} kept" if last_path is not None else "no checkpoint written"
             raise lifecycle.TrainingStopped(f"stopped by SIGTERM after step {done}; {kept}; rerun to resume")
         if stop_at_step is not None and done >= stop_at_step:
             break
     bar.close()
+    saver.close()
 
     run_seconds = time.perf_counter() - run_start
     traffic = traffic_metrics(optimizer.meter.gather(device=device), steps_run) if steps_run else {}
