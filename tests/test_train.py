@@ -55,10 +55,14 @@ def data_dir(tmp_path_factory):
     return out
 
 
-def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path):
-    cfg = small_config()
-    full = train(cfg, data_dir, tmp_path / "full", progress=False)
+@pytest.mark.parametrize("async_checkpoint", [False, True])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path, async_checkpoint):
+    """With train.async_checkpoint the saves run in DCP's background thread while training goes on:
+    the checkpoints and the resumed run are the same, bit for bit."""
+    full = train(small_config(), data_dir, tmp_path / "full", progress=False)
+    cfg = small_config(async_checkpoint=async_checkpoint)
     first = train(cfg, data_dir, tmp_path / "split", stop_at_step=7, progress=False)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "split/checkpoints")] == [7, 5]
     assert first.metrics["steps"] == 7
     second = train(cfg, data_dir, tmp_path / "split", progress=False)
     assert second.metrics["resumed_from_step"] == 7
