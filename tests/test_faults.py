@@ -305,3 +305,24 @@ def test_sigterm_checkpoints_and_stops_every_process_and_a_second_train_is_refus
         os.kill(again.pid, signal.SIGKILL)
         again.wait()
         assert gone_within(pids, 10) == []
+
+
+def test_sigkill_of_the_parent_of_laplace_train_stops_the_job_too(tokenized, tmp_path):
+    """What `dvc repro` or a Prefect task is to `laplace train`: a parent process. Killed with -9,
+    its child `laplace train` gets SIGTERM (its death signal) and stops the job the graceful way."""
+    root = fresh(tokenized, tmp_path, "parent-killed", **LONG)
+    parent = subprocess.Popen(
+        ["/bin/sh", "-c", f"{LAPLACE[0]} train; exit $?"],  # not `exec`: the shell stays the parent
+        cwd=root,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    pids = wait_for_ranks(parent, 2, 3)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    assert gone_within(pids, 10) == [], "processes of the job still alive 10 s after its parent was killed"
+    saved = ckpt.list_checkpoints(root / "runs/train/checkpoints")
+    assert len(saved) == 1 and saved[0][0] >= 3, saved  # the graceful stop's checkpoint

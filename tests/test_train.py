@@ -207,3 +207,23 @@ def test_compiled_training_matches_eager(data_dir, tmp_path):
     a = [h["loss"] for h in eager.history if "loss" in h]
     b = [h["loss"] for h in compiled.history if "loss" in h]
     assert max(abs(x - y) / x for x, y in zip(a, b)) < 1e-4
+
+
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(data_dir, tmp_path):
+    """One process: SIGTERM at step 3 (checkpoint_every 5) finishes that step, saves it, and raises
+    TrainingStopped (exit 143 at the CLI); the rerun resumes from it."""
+    import os
+    import signal
+
+    from laplace.training.lifecycle import TrainingStopped
+
+    def terminate_at_3(step, model, optimizer):
+        if step == 2:  # the third step
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(TrainingStopped, match="stopped by SIGTERM after step 3; checkpoint step_000003 kept"):
+        train(small_config(), data_dir, tmp_path / "run", before_step=terminate_at_3, progress=False)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run/checkpoints")] == [3]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the loop's only while it runs
+    resumed = train(small_config(), data_dir, tmp_path / "run", progress=False)
+    assert resumed.metrics["resumed_from_step"] == 3
