@@ -19,7 +19,8 @@ The process tree of a multi-rank `laplace train`:
 
 The death signal is Linux's prctl(PR_SET_PDEATHSIG), as the tokenize stage's process pool uses;
 elsewhere the calls are no-ops. The lock is fcntl.flock: the kernel drops it when its holder
-dies, however it dies, so a killed job never keeps the project.
+dies, however it dies, so a killed job never keeps the project. No torch at import (the stage
+registry imports this module).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from laplace.errors import Failure, InputError
+
+if TYPE_CHECKING:
+    import torch
 
 AGENT_PID_ENV = "LAPLACE_AGENT_PID"  # set by laplace.training.launch for its ranks
 LAUNCHER_PID_ENV = "LAPLACE_LAUNCHER_PID"  # set by `laplace train` for the agent
@@ -133,6 +136,7 @@ def stop_on_sigterm() -> Iterator[None]:
 
 def stop_requested(device: torch.device) -> bool:
     """Collective: True on every rank when any rank got SIGTERM (so they stop at the same step)."""
+    import torch
     import torch.distributed as dist
 
     t = torch.tensor([0 if _flag.requested_at is None else 1], dtype=torch.long, device=device)
