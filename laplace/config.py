@@ -176,6 +176,9 @@ class TrainSection:
     eval_batches: int = knob(8, _positive, doc="validation batches per evaluation")
     checkpoint_every: int = knob(100, _positive, doc="steps between checkpoints (DCP)")
     keep_checkpoints: int = knob(2, _positive, doc="the newest this many checkpoints are kept")
+    async_checkpoint: bool = knob(
+        False, doc="true: DCP async_save, the write runs in the background while training goes on"
+    )
     log_every: int = knob(10, _positive, doc="steps between log lines")
     nproc_per_node: int = knob(
         1, _positive, "> 1: the train stage launches torchrun (gloo on CPU, nccl on CUDA, neuron on Trainium)"
