@@ -17,10 +17,11 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
-from laplace.errors import ConfigError
-from laplace.model.config import PRESETS, ModelConfig, preset_model_config
+from laplace.errors import ConfigError, InputError
+from laplace.model.config import PRESETS, ModelConfig, preset_model_config, validate_model_config
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "config_from_dict", "default_params", "knob"]
 
@@ -63,6 +64,11 @@ class ModelSection:
     """`model:` in params.yaml: a preset plus optional per-field overrides (null = the preset's value)."""
 
     preset: str = knob("tiny", doc="tiny | small | laplace-3b")
+    init: str = knob(
+        "",
+        doc="an export or `laplace import` directory to fine-tune from (its architecture and weights); "
+        "empty: a random init",
+    )
     vocab_size: int | None = knob(None, doc="null: the preset's, or the tokenizer's vocab size")
     d_model: int | None = knob(None)
     n_layers: int | None = knob(None)
@@ -73,6 +79,7 @@ class ModelSection:
     gate_low_rank_dim: int | None = knob(None)
     gate_logit_normalizer: float | None = knob(None)
     gate_bias_init: float | None = knob(None)
+    gate_clamp_min: float | None = knob(None, doc="floor of the gate's log decay; null: the preset's (-10)")
     use_short_conv: bool | None = knob(None)
     conv_size: int | None = knob(None)
     chunk_size: int | None = knob(None)
@@ -326,6 +333,8 @@ class Config:
         """The resolved architecture: preset, then params overrides, then the tokenizer's vocab size."""
         overrides = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(ModelSection)}
         preset = overrides.pop("preset")
+        if overrides.pop("init"):
+            return init_model_config(self.model)
         if overrides["vocab_size"] is None and not PRESETS.get(preset, {}).get("vocab_size"):
             overrides["vocab_size"] = vocab_size or self.tokenizer.vocab_size
         return preset_model_config(preset, **overrides)
@@ -461,8 +470,30 @@ def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:
     id or a local directory; hub ids never contain a '..' component, so the check is safe for both."""
     return [("data.path", cfg.data.path)] + [
         ("tokenizer.path", cfg.tokenizer.path),
+        ("model.init", cfg.model.init),
         ("data.hub_path", cfg.data.hub_path),
     ]
+
+
+def init_model_config(model: ModelSection) -> ModelConfig:
+    """The architecture of model.init's export (the weights decide it); a model.* override that
+    disagrees with it is a ConfigError naming the key (model.kernel is the process's choice)."""
+    from laplace.model.export import read_export_config
+
+    try:
+        found = read_export_config(Path(model.init))
+    except InputError as exc:
+        raise ConfigError(f"model.init: {exc}") from exc
+    arch = dict(found["model"])
+    for name, value in dataclasses.asdict(model).items():
+        if name in ("preset", "init", "kernel") or value is None:
+            continue
+        if arch.get(name) != value:
+            raise ConfigError(
+                f"model.{name}: {value!r} disagrees with model.init {model.init} ({arch.get(name)!r}); "
+                "leave it empty to take the init's"
+            )
+    return validate_model_config(ModelConfig(**{**arch, "kernel": model.kernel}), "model.init")
 
 
 def check_project_paths(cfg: Config) -> None:

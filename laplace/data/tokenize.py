@@ -52,7 +52,14 @@ from laplace.data.readers import (
     write_python_docs,
 )
 from laplace.data.shards import KIND, SHARD_KIND, SPLITS, TOKENS
-from laplace.data.tokenizer import EOS_TOKEN, TOKENIZER_NAME, load_tokenizer, tokenizer_sha256, train_reaching
+from laplace.data.tokenizer import (
+    EOS_TOKEN,
+    TOKENIZER_NAME,
+    document_end_id,
+    load_tokenizer,
+    tokenizer_sha256,
+    train_reaching,
+)
 from laplace.errors import DataError
 from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, replace_dir
 
@@ -570,7 +577,7 @@ def _tokenize(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, stagi
         raw_tokenizer, tokenizer_key = _tokenizer_bytes(tok_cfg, surveys, settings, previous, out_dir, staging)
 
         tokenizer = _tokenizer_from(raw_tokenizer, tok_cfg.path or str(staging / TOKENIZER_NAME))
-        eos_id = tokenizer.token_to_id(EOS_TOKEN)
+        eos_id = document_end_id(tokenizer, tok_cfg.path or None)
         vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
         tok_sha = tokenizer_sha256(tokenizer)
@@ -690,8 +697,11 @@ def _tokenizer_from(raw: bytes, where: str):
     except Exception as exc:
         raise DataError(f"{where}: not a valid tokenizer.json ({exc})") from exc
     tokenizer.encode_special_tokens = True
-    if tokenizer.token_to_id(EOS_TOKEN) is None:
-        raise DataError(f"{where}: tokenizer has no {EOS_TOKEN!r} token")
+    if document_end_id(tokenizer, where) is None:
+        raise DataError(
+            f"{where}: tokenizer has no {EOS_TOKEN!r} token, and no config.json or tokenizer_config.json beside it "
+            "names its end-of-sequence token"
+        )
     return tokenizer
 
 

@@ -27,6 +27,9 @@ class ModelConfig:
     mlp_hidden: int = 0  # 0: fla's rule, 4 * d * 2/3 rounded up to a multiple of 256
     gate_low_rank_dim: int = 16
     gate_logit_normalizer: float = 16.0
+    # Floor of the per-channel log decay, fla's `clamp_min` (None: no clamp, fla's default). Laplace's
+    # models clamp at -10, where the torch chunked form is exact (laplace.model.gla.min_log_decay).
+    gate_clamp_min: float | None = -10.0
     gate_bias_init: float = 0.0  # > 0 starts the forget gates near 1 (long memory)
     use_short_conv: bool = True
     conv_size: int = 4
@@ -106,6 +109,8 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
     for key in ("expand_k", "expand_v", "gate_logit_normalizer", "norm_eps", "init_std"):
         if not getattr(m, key) > 0:
             bad(key, f"must be > 0, got {getattr(m, key)}")
+    if m.gate_clamp_min is not None and not (math.isfinite(m.gate_clamp_min) and m.gate_clamp_min <= 0):
+        bad("gate_clamp_min", f"must be a finite number <= 0 or null (no clamp), got {m.gate_clamp_min}")
     if m.mlp_hidden < 0:
         bad("mlp_hidden", f"must be >= 0 (0 = automatic), got {m.mlp_hidden}")
     if m.key_dim % m.n_heads or m.key_dim == 0:

@@ -55,6 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print the stage's figures as one JSON object")
         if name == "train":
             p.add_argument("--no-resume", action="store_true", help="start from step 0 even if checkpoints exist")
+        if name == "export":
+            p.add_argument(
+                "--format",
+                choices=["laplace", "hf"],
+                default="laplace",
+                help="laplace: the stage (checkpoint -> artifacts/export); hf: an export -> the HF / "
+                "flash-linear-attention layout (transformers' from_pretrained after `import fla`)",
+            )
+            p.add_argument(
+                "--model", default=None, help="--format hf: the export to convert (default: artifacts/export)"
+            )
+            p.add_argument("--out", default=None, help="--format hf: output directory (default: artifacts/export-hf)")
+
+    p = sub.add_parser(
+        "import",
+        help="a GLA checkpoint in the HF / flash-linear-attention layout (a directory or a hub id) -> a Laplace export",
+    )
+    add_config_arguments(p)
+    p.add_argument("src", help="a checkpoint directory (config.json, model.safetensors, tokenizer.json) or a hub id")
+    p.add_argument("--out", default=None, help="the Laplace export to write (default: artifacts/import)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser(
         "run",
@@ -148,6 +169,30 @@ def _run(args) -> int:
         print(json.dumps(result, indent=2) if args.json else as_text(result, args.preset or cfg.model.preset))
         return 0
     paths = Paths.at(args.root)
+    if args.command == "import":
+        from laplace.model.hf import import_checkpoint
+
+        out = Path(args.out) if args.out else paths.root / "artifacts" / "import"
+        result = import_checkpoint(args.src, out)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            m = result["model"]
+            print(
+                f"laplace import: {args.src} -> {out}: {result['parameters']:,} parameters, {m['n_layers']} layers, "
+                f"hidden {m['d_model']}, vocab {m['vocab_size']} (train from it with --set model.init={out})"
+            )
+        return 0
+    if args.command == "export" and args.format == "hf":
+        from laplace.model.hf import export_hf
+
+        out = Path(args.out) if args.out else paths.root / "artifacts" / "export-hf"
+        result = export_hf(Path(args.model) if args.model else paths.export_dir, out)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"laplace export: {result['parameters']:,} parameters in the HF / fla layout -> {out}")
+        return 0
     if args.command == "serve":
         return serve.run(cfg, paths, args)
     if args.command == "summary":
