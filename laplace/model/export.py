@@ -29,8 +29,9 @@ class ExportError(InputError):
     pass
 
 
-def export_model(checkpoint, tokenizer_path: Path, out_dir: Path) -> dict:
-    """Write the export directory from a training checkpoint. Returns a summary dict."""
+def export_model(checkpoint, tokenizer_path: Path, out_dir: Path, special_ids: dict | None = None) -> dict:
+    """Write the export directory from a training checkpoint. Returns a summary dict. `special_ids`
+    (bos_id, eos_id): those of the model fine-tuned from (model.init), else Laplace's own."""
     model_cfg = validate_model_config(ModelConfig(**checkpoint.trainer["model_config"]))
     tokenizer = load_tokenizer(tokenizer_path)
     config = {
@@ -38,7 +39,7 @@ def export_model(checkpoint, tokenizer_path: Path, out_dir: Path) -> dict:
         "model": model_cfg.architecture(),  # the kernel is the serving process's choice
         "step": checkpoint.step,
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
-        **special_token_ids(tokenizer),
+        **(special_ids if special_ids is not None else special_token_ids(tokenizer)),
     }
     return write_export(checkpoint.model, config, tokenizer_path, out_dir)
 

@@ -154,6 +154,30 @@ def _run(args) -> int:
         print(summary.as_text(summary.read(Paths.at(root)), root))
         return 0
 
+    if args.command == "import":
+        from laplace.model.hf import import_checkpoint
+
+        out = Path(args.out) if args.out else Path(args.root) / "artifacts" / "import"
+        result = import_checkpoint(args.src, out)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            m = result["model"]
+            print(
+                f"laplace import: {args.src} -> {out}: {result['parameters']:,} parameters, {m['n_layers']} layers, "
+                f"hidden {m['d_model']}, vocab {m['vocab_size']} (train from it with --set model.init={out})"
+            )
+        return 0
+    if args.command == "export" and args.format == "hf":
+        from laplace.model.hf import export_hf
+
+        out = Path(args.out) if args.out else Path(args.root) / "artifacts" / "export-hf"
+        result = export_hf(Path(args.model) if args.model else Paths.at(args.root).export_dir, out)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"laplace export: {result['parameters']:,} parameters in the HF / fla layout -> {out}")
+        return 0  # the two above need no params file: a checkpoint converts anywhere
     cfg = load_config(args.params, args.overrides)
     if args.command == "info":
         _print_info(model_facts(args.preset, cfg), args.json)
@@ -169,30 +193,6 @@ def _run(args) -> int:
         print(json.dumps(result, indent=2) if args.json else as_text(result, args.preset or cfg.model.preset))
         return 0
     paths = Paths.at(args.root)
-    if args.command == "import":
-        from laplace.model.hf import import_checkpoint
-
-        out = Path(args.out) if args.out else paths.root / "artifacts" / "import"
-        result = import_checkpoint(args.src, out)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            m = result["model"]
-            print(
-                f"laplace import: {args.src} -> {out}: {result['parameters']:,} parameters, {m['n_layers']} layers, "
-                f"hidden {m['d_model']}, vocab {m['vocab_size']} (train from it with --set model.init={out})"
-            )
-        return 0
-    if args.command == "export" and args.format == "hf":
-        from laplace.model.hf import export_hf
-
-        out = Path(args.out) if args.out else paths.root / "artifacts" / "export-hf"
-        result = export_hf(Path(args.model) if args.model else paths.export_dir, out)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print(f"laplace export: {result['parameters']:,} parameters in the HF / fla layout -> {out}")
-        return 0
     if args.command == "serve":
         return serve.run(cfg, paths, args)
     if args.command == "summary":
