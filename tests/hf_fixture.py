@@ -56,7 +56,7 @@ def fla_checkpoint(out: Path, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     model = GLAForCausalLM(GLAConfig(**fields))
     with torch.no_grad():  # fla's init leaves norms at 1 and biases at 0: perturb them so a swap shows
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(str(out))

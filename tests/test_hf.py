@@ -13,12 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_fixture import TEXT, fla_checkpoint, llama_style_tokenizer, read_json
 from laplace.model.config import ModelConfig
 from laplace.model.export import FORMAT, load_export, write_export
 from laplace.model.hf import config_from_hf, export_hf, import_checkpoint
 from laplace.model.lm import LaplaceLM
 from laplace.pipeline import cli
+
+from hf_fixture import TEXT, fla_checkpoint, llama_style_tokenizer, read_json
 
 fla = pytest.importorskip("fla", reason="flash-linear-attention (the dev extra) builds the fla-format checkpoints")
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "manifest.json")

@@ -97,6 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object (text and token ids)")
 
+    p = sub.add_parser(
+        "eval",
+        help="lm-evaluation-harness tasks on an export, through the serving engine (pip install 'laplace[eval]')",
+    )
+    add_config_arguments(p)
+    p.add_argument("--model", default=None, help="export directory (default: artifacts/export)")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--include-path", default=None, help="a directory of task YAMLs (lm-eval's --include_path)")
+    p.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
+    p.add_argument(
+        "--model-args",
+        default="",
+        help="the laplace model's options, k=v,...: device, kernel, max_slots, compile, max_gen_toks",
+    )
+    p.add_argument("--output", default=None, help="write the results as JSON to this file")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions) until SIGTERM")
     add_config_arguments(p)
     serve.add_arguments(p)
@@ -177,7 +194,10 @@ def _run(args) -> int:
             print(json.dumps(result))
         else:
             print(f"laplace export: {result['parameters']:,} parameters in the HF / fla layout -> {out}")
-        return 0  # the two above need no params file: a checkpoint converts anywhere
+        return 0
+    if args.command == "eval":
+        return _eval(args, Paths.at(args.root))
+    # the commands above need no params file: a checkpoint converts (and evaluates) anywhere
     cfg = load_config(args.params, args.overrides)
     if args.command == "info":
         _print_info(model_facts(args.preset, cfg), args.json)
@@ -195,6 +215,7 @@ def _run(args) -> int:
     paths = Paths.at(args.root)
     if args.command == "serve":
         return serve.run(cfg, paths, args)
+
     if args.command == "summary":
         print(summary.as_text(summary.read(paths), paths.root))
     elif args.command == "generate":
@@ -236,6 +257,36 @@ def _run(args) -> int:
         where = paths.metrics_file(stage.metrics) if stage.metrics else paths.tracking_file
         line = summary.stage_line(stage.metrics, result, paths.root)
         print(f"laplace {args.command}: {line} ({where.relative_to(paths.root)})")
+    return 0
+
+
+def _eval(args, paths: Paths) -> int:
+    from laplace.errors import ConfigError
+    from laplace.fileio import atomic_write_bytes
+
+    try:
+        from laplace.evals import harness
+    except ImportError as exc:
+        raise ConfigError(f"lm-eval is not installed ({exc.name}): pip install 'laplace[eval]'") from exc
+    model_args = {}
+    for item in filter(None, args.model_args.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--model-args: expected k=v, got {item!r}")
+        model_args[key.strip()] = value.strip()
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    results = harness.evaluate(
+        Path(args.model) if args.model else paths.export_dir, tasks, args.include_path, args.limit, model_args
+    )
+    text = harness.results_json(results)
+    if args.output:
+        atomic_write_bytes(Path(args.output), (text + "\n").encode())
+    if args.json:
+        print(text)
+    else:
+        from lm_eval.utils import make_table
+
+        print(make_table(results))
     return 0
 
 
