@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from laplace.config import ServeSection
+from laplace.config import EngineSection
 from laplace.errors import ConfigError
 from laplace.model.export import load_export
 from laplace.serving.engine import DecodeEngine, Request, width_ladder
@@ -74,7 +74,7 @@ class LaplaceHarnessLM(LM):
         device = torch.device(device) if ":" in device else resolve_device(device)
         self.model, self.tokenizer, self.config = load_export(Path(export), device=device, kernel=kernel)
         slots = int(max_slots)
-        serve = ServeSection()
+        serve = EngineSection()
         self.engine = DecodeEngine(
             self.model,
             max_slots=slots,
