@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from laplace.errors import ConfigError, InputError
+from laplace.errors import ConfigError
 from laplace.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig, preset_model_config, validate_model_config
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "config_from_dict", "default_params", "knob", "knob_docs"]
@@ -571,12 +571,15 @@ def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:
 def init_model_config(model: ModelSection) -> ModelConfig:
     """The architecture of model.init's export (the weights decide it); a model.* override that
     disagrees with it is a ConfigError naming the key (model.kernel is the process's choice)."""
-    from laplace.model.export import read_export_config
-
+    # config.json read here, not through laplace.model.export: every stage reads this module
+    path = Path(model.init) / "config.json"
     try:
-        found = read_export_config(Path(model.init))
-    except InputError as exc:
-        raise ConfigError(f"model.init: {exc}") from exc
+        found = json.loads(path.read_text(encoding="utf-8"))
+        assert isinstance(found, dict) and isinstance(found.get("model"), dict)
+    except (OSError, ValueError, AssertionError):
+        raise ConfigError(
+            f"model.init: {path} is missing or not an export's config (run `laplace import` first)"
+        ) from None
     arch = dict(found["model"])
     for name, value in dataclasses.asdict(model).items():
         if name in ("preset", "init", "kernel") or value is None:

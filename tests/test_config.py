@@ -34,8 +34,9 @@ def test_every_knob_has_one_doc_and_params_yaml_comments_are_written_from_it(tmp
 
 
 def test_the_model_section_is_every_modelconfig_field():
-    """A ModelConfig field is a knob without a second copy: norm_eps included."""
-    assert [f.name for f in dataclasses.fields(ModelSection)] == ["preset"] + [
+    """A ModelConfig field is a knob without a second copy: norm_eps included (beside the preset and
+    model.init, the export to fine-tune from)."""
+    assert [f.name for f in dataclasses.fields(ModelSection)] == ["preset", "init"] + [
         f.name for f in dataclasses.fields(ModelConfig)
     ]
     cfg = load_config(ROOT / "params.yaml", ["model.norm_eps=1.0e-5", "model.kernel=torch"])
