@@ -337,6 +337,11 @@ class ProbesSection:
     passkey_contexts: list[int] = knob([256, 1024, 4096], doc="passkey prompt lengths")
     passkey_depths: list[float] = knob([0.1, 0.5, 0.9], doc="where the passkey sits, as a fraction of the context")
     passkey_samples: int = knob(2, _positive, doc="prompts per (context, depth) cell")
+    recall_contexts: list[int] = knob(
+        [256, 1024, 4096],
+        doc="NIAH (single key, multi-key, multi-value) prompt lengths: up to the training length and beyond",
+    )
+    recall_samples: int = knob(4, _positive, doc="NIAH prompts per (task, length); they decode together")
     memory_contexts: list[int] = knob([1024, 4096, 16384, 32768], doc="decode memory measured after these")
     kv_contexts: list[int] = knob(
         [2048, 8192, 32768], doc="contexts at which a transformer's KV-cache bytes are reported beside the GLA state"
