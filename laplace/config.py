@@ -388,6 +388,11 @@ class TrackingSection:
             " windows and tokenizer"
         ),
     )
+    champion_recall_tolerance: float = knob(
+        0.05,
+        _unit_interval,
+        "nor if its recall (probes' recall suite) at any length both measured falls below the champion's by more",
+    )
     register: bool = knob(True, doc="register the exported model (alias candidate; champion when it earns it)")
     retry_seconds: float = knob(
         60.0,

@@ -92,6 +92,31 @@ def test_champion_rule_needs_passed_gates_and_a_comparable_loss_no_worse():
     assert champion_decision({**new, "val_loss": None}, champion, 0.0) == (False, "no validation loss to compare")
 
 
+def test_champion_rule_refuses_a_candidate_that_lost_recall():
+    recall = {"niah_single": {"256": 0.75, "1024": 0.5}, "mqar": {"64": 0.9}}
+    champion = {"version": "3", "val_loss": 4.5, "recall": recall, **COMPARABLE}
+    better_loss = {"val_loss": 4.0, "gates": PASSED, **COMPARABLE}
+    # lower loss, but recall at 1,024 tokens fell by more than the tolerance: the champion stays
+    lost = {**better_loss, "recall": {**recall, "niah_single": {"256": 0.75, "1024": 0.25}}}
+    assert champion_decision(lost, champion, 0.0, 0.05) == (
+        False,
+        "recall fell below champion v3's: niah_single at 1024 tokens: 25% < 50% "
+        "(tolerance 0.05, tracking.champion_recall_tolerance)",
+    )
+    # within the tolerance, or better: the loss decides
+    close = {**better_loss, "recall": {**recall, "mqar": {"64": 0.86}}}
+    assert champion_decision(close, champion, 0.0, 0.05)[0]
+    assert not champion_decision(close, champion, 0.0, 0.01)[0]
+    # a length the champion was probed at and the candidate was not counts as lost
+    missing = {**better_loss, "recall": {"niah_single": {"256": 0.75}, "mqar": {"64": 0.9}}}
+    why = champion_decision(missing, champion, 0.0, 0.05)[1]
+    assert why.startswith("recall fell below champion v3's: niah_single at 1024 tokens: not measured < 50%")
+    assert (
+        load_config(ROOT / "params.yaml", ["tracking.champion_recall_tolerance=0.1"]).tracking.champion_recall_tolerance
+        == 0.1
+    )
+
+
 def test_champion_tolerance_is_a_param():
     assert default_params()["tracking"]["champion_tolerance"] == 0.0
     assert load_config(ROOT / "params.yaml", ["tracking.champion_tolerance=0.02"]).tracking.champion_tolerance == 0.02

@@ -159,14 +159,3 @@ def _at(grid: dict, ctx: int) -> float:
         if int(c) == ctx:
             return v
     return float("nan")
-
-
-def recall_losses(new: dict, champion: dict, tolerance: float) -> list[str]:
-    """Where `new` recalls less than `champion` by more than `tolerance`: "task at N tokens: a < b"."""
-    out = []
-    for task, grid in champion.items():
-        for ctx, old in grid.items():
-            got = _at(new.get(task, {}), int(ctx))
-            if old == old and (got != got or got < old - tolerance):
-                out.append(f"{task} at {ctx} tokens: {got:.0%} < {old:.0%}")
-    return out

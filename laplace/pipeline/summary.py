@@ -109,6 +109,11 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
                 f"{min(hard.values()):.0%} at {ctx[-1]}; exported model MQAR "
                 f"{max(pr['mqar_accuracy'].values()):.0%}, passkey {pr['passkey_accuracy_overall']:.0%}"
             )
+        if pr.get("recall_summary"):
+            per_length = "; ".join(
+                f"{c}: {v}" for c, v in sorted(pr["recall_verdict"].items(), key=lambda kv: int(kv[0]))
+            )
+            lines.append(f"{pr['recall_summary']} ({per_length})")
         lines.append(
             f"state {pr['state_bytes_measured']:,} B/sequence vs KV@8192 {pr['kv_bytes_8192']:,} B; "
             f"3B: {pr['laplace_3b_state_bytes'] / 1e6:.1f} MB vs {pr['laplace_3b_kv_bytes_8192'] / 1e9:.2f} GB "

@@ -71,6 +71,14 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- the current champion
 
 
+def recall_tags(probes: dict) -> dict[str, str]:
+    """The recall suite's plain verdicts as run tags: `recall` overall, `recall.<context>` per length."""
+    out = {f"recall.{ctx}": verdict for ctx, verdict in (probes.get("recall_verdict") or {}).items()}
+    if probes.get("recall_summary"):
+        out["recall"] = probes["recall_summary"]
+    return out
+
+
 def current_champion(client, model_name: str) -> dict | None:
     """The version holding the champion alias: its number, val_loss and comparability tags."""
     from mlflow.exceptions import MlflowException
@@ -80,10 +88,16 @@ def current_champion(client, model_name: str) -> dict | None:
     except MlflowException:  # no such model, or no champion yet
         return None
     run = client.get_run(version.run_id)
+    recall: dict = {}
+    for name, value in run.data.metrics.items():  # probes/recall/<task>/<context>, as flatten_metrics logs them
+        parts = name.split("/")
+        if len(parts) == 4 and parts[:2] == ["probes", "recall"]:
+            recall.setdefault(parts[2], {})[parts[3]] = value
     return {
         "version": version.version,
         "run_id": version.run_id,
         "val_loss": run.data.metrics.get("eval_loss"),
+        "recall": recall,
         **{key: run.data.tags.get(key) for key in COMPARABLE_TAGS},
     }
 
@@ -160,6 +174,7 @@ def log_pipeline_run(
             if isinstance(m.get("measured"), dict) and m["measured"].get("id")
         },
         **{f"source.{stage}": source_text(source) for stage, source in sources.items()},
+        **recall_tags(metrics_by_stage.get("probes") or {}),
     }
     try:  # MLflow's own run-context tags (user, source, git), as mlflow.start_run would add them
         from mlflow.tracking.context.registry import resolve_tags
@@ -203,7 +218,10 @@ def log_pipeline_run(
             if register and version is not None:
                 new = {"val_loss": (metrics_by_stage.get("train") or {}).get("val_loss"), "gates": gate_results}
                 new.update({key: tags.get(key) for key in COMPARABLE_TAGS})
-                decision = champion_decision(new, champion, cfg.tracking.champion_tolerance)
+                new["recall"] = (metrics_by_stage.get("probes") or {}).get("recall") or {}
+                decision = champion_decision(
+                    new, champion, cfg.tracking.champion_tolerance, cfg.tracking.champion_recall_tolerance
+                )
                 _assign_aliases(client, model_name, version, decision)
             registered_as = ("champion" if decision[0] else "candidate") if version is not None else "not registered"
             client.set_tag(run_id, "registered_as", registered_as)
