@@ -284,7 +284,7 @@ def test_fine_tuning_from_an_import_starts_at_its_loss_and_lowers_it(imported, t
     from laplace.data.shards import open_split, read_manifest
     from laplace.data.tokenize import tokenize_corpus
     from laplace.errors import ConfigError
-    from laplace.training.loop import cross_entropy, run_fingerprint, train
+    from laplace.training.loop import check_init_tokenizer, cross_entropy, run_fingerprint, train
 
     cfg = _finetune_config(imported, imported / "tokenizer.json")
     data = tmp_path / "tokenized"
@@ -307,9 +307,25 @@ def test_fine_tuning_from_an_import_starts_at_its_loss_and_lowers_it(imported, t
     # a model.* knob that contradicts the init, and data tokenized with another tokenizer, are refused
     with pytest.raises(ConfigError, match=r"model\.d_model: 128 disagrees with model\.init"):
         _finetune_config(imported, imported / "tokenizer.json", d_model=128)
-    other = llama_style_tokenizer(tmp_path / "other" / "tokenizer.json", vocab_size=290)
-    (tmp_path / "other" / "config.json").write_text(json.dumps({"eos_id": 2}))
-    cfg_other = _finetune_config(imported, other)
-    tokenize_corpus(cfg_other.data, cfg_other.tokenizer, tmp_path / "other-data", cfg.seed)
     with pytest.raises(ConfigError, match=r"model\.init: .* another tokenizer than the tokenized data's"):
-        train(cfg_other, tmp_path / "other-data", tmp_path / "run2", progress=False)
+        check_init_tokenizer(str(imported), {**manifest, "tokenizer_sha256": "0" * 64})
+
+
+def test_import_and_hf_export_command_lines(fla_dir, tmp_path, capsys):
+    assert cli.main(["import", str(fla_dir), "--out", str(tmp_path / "imp"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == sum(
+        t.numel() for t in load_file(str(fla_dir / "model.safetensors")).values()
+    )
+    assert cli.main(["export", "--format", "hf", "--model", str(tmp_path / "imp"), "--out", str(tmp_path / "hf")]) == 0
+    assert "HF / fla layout" in capsys.readouterr().out
+    for name in ("config.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        assert (tmp_path / "hf" / name).is_file()
+    assert read_json(tmp_path / "hf" / "generation_config.json")["eos_token_id"] == 2
+    # an export that fla cannot express: one line, exit 2, nothing written
+    original, _ = _laplace_export(tmp_path / "lr", gate_low_rank_dim=8)
+    assert cli.main(["export", "--format", "hf", "--model", str(original), "--out", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "laplace export: error: model.gate_low_rank_dim=8: fla's GLA fixes it at 16, so an HF export cannot carry it"
+    )
+    assert not (tmp_path / "hf2").exists()
