@@ -106,7 +106,12 @@ class DataSection:
     max_documents: int = knob(0, _non_negative, "0 = no cap; else shared evenly among the slices")
     max_tokens: int = knob(0, _non_negative, "train tokens, 0 = no cap; else shared evenly among the slices")
     min_chars: int = knob(64, _positive, "shorter documents are skipped (and counted)")
-    max_document_chars: int = knob(1_000_000, _positive, "longer text files are cut at blank lines into documents")
+    max_document_chars: int = knob(
+        1_000_000, _positive, "longer text files and records are cut at blank lines into documents"
+    )
+    split_bytes: int = knob(
+        32_000_000, _positive, "a larger JSONL or text file is read as several units (byte ranges at line starts)"
+    )
     val_fraction: float = knob(0.05, _fraction)
     on_bad_file: Literal["skip", "error"] = knob("skip", doc="undecodable or binary input: skip it (logged) or stop")
     slices: int = knob(16, _positive, "input slices (files hashed by path, hub shards): the unit of work and reuse")

@@ -56,7 +56,7 @@ from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsy
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when the bytes a slice produces change for the same input and settings
+FORMAT = 3  # bump when the bytes a slice produces change for the same input and settings
 _ENCODE_BATCH_CHARS = 1 << 20  # documents are encoded in batches of about this much text
 _LISTED_BAD = 100  # bad files named in the manifest (all are logged)
 
@@ -289,6 +289,7 @@ def _settings(data: DataSection, tok_cfg: TokenizerSection, seed: int) -> dict:
         "seed": seed,
         "min_chars": data.min_chars,
         "max_document_chars": data.max_document_chars,
+        "split_bytes": data.split_bytes,
         "val_fraction": data.val_fraction,
         "on_bad_file": data.on_bad_file,
         "text_field": data.text_field,
