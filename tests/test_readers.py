@@ -44,7 +44,8 @@ def test_lone_surrogate_is_counted_and_skipped_with_its_file_and_line(tmp_path):
     tok = tmp_path / "tok.json"
     train_tokenizer([TEXT * 3], 300, 1).save(str(tok))
     out = tmp_path / "out"
-    metrics = tokenize_corpus(files(corpus, num_proc=1, slices=2, val_fraction=0.3), TokenizerSection(path=str(tok)), out, 0)
+    data = files(corpus, num_proc=1, slices=2, val_fraction=0.3)
+    metrics = tokenize_corpus(data, TokenizerSection(path=str(tok)), out, 0)
     assert metrics["skipped_undecodable"] == 1
     assert metrics["documents_train"] + metrics["documents_val"] == 39
     bad = json.loads((out / "manifest.json").read_text())["bad_input"]

@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 
 FORMAT = 3  # bump when the bytes a slice produces change for the same input and settings
 _ENCODE_BATCH_CHARS = 1 << 20  # documents are encoded in batches of about this much text
+# The encoder holds ~300 bytes per character of one input while it pre-tokenizes it: a longer
+# document is encoded as pieces of at most this many characters (cut where the byte-level
+# pre-tokenizer cuts anyway, so the ids are the same) and its ids joined.
+_ENCODE_PIECE_CHARS = 1 << 18
 _LISTED_BAD = 100  # bad files named in the manifest (all are logged)
 
 
@@ -160,6 +164,23 @@ class _EncodeJob:
     staging: str
 
 
+def _encoder_pieces(text: str, limit: int) -> Iterator[str]:
+    """text in pieces of at most `limit` characters (about), each cut just before a space that
+    follows a non-space and precedes one: a byte-level (GPT-2) pre-tokenizer starts a new
+    pre-token there, so encoding the pieces gives the ids of the whole. Without such a space
+    within the window (no spaces at all), at the limit."""
+    pos, n = 0, len(text)
+    while n - pos > limit:
+        end = pos + limit
+        cut = text.rfind(" ", pos + limit // 2, end)
+        while cut > pos and (text[cut - 1].isspace() or cut + 1 >= n or text[cut + 1].isspace()):
+            cut = text.rfind(" ", pos + limit // 2, cut)
+        end = cut if cut > pos else end
+        yield text[pos:end]
+        pos = end
+    yield text[pos:]
+
+
 def _finished_record(path: Path, staging: Path, key: str) -> dict | None:
     """A slice's record from an interrupted run, when it was made with `key` and every shard it
     lists is there with its size (else None: the slice is encoded again, adopting what is valid)."""
@@ -198,9 +219,12 @@ def encode_slice(job: _EncodeJob) -> tuple[dict, int]:
     batch: list[tuple[str, int, int, str]] = []  # (split, doc index, tokens to skip, text)
 
     def flush() -> None:
-        encodings = tokenizer.encode_batch_fast([text for *_, text in batch], add_special_tokens=False)
-        for (split, index, skip, _), encoding in zip(batch, encodings):
-            ids = np.fromiter((*encoding.ids, job.eos_id), dtype=dtype, count=len(encoding.ids) + 1)
+        pieces = [list(_encoder_pieces(text, _ENCODE_PIECE_CHARS)) for *_, text in batch]
+        encodings = iter(tokenizer.encode_batch_fast([p for ps in pieces for p in ps], add_special_tokens=False))
+        for (split, index, skip, _), parts in zip(batch, pieces):
+            done = [next(encodings).ids for _ in parts]
+            count = sum(map(len, done)) + 1
+            ids = np.fromiter((*(i for d in done for i in d), job.eos_id), dtype=dtype, count=count)
             writers[split].write(ids, index, skip)
         batch.clear()
 
