@@ -57,7 +57,7 @@ from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsy
 log = logging.getLogger(__name__)
 
 FORMAT = 3  # bump when the bytes a slice produces change for the same input and settings
-_ENCODE_BATCH_CHARS = 1 << 20  # documents are encoded in batches of about this much text
+_ENCODE_BATCH_CHARS = 1 << 18  # documents are encoded in batches of about this much text (memory: ~300 B per char)
 # The encoder holds ~300 bytes per character of one input while it pre-tokenizes it: a longer
 # document is encoded as pieces of at most this many characters (cut where the byte-level
 # pre-tokenizer cuts anyway, so the ids are the same) and its ids joined.
