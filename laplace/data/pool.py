@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -85,7 +86,8 @@ class Workers:
     def __init__(self, num_proc: int, tags: Path):
         self.num_proc, self.tags = num_proc, Path(tags)
         self._executors: list[cf.ProcessPoolExecutor] = []
-        self.tags.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.tags, ignore_errors=True)  # a killed run's tags name processes long gone
+        self.tags.mkdir(parents=True)
 
     def _executor(self, workers: int) -> cf.ProcessPoolExecutor:
         executor = cf.ProcessPoolExecutor(
