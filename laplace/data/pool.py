@@ -86,6 +86,7 @@ class Workers:
     def __init__(self, num_proc: int, tags: Path):
         self.num_proc, self.tags = num_proc, Path(tags)
         self._executors: list[cf.ProcessPoolExecutor] = []
+        self._seen: dict = {}  # pid -> multiprocessing.Process, every worker started
         shutil.rmtree(self.tags, ignore_errors=True)  # a killed run's tags name processes long gone
         self.tags.mkdir(parents=True)
 
@@ -106,17 +107,22 @@ class Workers:
             yield from map(fn, jobs)
             return
         executor = self._executor(min(self.num_proc, len(jobs)))
-        yield from self._results(executor, {executor.submit(_tagged, fn, j, name(j), str(self.tags)): j for j in jobs})
+        futures = {executor.submit(_tagged, fn, j, name(j), str(self.tags)): j for j in jobs}
+        yield from self._results(executor, futures)
         self._close(executor)
 
     def call(self, fn: Callable, job, name: str):
         """fn(job) in a child process of its own: SIGTERM (and a kill of the child) stops it at once."""
         executor = self._executor(1)
-        (result,) = self._results(executor, {executor.submit(_tagged, fn, job, name, str(self.tags)): job})
+        futures = {executor.submit(_tagged, fn, job, name, str(self.tags)): job}
+        (result,) = self._results(executor, futures)
         self._close(executor)
         return result
 
     def _results(self, executor: cf.ProcessPoolExecutor, futures: dict) -> Iterator:
+        # the executor knows its processes by a private attribute, which it clears once broken:
+        # keep the Process objects now (every worker is started by the submits) to name the dead
+        self._seen.update(getattr(executor, "_processes", None) or {})
         pending = set(futures)
         while pending:
             # a timeout so that the main thread wakes for signals (SIGTERM -> SystemExit) regularly
@@ -125,13 +131,17 @@ class Workers:
                 try:
                     result = future.result()
                 except BrokenProcessPool:
-                    raise self._death(executor) from None
+                    self._seen.update(getattr(executor, "_processes", None) or {})
+                    raise self._death() from None
                 yield result
 
-    def _death(self, executor: cf.ProcessPoolExecutor) -> WorkerDied:
-        # the executor knows its processes only by a private attribute; read once, after it broke
-        processes = dict(getattr(executor, "_processes", None) or {})
-        dead = [(pid, p.exitcode) for pid, p in processes.items() if p.exitcode not in (None, 0)]
+    def _death(self) -> WorkerDied:
+        for process in self._seen.values():
+            with contextlib.suppress(Exception):
+                process.join(5)  # the executor terminates the survivors of a broken pool
+        dead = [(pid, p.exitcode) for pid, p in self._seen.items() if p.exitcode not in (None, 0)]
+        # the one that died first, not those the executor then terminated (SIGTERM)
+        dead.sort(key=lambda item: item[1] == -signal.SIGTERM)
         tags = {pid: self.tags / str(pid) for pid, _ in dead}
         held = [(pid, code, tags[pid].read_text()) for pid, code in dead if tags[pid].is_file()]
         if held:
