@@ -157,6 +157,8 @@ def main() -> None:
         row["ratio_peak_rss"] = row["laplace"]["peak_rss_mb"] / row["nanogpt"]["peak_rss_mb"]
         row["load_average_after"] = os.getloadavg()
         results["runs"][f"{size}MB"] = row
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")  # each row kept as it is measured
 
     # 100B tokens on 64 cores, from the largest run's per-core rate and per-worker memory.
     largest = results["runs"][f"{max(args.sizes_mb)}MB"]["laplace"]
