@@ -478,6 +478,7 @@ def tokenize_corpus(
         raise
     finally:
         _remove_temporaries(staging)
+        shutil.rmtree(_next_dir(out_dir), ignore_errors=True)  # never the live output (see _swap)
     _assembly_step("removing the staging directory")
     shutil.rmtree(staging, ignore_errors=True)
     return metrics
