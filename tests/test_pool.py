@@ -1,8 +1,9 @@
-"""The tokenize stage under the faults of FineWeb scale, each in a real child process: a worker
-killed mid-encode (what the OOM killer does) fails the stage at once, naming the slice; SIGTERM
-during tokenizer training stops it at once; a kill at every step of the final assembly leaves
-the old output or the new one and the rerun succeeds; one huge record is tokenized under a 1 GB
-address-space cap; one large file keeps every worker busy."""
+"""The tokenize stage's processes (laplace/data/pool.py and the stage around it) under the
+faults of FineWeb scale, each in a real child process: a worker killed mid-encode (what the OOM
+killer does) fails the stage at once, naming the slice; SIGTERM during tokenizer training stops
+it at once; a kill at every step of the final assembly leaves the old output or the new one and
+the rerun succeeds; one huge record is tokenized under a 1 GB address-space cap; one large file
+keeps every worker busy."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tokenize_scale import alive, write_corpus
+from test_tokenize import alive, write_corpus
 
 from laplace.config import DataSection, TokenizerSection
 from laplace.data.pydocs import python_docs_documents
