@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
@@ -29,6 +30,50 @@ def model_facts(preset: str | None, cfg) -> dict:
     return {"preset": preset or cfg.model.preset, **facts(_model_config(preset, cfg))}
 
 
+def stage_description(name: str, dvc_yaml: Path | None = None) -> str:
+    """A stage's --help text: what it does (its module's docstring), the params it reads and what
+    it writes, both as dvc.yaml declares them (so the help cannot drift from the pipeline)."""
+    import ast
+
+    from laplace.pipeline.params import parse_yaml
+
+    stage = stages.STAGES[name]
+    here = Path(__file__).parent
+    doc = ast.get_docstring(ast.parse((here / f"{stage.module}.py").read_text(encoding="utf-8"))) or stage.help
+    text = [" ".join(doc.split("\n\n")[0].split())]
+    dvc_yaml = dvc_yaml or here.parents[1] / "dvc.yaml"
+    try:
+        entry = (parse_yaml(dvc_yaml.read_text(encoding="utf-8")) or {})["stages"][name]
+    except (OSError, KeyError, TypeError):
+        return textwrap.fill(text[0], 79)
+
+    def names(items) -> list[str]:
+        out = []
+        for item in items or []:
+            if isinstance(item, dict):  # `path: {options}`, or `params.yaml:` (every param)
+                out += ["every param" if key == "params.yaml" else key for key in item]
+            else:
+                out.append(str(item))
+        return out
+
+    reads = names(entry.get("params"))
+    writes = names(entry.get("outs")) + names(entry.get("metrics")) + names(entry.get("plots"))
+    text.append(f"params read (params.yaml): {', '.join(reads) if reads else 'none'}")
+    text.append(f"writes: {', '.join(writes)}")
+    return "\n\n".join(textwrap.fill(t, 79, subsequent_indent="  " if i else "") for i, t in enumerate(text))
+
+
+def _with_stage_description(parser: argparse.ArgumentParser, name: str):
+    """format_help that fills the description only when help is asked for (it reads files)."""
+    plain = parser.format_help
+
+    def format_help() -> str:
+        parser.description = stage_description(name)
+        return plain()
+
+    return format_help
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="laplace", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     for name, stage in stages.STAGES.items():
-        p = sub.add_parser(name, help=f"stage: {stage.help}")
+        p = sub.add_parser(name, help=f"stage: {stage.help}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.format_help = _with_stage_description(p, name)
         add_config_arguments(p)
         p.add_argument("--json", action="store_true", help="print the stage's figures as one JSON object")
         if name == "train":
@@ -151,14 +197,23 @@ def _run(args) -> int:
     if args.command == "serve":
         return serve.run(cfg, paths, args)
     if args.command == "summary":
-        print(summary.as_text(summary.read(paths), paths.root))
+        info = summary.read(paths)
+        if not any(info.values()):
+            raise InputError(f"no pipeline run in {paths.root} yet (no metrics/*.json): run `laplace run` first")
+        print(summary.as_text(info, paths.root))
     elif args.command == "generate":
         from laplace.serving.sampling import generate_text
 
+        model_dir = Path(args.model) if args.model else paths.export_dir
+        if not args.model and not (model_dir / "config.json").exists():
+            raise InputError(
+                f"no exported model in {model_dir} yet: run `laplace run` (the whole pipeline), or "
+                "`laplace train` then `laplace export`; or pass --model DIR"
+            )
         g = cfg.generate
         max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens
         result = generate_text(
-            Path(args.model) if args.model else paths.export_dir,
+            model_dir,
             args.prompt if args.prompt is not None else g.prompt,
             max_new_tokens,
             args.temperature if args.temperature is not None else g.temperature,

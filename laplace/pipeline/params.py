@@ -112,9 +112,7 @@ def yaml_error_where(text: str, exc: YAMLError) -> str:
         try:
             for token in _reader().scan(text):
                 if isinstance(token, ScalarToken):
-                    is_value = (
-                        isinstance(previous, ValueToken) and previous.start_mark.line == token.start_mark.line
-                    )
+                    is_value = isinstance(previous, ValueToken) and previous.start_mark.line == token.start_mark.line
                     key_scalar = None if is_value else token.start_mark
                 previous = token
         except YAMLError:
