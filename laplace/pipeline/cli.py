@@ -202,7 +202,7 @@ def _run(args) -> int:
             raise InputError(f"no pipeline run in {paths.root} yet (no metrics/*.json): run `laplace run` first")
         print(summary.as_text(info, paths.root))
     elif args.command == "generate":
-        from laplace.serving.sampling import generate_text
+        from laplace.serving.generation import generate_text
 
         model_dir = Path(args.model) if args.model else paths.export_dir
         if not args.model and not (model_dir / "config.json").exists():
