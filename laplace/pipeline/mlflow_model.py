@@ -41,7 +41,9 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
 
         self.model, self.tokenizer, self.config = load_export(context.artifacts["export"])
         # the run's serve: shapes (its model_config), else the defaults
-        shapes = {**{k: getattr(ServeSection(), k) for k in SHAPE_KEYS}, **(context.model_config or {})}
+        # (keys `serve.<shape>` as the run's params name them; bare names from models logged before)
+        given = {k.removeprefix("serve."): v for k, v in (context.model_config or {}).items()}
+        shapes = {**{k: getattr(ServeSection(), k) for k in SHAPE_KEYS}, **given}
         self.engine = DecodeEngine(
             self.model,
             max_slots=shapes["max_slots"],

@@ -18,6 +18,18 @@ from laplace.pipeline.stages import STAGES
 from laplace.pipeline.tracking import read_json
 
 
+def resolved_params(cfg: Config) -> dict:
+    """Every effective knob as `section.key`, with `model.*` as the model that was built (the
+    preset's values where params.yaml leaves a key null), not `None`."""
+    params = cfg.flat()
+    model = cfg.model_config().to_dict()
+    for key in list(params):
+        section, _, name = key.partition(".")
+        if section == "model" and params[key] is None and model.get(name) is not None:
+            params[key] = model[name]
+    return params
+
+
 def run(cfg: Config, paths: Paths) -> dict:
     """Write metrics.json, log this pipeline run to MLflow (one run holding every stage) and
     register the model."""
@@ -56,7 +68,7 @@ def run(cfg: Config, paths: Paths) -> dict:
             tags[tag] = os.environ[env]
     summary = tracking.log_pipeline_run(
         root=paths.root,
-        params=cfg.flat(),
+        params=resolved_params(cfg),
         params_hash=cfg.digest(),
         experiment=cfg.tracking.experiment,
         model_name=cfg.tracking.model_name,
