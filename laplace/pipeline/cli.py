@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -152,6 +153,8 @@ def _print_info(facts: dict, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    # no usage reports from MLflow (track, serve --model models:/...), as DVC's are off in DVC's runs
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     try:
         return _run(args)
     except InputError as exc:  # bad params or data, a missed gate: exit 2, never retried
