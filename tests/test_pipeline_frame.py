@@ -107,3 +107,27 @@ def test_bad_params_stop_dvc_repro_and_laplace_run_before_any_work(tmp_path):
     assert "train.steps: expected an integer, got str 'many'" in out.stdout + out.stderr
     assert not (repo / "data" / "tokenized" / "manifest.json").exists()
     assert not (repo / "runs").exists()
+
+
+def test_coinciding_plot_series_are_drawn_once_and_named_together():
+    from laplace.pipeline.plots import series_rows
+
+    rows = series_rows(
+        {"depth 0.1": {128: 0.0, 256: 0.0}, "depth 0.5": {128: 0.0, 256: 0.0}, "depth 0.9": {128: 0.5, 256: 0.0}},
+        x="context",
+        y="accuracy",
+        chance=1 / 90_000,
+    )
+    assert {r["series"] for r in rows} == {"depth 0.1 = depth 0.5 = chance", "depth 0.9"}
+    assert [r["order"] for r in rows] == [0, 0, 1, 1] and len(rows) == 4
+
+
+def test_the_flow_drops_dvcs_git_hint_after_each_stage():
+    from laplace.pipeline.repro import WithoutGitHints
+
+    seen = []
+    hint = ["To track the changes with git, run:", "\tgit add dvc.lock", "To enable auto staging, run:"]
+    drop = WithoutGitHints(seen.append)
+    for line in ["Running stage 'train':", *hint, "\tdvc config core.autostage true", "done"]:
+        drop(line)
+    assert seen == ["Running stage 'train':", "done"]
