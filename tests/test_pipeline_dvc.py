@@ -324,6 +324,21 @@ def next_commands(summary_text: str) -> list[str]:
     return [line.strip() for line in block if line.strip() and not line.strip().startswith("#")]
 
 
+def in_session(sid: int) -> list[int]:
+    """Every process of session `sid` (from /proc), orphans of its shell included."""
+    from pathlib import Path
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
 def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run, tmp_path):
     """Last in this module (its baseline commit and experiment come after the others'): every
     command of `laplace summary`'s `next` block, in order, in one fresh bash with nothing of the
@@ -386,14 +401,14 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     try:
         output, _ = shell.communicate(timeout=1200)
     finally:
-        left = descendants(shell.pid)
-        if shell.poll() is None:
-            os.killpg(shell.pid, signal.SIGKILL)
-        for pid in left:
+        # whatever `kill $(jobs -p)` left (a server's workers): everything in the shell's session
+        for pid in in_session(shell.pid) + descendants(shell.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shell.kill()
+        shell.wait(timeout=30)
         watcher.join(timeout=30)
     assert shell.returncode == 0, output[-5000:]
     assert "eval_loss" in output and "Completed" in output, output[-5000:]  # metrics diff; the flow run

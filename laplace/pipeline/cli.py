@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     # no usage reports from MLflow (track, serve --model models:/...), as DVC's are off in DVC's runs
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    if not sys.stderr.isatty():  # MLflow's artifact progress bars: a line per redraw in a log
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     try:
         return _run(args)
     except InputError as exc:  # bad params or data, a missed gate: exit 2, never retried

@@ -26,6 +26,8 @@ def subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     env.setdefault("DVC_NO_ANALYTICS", "1")
     env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # log_model's check of the input example "downloads" the model it just wrote: 6 bar lines in a log
+    env.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     env.setdefault("TQDM_MININTERVAL", "5")  # progress lines every 5 s in logs, not every 0.1 s
     env.setdefault("PYTHONUNBUFFERED", "1")
     if extra:

@@ -107,7 +107,8 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
             easy, hard = grid[ctx[0]], grid[ctx[-1]]
             lines.append(
                 f"MQAR-trained GLA: {max(easy.values()):.0%} at {ctx[0]} tokens, "
-                f"{min(hard.values()):.0%} at {ctx[-1]} (a small GLA trained here on the task: the probe works)"
+                f"{min(hard.values()):.0%} at {ctx[-1]} "
+                "(a small GLA trained here on MQAR: what a model that learned the task scores)"
             )
         if "mqar_accuracy" in pr:
             lines.append(
