@@ -131,3 +131,18 @@ def test_the_flow_drops_dvcs_git_hint_after_each_stage():
     for line in ["Running stage 'train':", *hint, "\tdvc config core.autostage true", "done"]:
         drop(line)
     assert seen == ["Running stage 'train':", "done"]
+
+
+def test_the_headline_view_puts_the_figures_and_the_varied_params_first():
+    import json
+
+    from laplace.pipeline.mlflow_views import headline_view, varied_params
+
+    shown = varied_params({"train.lr": "0.001", "seed": "1"}, [{"train.lr": "0.003", "seed": "1"}])
+    assert shown == ["train.lr"]
+    assert varied_params({"train.lr": "0.001"}, []) == ["train.lr", "train.steps", "model.preset"]
+    state = json.loads(json.loads(headline_view(None, shown))["state"])
+    first = ["metrics.`eval_loss`", "metrics.`train_loss`", "metrics.`tps`", "metrics.`ttft_p99`", "params.`train.lr`"]
+    assert state["columnOrder"][:5] == first and state["selectedColumns"][:5] == first
+    assert all(state["columnWidths"][c] <= 92 for c in first)  # they fit beside MLflow's side panel at 1,440 px
+    assert not any("gate_" in c for c in state["selectedColumns"])
