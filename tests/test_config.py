@@ -1,14 +1,16 @@
 """params.yaml is the one place for every knob; bad values fail with one line naming the key."""
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from laplace.config import default_params
+from laplace.config import Config, ModelConfig, ModelSection, default_params, knob_docs
 from laplace.errors import ConfigError
 from laplace.pipeline.cli import main
-from laplace.pipeline.params import load_config, parse_override, parse_yaml, write_params
+from laplace.pipeline.params import load_config, parse_override, parse_yaml, render_params, write_params
+from laplace.pipeline.params import main as params_main
 from laplace.pipeline.stages import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,6 +18,32 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_params_yaml_mirrors_the_defaults_in_code():
     assert parse_yaml((ROOT / "params.yaml").read_text()) == default_params()  # read as DVC reads it
+
+
+def test_every_knob_has_one_doc_and_params_yaml_comments_are_written_from_it(tmp_path):
+    """The doc in code is the only one: params.yaml is exactly what `make params` writes from it."""
+    docs = knob_docs()
+    assert [key for key, doc in docs.items() if not doc] == []
+    assert set(docs) >= {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)} | {"engine", "engine.max_slots"}
+    assert (ROOT / "params.yaml").read_text() == render_params()
+    # a doc changed in code and not in the file is caught by --check, and `make params` fixes the file
+    stale = tmp_path / "params.yaml"
+    stale.write_text((ROOT / "params.yaml").read_text().replace("# epsilon of the RMS norms", "# old text"))
+    assert params_main(["--check", str(stale)]) == 1
+    assert params_main([str(stale)]) == 0 and params_main(["--check", str(stale)]) == 0
+    assert stale.read_text() == (ROOT / "params.yaml").read_text()
+
+
+def test_the_model_section_is_every_modelconfig_field():
+    """A ModelConfig field is a knob without a second copy: norm_eps included."""
+    assert [f.name for f in dataclasses.fields(ModelSection)] == ["preset"] + [
+        f.name for f in dataclasses.fields(ModelConfig)
+    ]
+    cfg = load_config(ROOT / "params.yaml", ["model.norm_eps=1.0e-5", "model.kernel=torch"])
+    assert cfg.model_config().norm_eps == 1e-5 and cfg.model_config().kernel == "torch"
+    assert Config().model_config().norm_eps == ModelConfig.__dataclass_fields__["norm_eps"].default
+    with pytest.raises(ConfigError, match=r"^model.norm_eps: must be > 0, got 0.0$"):
+        load_config(ROOT / "params.yaml", ["model.norm_eps=0.0"])
 
 
 @pytest.mark.parametrize(
@@ -77,7 +105,7 @@ def test_broken_yaml_is_one_line(tmp_path):
         ("seed: 1\ntrain:\n  lr: 0.1\n   steps: 3\n", 4),  # bad indentation: that line
         ("seed: 1\ntrain:\n  lr 0.1\n  steps: 3\n", 3),  # a key without its colon
         ('seed: 1\ndata:\n  hub_name: "sample\n  hub_split: train\n', 3),  # an unclosed quote
-        ("seed: 1\nserve:\n  widths: [1, 2\n  max_slots: 2\n", 3),  # an unclosed bracket
+        ("seed: 1\nengine:\n  widths: [1, 2\n  max_slots: 2\n", 3),  # an unclosed bracket
     ],
 )
 def test_a_yaml_error_names_the_line_to_fix(tmp_path, text, line):
@@ -103,13 +131,13 @@ def test_1e3_is_a_number_through_set_and_params_yaml_as_dvc_reads_it(tmp_path, c
 
 
 def test_an_unsorted_or_too_wide_width_ladder_is_one_line(capsys):
-    assert main(["info", "--params", str(ROOT / "params.yaml"), "--set", "serve.widths=[3,1,20]"]) == 2
+    assert main(["info", "--params", str(ROOT / "params.yaml"), "--set", "engine.widths=[3,1,20]"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == (
-        "laplace info: error: serve.widths: must increase strictly from >= 1 to max_slots=8 "
+        "laplace info: error: engine.widths: must increase strictly from >= 1 to max_slots=8 "
         "(e.g. [1, 2, 4, 8]), got [3, 1, 20]"
     )
-    assert load_config(ROOT / "params.yaml", ["serve.widths=[1,3,8]"]).serve.widths == [1, 3, 8]
+    assert load_config(ROOT / "params.yaml", ["engine.widths=[1,3,8]"]).engine.widths == [1, 3, 8]
 
 
 def test_summary_and_generate_before_any_run_say_what_to_run(tmp_path, capsys):

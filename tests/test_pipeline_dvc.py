@@ -117,7 +117,7 @@ def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, f
     assert r.data.metrics["tps"] == round(train["tokens_per_s"])
     # the model was built from the preset: its resolved sizes, no None; no unprefixed duplicates
     assert all(v != "None" for k, v in r.data.params.items() if k.startswith("model.")), r.data.params
-    assert "max_slots" not in r.data.params and r.data.params["serve.max_slots"] == "2"
+    assert "max_slots" not in r.data.params and r.data.params["engine.max_slots"] == "2"
     history = c.get_metric_history(r.info.run_id, "train_loss")
     assert [m.step for m in history] == list(range(1, 7))
     assert [m.step for m in c.get_metric_history(r.info.run_id, "eval_loss")] == [0, 3, 6]

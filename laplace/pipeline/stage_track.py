@@ -18,18 +18,6 @@ from laplace.pipeline.stages import STAGES
 from laplace.pipeline.tracking import read_json
 
 
-def resolved_params(cfg: Config) -> dict:
-    """Every effective knob as `section.key`, with `model.*` as the model that was built (the
-    preset's values where params.yaml leaves a key null), not `None`."""
-    params = cfg.flat()
-    model = cfg.model_config().to_dict()
-    for key in list(params):
-        section, _, name = key.partition(".")
-        if section == "model" and params[key] is None and model.get(name) is not None:
-            params[key] = model[name]
-    return params
-
-
 def run(cfg: Config, paths: Paths) -> dict:
     """Write metrics.json, log this pipeline run to MLflow (one run holding every stage) and
     register the model."""
@@ -67,12 +55,8 @@ def run(cfg: Config, paths: Paths) -> dict:
         if os.environ.get(env):
             tags[tag] = os.environ[env]
     summary = tracking.log_pipeline_run(
+        cfg,
         root=paths.root,
-        params=resolved_params(cfg),
-        params_hash=cfg.digest(),
-        experiment=cfg.tracking.experiment,
-        model_name=cfg.tracking.model_name,
-        register=cfg.tracking.register,
         metrics_by_stage=metrics_by_stage,
         step_series=step_series,
         plots_dir=paths.plots_dir,
@@ -83,7 +67,6 @@ def run(cfg: Config, paths: Paths) -> dict:
         dataset_digest=data_hash or split_digest(manifest, "train") or None,
         run_name=f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}",
         tags=tags,
-        champion_tolerance=cfg.tracking.champion_tolerance,
         track_started=started,
     )
     atomic_write_json(paths.tracking_file, summary)

@@ -42,7 +42,7 @@ import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
-from laplace.config import GenerateSection
+from laplace.config import Config
 from laplace.pipeline.champion import COMPARABLE_TAGS, champion_decision
 from laplace.pipeline.headline import HEADLINE, gates, gates_word, mlflow_metrics, rounded
 from laplace.pipeline.mlflow_views import (
@@ -57,7 +57,6 @@ from laplace.pipeline.mlflow_views import (
 from laplace.pipeline.provenance import measured_tag, measurement_sources, pipeline_started, source_text
 from laplace.pipeline.redact import redact, secret_values
 from laplace.pipeline.store import (
-    DEFAULT_RETRY_SECONDS,
     TrackingUnavailable,
     _connection_lost,
     _retrying,
@@ -94,14 +93,22 @@ def current_champion(client, model_name: str) -> dict | None:
 # --------------------------------------------------------------------------- logging a run
 
 
+def resolved_params(cfg: Config) -> dict:
+    """Every effective knob as `section.key`, with `model.*` as the model that was built (the
+    preset's values where params.yaml leaves a key null), not `None`."""
+    params = cfg.flat()
+    model = cfg.model_config().to_dict()
+    for key in list(params):
+        section, _, name = key.partition(".")
+        if section == "model" and params[key] is None and model.get(name) is not None:
+            params[key] = model[name]
+    return params
+
+
 def log_pipeline_run(
+    cfg: Config,
     *,
     root: Path,
-    params: dict,
-    params_hash: str,
-    experiment: str,
-    model_name: str,
-    register: bool,
     metrics_by_stage: dict[str, dict],
     step_series: dict[str, list[tuple[int, float]]],
     plots_dir: Path | None,
@@ -112,22 +119,21 @@ def log_pipeline_run(
     run_name: str,
     tags: dict[str, str],
     metrics_dir: Path | None = None,
-    champion_tolerance: float = 0.0,
     track_started: float | None = None,
-    retry_seconds: float | None = None,
 ) -> dict:
     """Create one MLflow run holding the whole pipeline run. Returns ids, the model version, the
     alias it got and why, and where each stage's figures came from.
 
-    First waits up to `retry_seconds` (default: the params' tracking.retry_seconds) for the
-    tracking server, else raises TrackingUnavailable having logged nothing. Param and tag
-    values go through `redact`. `tags` should hold the COMPARABLE_TAGS of this run's
-    validation loss; `track_started` (epoch seconds) is when the track stage began."""
+    Every effective knob of `cfg` is logged as a param; its `tracking:` section says where and
+    how. First waits up to tracking.retry_seconds for the tracking server, else raises
+    TrackingUnavailable having logged nothing. Param and tag values go through `redact`.
+    `tags` should hold the COMPARABLE_TAGS of this run's validation loss; `track_started`
+    (epoch seconds) is when the track stage began."""
     import mlflow
     from mlflow import MlflowClient
 
-    if retry_seconds is None:
-        retry_seconds = float(params.get("tracking.retry_seconds", DEFAULT_RETRY_SECONDS))
+    experiment, model_name, register = cfg.tracking.experiment, cfg.tracking.model_name, cfg.tracking.register
+    retry_seconds = cfg.tracking.retry_seconds
     track_started = time.time() if track_started is None else track_started
     secrets = secret_values()
     uri, artifacts = tracking_store(root)
@@ -146,7 +152,7 @@ def log_pipeline_run(
         if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
             client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
         earlier = client.search_runs([experiment_id], max_results=50, order_by=["attributes.start_time DESC"])
-        logged = {k: redact(str(v), secrets)[:6000] for k, v in params.items()}
+        logged = {k: redact(str(v), secrets)[:6000] for k, v in resolved_params(cfg).items()}
         shown = varied_params(logged, [r.data.params for r in earlier])
         view = headline_view(tags.get(VIEW_TAG_PREFIX + HEADLINE_VIEW), shown)
         if view is not None:
@@ -163,7 +169,7 @@ def log_pipeline_run(
     gate_results = gates(metrics_by_stage)
     all_tags = {
         **tags,
-        "params_hash": params_hash,
+        "params_hash": cfg.digest(),
         # one tag each for the gates and the measurement stamps (provenance.measured_tag), and a
         # source.<stage> tag only for a stage whose figures an earlier run measured: few tags to read
         "gates": ", ".join(
@@ -198,7 +204,7 @@ def log_pipeline_run(
             version = _log_run_contents(
                 client,
                 run_id,
-                params=params,
+                cfg,
                 secrets=secrets,
                 metrics_by_stage=metrics_by_stage,
                 step_series=step_series,
@@ -214,7 +220,7 @@ def log_pipeline_run(
             if register and version is not None:
                 new = {"val_loss": (metrics_by_stage.get("train") or {}).get("val_loss"), "gates": gate_results}
                 new.update({key: tags.get(key) for key in COMPARABLE_TAGS})
-                decision = champion_decision(new, champion, champion_tolerance)
+                decision = champion_decision(new, champion, cfg.tracking.champion_tolerance)
                 _assign_aliases(client, model_name, version, decision, metrics_by_stage)
             registered_as = ("champion" if decision[0] else "candidate") if version is not None else "not registered"
             client.set_tag(run_id, "registered_as", registered_as)
@@ -277,8 +283,8 @@ def _assign_aliases(
 def _log_run_contents(
     client,
     run_id: str,
+    cfg: Config,
     *,
-    params,
     secrets,
     metrics_by_stage,
     step_series,
@@ -300,7 +306,7 @@ def _log_run_contents(
     from mlflow.models import infer_signature
 
     now = int(time.time() * 1000)
-    param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(params.items())]
+    param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(resolved_params(cfg).items())]
     # one value each, except the names with a step history (the loss curves), logged as the history
     # The histories first, in HEADLINE's order, then the single values: MLflow lists a run's metrics
     # in the order they were first logged, and its compare view charts the first: eval_loss.
@@ -346,7 +352,7 @@ def _log_run_contents(
     import laplace
     from laplace.serving.engine import SHAPE_KEYS
 
-    generate = GenerateSection()
+    generate = cfg.generate
     example = pd.DataFrame({"prompt": ["The function"]})
     # the serving payload shown by the MLflow UI and used with `mlflow models serve` (serving_input_example.json)
     example_params = {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": generate.seed}
@@ -354,10 +360,10 @@ def _log_run_contents(
         model_input=example,
         model_output=["text"],
         params={
-            "max_new_tokens": int(params.get("generate.max_new_tokens", generate.max_new_tokens)),
+            "max_new_tokens": generate.max_new_tokens,
             "temperature": 0.0,
             "top_p": 1.0,
-            "seed": int(params.get("generate.seed", generate.seed)),
+            "seed": generate.seed,
         },
     )
     info = mlflow.pyfunc.log_model(
@@ -367,8 +373,8 @@ def _log_run_contents(
         signature=signature,
         input_example=(example, example_params),
         # the engine's shapes; MLflow also logs model_config as run params, so under the run's own
-        # names and values (serve.max_slots ...), not as unprefixed duplicates
-        model_config={f"serve.{k}": params[f"serve.{k}"] for k in SHAPE_KEYS if f"serve.{k}" in params},
+        # names and values (engine.max_slots ...), not as unprefixed duplicates
+        model_config={f"engine.{k}": getattr(cfg.engine, k) for k in SHAPE_KEYS},
         step=final_step,
         code_paths=[str(Path(laplace.__file__).parent)],
         pip_requirements=["torch>=2.13", "numpy", "safetensors", "tokenizers", "pandas"],

@@ -10,10 +10,10 @@ streams the tokens the loop hands back; the engine is touched by its own thread 
   until it is done. After it the loop serves under
   `torch.compiler.set_stance("fail_on_recompile")`: a shape warmup did not compile is an
   error in the log and a 500 for the requests of that step, never a silent compile.
-- Overload is shed at once: a request arriving while `serve.max_queue` wait gets 429 with
+- Overload is shed at once: a request arriving while `engine.max_queue` wait gets 429 with
   Retry-After.
 - SIGTERM (or Ctrl-C) stops admitting (new connections are refused, requests on open ones
-  get 503), lets in-flight requests finish for `serve.shutdown_grace_s`, cancels what is
+  get 503), lets in-flight requests finish for `server.shutdown_grace_s`, cancels what is
   left (a stream ends with an error event) and returns, so the process exits 0.
 
 Endpoints: POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus).
