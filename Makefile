@@ -25,7 +25,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# the CPU wheel of torch first, so the resolver never pulls a CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# setuptools' "Editable installation." notice is a warning box in every make run's output: not shown
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
 run: setup

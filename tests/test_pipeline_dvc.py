@@ -360,6 +360,10 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     assert any(c.startswith("git add -A && git commit") for c in commands[:2])  # the baseline, before the diff
     assert commands.index(next(c for c in commands if "dvc metrics diff" in c)) > 1
     assert any(c.endswith("prefect deployment run 'laplace-pipeline/tiny' --watch") for c in commands)
+    installed = BIN.parent / ".installed"  # make's setup target: were it stale, make would reinstall
+    assert installed.exists() and installed.stat().st_mtime >= (repo / "pyproject.toml").stat().st_mtime, (
+        "the venv is older than pyproject.toml: run make setup first"
+    )
     if not (repo / ".venv").exists():
         (repo / ".venv").symlink_to(BIN.parent)
         with open(repo / ".git" / "info" / "exclude", "a") as f:
