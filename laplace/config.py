@@ -151,6 +151,13 @@ class TrainSection:
     steps: int = knob(300, _positive, doc="optimizer steps")
     batch_size: int = knob(8, _positive, "sequences per optimizer step, global across ranks")
     seq_len: int = knob(256, _positive, doc="tokens per training sequence")
+    grad_accum_steps: int = knob(
+        1, _positive, "micro-batches per optimizer step; each rank's share of batch_size is split into this many"
+    )
+    activation_checkpoint: Literal["none", "full", "selective"] = knob(
+        "none",
+        doc="none | full (recompute each block in backward) | selective (keep the projections' outputs)",
+    )
     lr: float = knob(3e-3, _positive, "AdamW learning rate (embeddings, head, norms, biases)")
     schedule: Literal["cosine", "wsd", "constant"] = knob("cosine", doc="cosine | wsd | constant")
     warmup_steps: int = knob(20, _non_negative, doc="linear learning-rate warmup")

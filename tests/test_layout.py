@@ -37,7 +37,7 @@ def source_tree(path: Path) -> ast.Module:
 
 
 @functools.cache
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path) -> frozenset[str]:
     """Every laplace module a file imports, anywhere in it (function-level imports included)."""
     tree = source_tree(path)
     found: set[str] = set()
@@ -50,7 +50,7 @@ def imported_modules(path: Path) -> set[str]:
         else:
             continue
         found.update(n for n in names if module_file(n) is not None)
-    return found
+    return frozenset(found)  # cached: shared by every caller
 
 
 def closure(start: set[str]) -> set[Path]:
@@ -122,7 +122,7 @@ def test_every_module_a_stage_runs_is_a_dependency_of_that_stage():
     problems = []
     for name, stage in STAGES.items():
         deps = [ROOT / d for d in dvc[name].get("deps", [])]
-        runs = closure({f"laplace.pipeline.{stage.module}", "laplace.pipeline.params"})
+        runs = closure({stage.module.__name__, "laplace.pipeline.params"})
         for path in sorted(runs):
             if not any(path == d or d in path.parents for d in deps):
                 problems.append(f"{name}: {path.relative_to(ROOT)} ({dotted(path)}) is not in its deps")
@@ -248,7 +248,7 @@ def stage_params_problems(dvc: dict) -> list[str]:
     sections = knob_keys()
     problems = []
     for name, stage in STAGES.items():
-        entry = {f"laplace.pipeline.{stage.module}", "laplace.pipeline.params"}
+        entry = {stage.module.__name__, "laplace.pipeline.params"}
         files = closure(entry) - {CONFIG_FILE}
         runs = used_definitions(files, {module_file(m) for m in entry})
         read = set().union(*(params_read(path, sections, runs[path]) for path in files))
@@ -305,10 +305,6 @@ def test_a_config_is_always_named_cfg():
 
 # --------------------------------------------------------------------------- imports point down
 
-# Import circles tolerated while being taken apart, by name (empty: the optim and serving splits of
-# issue 22 landed). A pair that stops being a circle must leave this set (the test below).
-KNOWN_CIRCLES: set[frozenset[str]] = set()
-
 
 def import_graph() -> dict[str, set[str]]:
     """laplace module -> the laplace modules it imports (anywhere in it, function-level included)."""
@@ -351,12 +347,7 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_imports_point_down_no_circle():
     """No two modules import each other, directly or around a loop, at top level or inside a function."""
-    graph = import_graph()
-    for pair in KNOWN_CIRCLES:  # tolerated until their split lands (see KNOWN_CIRCLES)
-        a, b = sorted(pair)
-        graph[a].discard(b)
-        graph[b].discard(a)
-    assert import_circles(graph) == []
+    assert import_circles(import_graph()) == []
 
 
 def test_the_circle_check_finds_a_circle():
@@ -364,8 +355,30 @@ def test_the_circle_check_finds_a_circle():
     assert import_circles(graph) == [["a", "b", "c"]]
 
 
-def test_every_tolerated_circle_is_still_one():
-    """A circle taken apart leaves KNOWN_CIRCLES, so the exception cannot outlive the problem."""
-    circles = {frozenset(c) for c in import_circles(import_graph())}
-    gone = [sorted(pair) for pair in KNOWN_CIRCLES if pair not in circles]
-    assert gone == [], f"no longer import circles, delete them from KNOWN_CIRCLES: {gone}"
+# --------------------------------------------------------------------------- tests found by name
+
+# Suites about the whole rather than one module (each says so in its docstring).
+WHOLE_HOUSE_SUITES = {
+    "layout",  # this file: the import graph, dvc.yaml deps and params
+    "readme",  # every README command runs
+    "security",  # secrets, pickles, bound addresses, paths
+    "faults",  # kills and full disks across training processes
+    "load",  # the engine and the server under overload
+    "decode_step",  # the decode step as one graph (engine, lm, sampling together)
+    "pipeline_dvc",  # the pipeline end to end through each front door
+    "pipeline_frame",
+    "pipeline_prefect",
+}
+
+
+def test_a_modules_tests_are_found_from_its_name():
+    """tests/test_<name>.py tests the module, package or stage <name> (test_engine.py:
+    laplace/serving/engine.py, test_data.py: laplace/data/), or is one of WHOLE_HOUSE_SUITES."""
+    names = {p.stem for p in PACKAGE.rglob("*.py")} | {p.name for p in PACKAGE.iterdir() if p.is_dir()}
+    names |= set(STAGES)
+    strays = [
+        p.name
+        for p in sorted((ROOT / "tests").glob("test_*.py"))
+        if p.stem.removeprefix("test_") not in names | WHOLE_HOUSE_SUITES
+    ]
+    assert strays == []

@@ -20,13 +20,12 @@ import mlflow
 import psutil
 import pytest
 
-from laplace.pipeline import stage_track
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
+from laplace.pipeline.stages import STAGES
 from laplace.serving.engine import DecodeEngine, Request, width_ladder
 
-from project import descendants, free_port, wait_until_answers
-from test_tracking_outage import write_stage_results
+from project import descendants, free_port, wait_until_answers, write_stage_results
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +50,7 @@ def registered(tiny_artifacts, tmp_path_factory):
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.chdir(project)
         cfg = load_config(project / "params.yaml", {"tracking.retry_seconds": 0, **SERVE})
-        summary = stage_track.run(cfg, Paths.at(project))
+        summary = STAGES["track"].run(cfg, Paths.at(project))
     assert summary["champion"], summary
     mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
     return project, "models:/laplace-gla@champion", export_dir, cfg

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from laplace.config import Config
 from laplace.pipeline.champion import COMPARABLE_TAGS, champion_decision
-from laplace.pipeline.headline import HEADLINE, gates, gates_word, mlflow_metrics, rounded
+from laplace.pipeline.headline import GATE_NAMES, HEADLINE, gates, gates_word, mlflow_metrics, rounded
 from laplace.pipeline.mlflow_views import (
     EXPERIMENT_KIND,
     HEADLINE_VIEW,
@@ -173,7 +173,8 @@ def log_pipeline_run(
         # one tag each for the gates and the measurement stamps (provenance.measured_tag), and a
         # source.<stage> tag only for a stage whose figures an earlier run measured: few tags to read
         "gates": ", ".join(
-            f"{k} {({True: 'passed', False: 'failed', None: 'missing'})[v]}" for k, v in gate_results.items()
+            f"{GATE_NAMES[k]} {({True: 'passed', False: 'failed', None: 'missing'})[v]}"
+            for k, v in gate_results.items()
         ),
         "measured": measured_tag(metrics_by_stage),
         **{f"source.{stage}": source_text(source) for stage, source in sources.items() if source is not None},

@@ -37,6 +37,7 @@ from laplace.model.lm import LaplaceLM
 from laplace.runtime import compile_backend, compile_static, keep_cpu_allocations, resolve_device
 from laplace.training import checkpoint as ckpt
 from laplace.training import distributed
+from laplace.training.activation_checkpoint import apply_activation_checkpointing
 from laplace.training.schedule import lr_scale
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,20 @@ class TrainingDiverged(InputError):
 _BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints"}
 # Where and how the run executes: the same weights come out (up to rounding) on any of these,
 # so a checkpoint resumes across world sizes, node counts, devices and compile settings.
-_LAUNCH = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts", "device", "compile"}
+# Activation checkpointing and gradient accumulation are of this kind too: they change how much
+# is held at once, not the step's arithmetic (the same global batch, the same mean loss).
+_LAUNCH = {
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "max_restarts",
+    "device",
+    "compile",
+    "activation_checkpoint",
+    "grad_accum_steps",
+}
 
 
 def run_fingerprint(cfg: Config, model_cfg, manifest: dict) -> str:
@@ -93,6 +107,23 @@ def evaluate(model, batches, group: distributed.Group) -> float:
     return float(distributed.all_mean(total / max(1, len(batches))))
 
 
+def accumulate_gradients(model, x: torch.Tensor, y: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """Forward and backward of this rank's rows `x`, `y` in `micro_batches` equal slices; returns
+    the mean loss (detached). Each slice's loss is scaled by 1/micro_batches, so the summed
+    gradients are those of the whole slice's mean loss. FSDP2 reduce-scatters only after the
+    last slice (set_requires_gradient_sync): until then each rank adds into its unsharded
+    gradients, which stay allocated in the reduce dtype (laplace plan counts them); the
+    optimizer, and so the Muon exchange, then steps once."""
+    total = torch.zeros((), device=x.device)
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        if micro_batches > 1:
+            model.set_requires_gradient_sync(i == micro_batches - 1)
+        loss = cross_entropy(model(xs), ys) / micro_batches
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 @dataclass
 class TrainResult:
     metrics: dict
@@ -115,6 +146,11 @@ def check_inputs(cfg: Config, data_dir: Path, world: int):
         )
     if t.batch_size % world:
         raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by the world size {world}")
+    if (t.batch_size // world) % t.grad_accum_steps:
+        raise ConfigError(
+            f"train.grad_accum_steps {t.grad_accum_steps} does not divide each rank's {t.batch_size // world} "
+            f"sequences (train.batch_size {t.batch_size} over {world} ranks)"
+        )
     for split in SPLITS:
         tokens = open_split(data_dir, split, verify=False)
         if len(tokens) < t.seq_len + 1:
@@ -136,13 +172,15 @@ def open_data(data_dir: Path, group: distributed.Group):
 
 
 def build_model(model_cfg, mesh, device: torch.device, t, seed: int) -> LaplaceLM:
-    """The model on meta, compiled per block if asked (one static graph shared by every block),
-    sharded with FSDP2 over `mesh`, then materialised on `device` and initialised there: each
+    """The model on meta, each block activation-checkpointed as train.activation_checkpoint says,
+    then compiled if asked (one static graph shared by every block), sharded with FSDP2 over
+    `mesh` (torchtitan's order), then materialised on `device` and initialised there: each
     rank allocates and initialises only its own rows (LaplaceLM.reset_parameters gives the
     weights a single process would get from the same seed)."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = LaplaceLM(model_cfg)
+    apply_activation_checkpointing(model, t.activation_checkpoint)
     if t.compile:
         for block in model.blocks:
             compile_static(block, compile_backend(device))
@@ -309,13 +347,12 @@ def _loop(
         scale = lr_scale(step, t)
         optimizer.set_lr_scale(scale)
         x, y = sample_batch(train_tokens, step, t.batch_size, t.seq_len, cfg.seed, group.rank, group.world)
-        loss = cross_entropy(model(x.to(device)), y.to(device))
+        loss = accumulate_gradients(model, x.to(device), y.to(device), t.grad_accum_steps)
         mean_loss = distributed.all_mean(loss)  # every rank sees the same value, so every rank stops together
         if not torch.isfinite(mean_loss):
             raise TrainingDiverged(
                 f"loss is {mean_loss.item()} at step {step + 1}; last good checkpoint kept in {ckpt_root}"
             )
-        loss.backward()
         grad_norm = optimizer.step(max_grad_norm=t.grad_clip)
         optimizer.zero_grad()
         done = step + 1

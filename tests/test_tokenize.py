@@ -23,7 +23,7 @@ from laplace.data.pydocs import python_docs_documents
 from laplace.data.tokenize import staging_dir, tokenize_corpus
 from laplace.data.tokenizer import train_tokenizer
 
-from project import ROOT, TINY_PARAMS, commit_all, copy_project, descendants, env, run
+from project import ROOT, TINY_MODEL, TINY_PARAMS, commit_all, copy_project, descendants, env, run
 
 pytestmark = pytest.mark.slow
 
@@ -214,8 +214,7 @@ def test_training_on_sharded_data_does_not_depend_on_the_shard_size(tmp_path):
         {
             "data": {"max_documents": 300, "num_proc": 1, "slices": 4},
             "tokenizer": {"vocab_size": 400},
-            "model": {"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "chunk_size": 16,
-                      "sub_chunk_size": 8},
+            "model": {"preset": "tiny", **TINY_MODEL},
             "train": {"steps": 6, "batch_size": 4, "seq_len": 32, "eval_every": 3, "eval_batches": 2,
                       "checkpoint_every": 6, "warmup_steps": 1, "log_every": 1},
         }
