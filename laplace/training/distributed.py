@@ -222,11 +222,12 @@ def needs_torchrun(t: TrainSection) -> bool:
 
 def torchrun_launcher(t: TrainSection) -> list[str]:
     """`torchrun ...` from the train section (standalone unless a rendezvous endpoint is set); the
-    module and its arguments follow."""
+    module and its arguments follow. The agent is laplace.training.launch: torchrun, tied to its
+    parent's life."""
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "laplace.training.launch",
         f"--nproc-per-node={t.nproc_per_node}",
         f"--max-restarts={t.max_restarts}",
     ]

@@ -36,7 +36,7 @@ from laplace.errors import ConfigError, DataError, InputError
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import compile_backend, compile_static, keep_cpu_allocations, resolve_device
 from laplace.training import checkpoint as ckpt
-from laplace.training import distributed
+from laplace.training import distributed, lifecycle
 from laplace.training.activation_checkpoint import apply_activation_checkpointing
 from laplace.training.schedule import lr_scale
 
@@ -48,7 +48,7 @@ class TrainingDiverged(InputError):
 
 
 # Train knobs that change what is logged or saved, never the weights.
-_BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints"}
+_BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints", "async_checkpoint"}
 # Where and how the run executes: the same weights come out (up to rounding) on any of these,
 # so a checkpoint resumes across world sizes, node counts, devices and compile settings.
 # Activation checkpointing and gradient accumulation are of this kind too: they change how much
@@ -238,22 +238,23 @@ def train(
         # slower than eager when the cores were shared (bench/RESULTS.md), and eager is not launch-bound.
         backend = compile_backend(group.device) if t.compile and group.device.type == "cuda" else None
         optimizer = MuonAdamW(model, t.lr, cfg.adamw, cfg.muon, compile_backend=backend)
-        return _loop(
-            cfg,
-            model,
-            optimizer,
-            group,
-            manifest,
-            model_cfg,
-            train_tokens,
-            val_batches,
-            Path(run_dir),
-            resume,
-            stop_at_step,
-            on_log,
-            before_step,
-            progress,
-        )
+        with lifecycle.stop_on_sigterm():
+            return _loop(
+                cfg,
+                model,
+                optimizer,
+                group,
+                manifest,
+                model_cfg,
+                train_tokens,
+                val_batches,
+                Path(run_dir),
+                resume,
+                stop_at_step,
+                on_log,
+                before_step,
+                progress,
+            )
     finally:
         distributed.leave(group)
 
@@ -317,9 +318,16 @@ def _loop(
                 group.world,
             )
 
+    saver = ckpt.Checkpointer(ckpt_root, t.keep_checkpoints, device, asynchronous=t.async_checkpoint)
+    save_seconds = None  # the last save's duration: does one fit in what is left of a SIGTERM's grace?
+
     def save(step: int) -> Path:
+        nonlocal save_seconds
+        start = time.perf_counter()
         trainer = {"history": history, "model_config": model_cfg.architecture(), "fingerprint": fingerprint}
-        return ckpt.save_sharded(ckpt_root, step, model, optimizer.optimizers, trainer, t.keep_checkpoints, device)
+        path = saver.save(step, model, optimizer.optimizers, trainer)
+        save_seconds = time.perf_counter() - start
+        return path
 
     if start_step == 0 and not history:
         history.append({"step": 0, "val_loss": evaluate(model, val_batches, group)})
@@ -392,11 +400,20 @@ def _loop(
                 )
                 if on_log:
                     on_log(row)
+        stopping = lifecycle.stop_requested(device)  # collective: every rank stops after the same step
         if done % t.checkpoint_every == 0 or done == t.steps or (stop_at_step is not None and done >= stop_at_step):
+            if not stopping or lifecycle.time_to_save(save_seconds, device):
+                last_path = save(done)
+        elif stopping and lifecycle.time_to_save(save_seconds, device):
             last_path = save(done)
+        if stopping:
+            saver.close()  # an async write is put in place before the job ends
+            kept = f"checkpoint {last_path.name} kept" if last_path is not None else "no checkpoint written"
+            raise lifecycle.TrainingStopped(f"stopped by SIGTERM after step {done}; {kept}; rerun to resume")
         if stop_at_step is not None and done >= stop_at_step:
             break
     bar.close()
+    saver.close()
 
     run_seconds = time.perf_counter() - run_start
     traffic = traffic_metrics(optimizer.meter.gather(device=device), steps_run) if steps_run else {}

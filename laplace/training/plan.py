@@ -5,9 +5,9 @@ The model is built on the meta device and sharded by FSDP2 (the trainer's own
 dry-run mode does: this process plays rank 0, every collective is a no-op, and the
 DTensor shards have their real shapes. Every other rank's shards follow from the same
 rule (torch.chunk: ceil(rows/W) rows each, the last ranks fewer), checked against rank
-0's; the Muon exchange is laid out by the optimizer's own `ExchangePlan`, so each rank's
-Newton-Schulz workspace comes from the matrices it owns. Figures are given for every
-rank: the maximum (what must fit) and the mean.
+0's; the Muon exchange is laid out by the optimizer's own `ExchangePlan` (laplace.optim.exchange,
+arithmetic only), so each rank's Newton-Schulz workspace comes from the matrices it owns. Figures
+are given for every rank: the maximum (what must fit) and the mean.
 
 What is counted per rank: the fp32 master parameters and gradients (sharded), the AdamW
 moments and Muon momentum (sharded), the Muon exchange buffers and the Newton-Schulz
@@ -151,7 +151,7 @@ def plan(
     adamw_values = _local_values([tuple(p.shape) for p in adamw], world)
     muon_values = _local_values(shapes, world)
     workspace = [
-        max((_newton_schulz_workspace(*b.shape, world, ex_item) for b, _ in exchange.owned_by(r)), default=0)
+        max((_newton_schulz_workspace(*s.shape, world, ex_item) for s in exchange.owned_by(r)), default=0)
         for r in range(world)
     ]
     n_params = model.num_parameters()
@@ -196,8 +196,6 @@ def plan(
         "params": n_params,
         "muon_params": sum(math.prod(s) for s in shapes),
         "muon_matrices": len(shapes),
-        "muon_matrices_owned_by_rank0": len(exchange.owned_by(0)),
-        "muon_matrices_owned_max": max(len(exchange.owned_by(r)) for r in range(world)),
         "per_rank_bytes": per_rank,
         "per_rank_max_bytes": {k: max(v) for k, v in ranks.items()},
         "per_rank_mean_bytes": {k: sum(v) / world for k, v in ranks.items()},
@@ -240,7 +238,8 @@ def as_text(p: dict, name: str) -> str:
         f"{name} on {ranks}, {p['precision']}: FSDP2 over torch's fake process group "
         "(rank 0, the largest shards; nothing allocated)",
         f"  {count(p['params'])} parameters, {count(p['muon_params'])} of them in {p['muon_matrices']} "
-        f"Muon matrices ({p['muon_matrices_owned_by_rank0']} orthogonalised by rank 0)",
+        f"Muon matrices (owners by bytes: {t['owned_matrices_per_rank_max']} per rank at most, "
+        f"{t['owned_matrices_per_rank_mean']:.2f} on average)",
         f"  per rank, max over the {ranks} (mean)",
         *(
             f"    {labels[k]:<34}{gib(v)}  ({gib(p['per_rank_mean_bytes'][k]).strip()})"
@@ -271,8 +270,18 @@ def as_text(p: dict, name: str) -> str:
         f"    {'alltoall (owner ranks)':<34}{gb(t['alltoall_bytes_per_rank'])}"
         + (f"  {gb(p['article']['alltoall_bytes'])}" if p["article"] else ""),
         f"    {'  of which padding':<34}{gb(t['alltoall_bytes_per_rank'] - t['alltoall_unpadded_bytes_per_rank'])}",
+        f"    {'  every rank (max / mean)':<34}{gb(t['alltoall_bytes_per_rank_max'])} / "
+        f"{t['alltoall_bytes_per_rank_mean'] / 1e9:.3f} GB (equal splits)",
     ]
     if t["ratio"]:
         article_ratio = p["article"]["allgather_bytes"] / p["article"]["alltoall_bytes"] if p["article"] else None
         lines.append(f"    {'ratio':<34}{t['ratio']:10.1f}x" + (f"  {article_ratio:11.1f}x" if article_ratio else ""))
+    lines += [
+        f"  Newton-Schulz per rank per step (max / mean over the {p['world_size']} ranks)",
+        f"    {'FLOPs':<34}{t['newton_schulz_flops_per_rank_max'] / 1e12:8.2f} / "
+        f"{t['newton_schulz_flops_per_rank_mean'] / 1e12:.2f} TFLOP"
+        + (f"   max/mean {t['newton_schulz_work_max_over_mean']:.3f}" if t["newton_schulz_work_max_over_mean"] else ""),
+        f"    {'Muon values owned':<34}{count(t['owned_values_per_rank_max']):>11} / "
+        f"{count(t['owned_values_per_rank_mean'])}",
+    ]
     return "\n".join(lines)
