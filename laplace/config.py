@@ -555,8 +555,22 @@ def config_from_dict(raw: dict) -> Config:
             f"train.batch_size: {t.batch_size} is not divisible by the "
             f"{t.nproc_per_node * t.nnodes} ranks (nproc_per_node x nnodes)"
         )
+    check_widths(cfg.engine.widths, cfg.engine.max_slots)
     check_project_paths(cfg)
     return cfg
+
+
+def check_widths(widths: list[int], max_slots: int, key: str = "engine.widths") -> None:
+    """A decode width ladder as written: strictly increasing, from >= 1 up to exactly max_slots
+    (a wider graph would only pad rows no slot can fill). Empty: powers of two up to max_slots."""
+    if not widths:
+        return
+    ordered = all(a < b for a, b in zip(widths, widths[1:]))
+    if not ordered or widths[0] < 1 or widths[-1] != max_slots:
+        example = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots] + [max_slots]
+        raise ConfigError(
+            f"{key}: must increase strictly from >= 1 to max_slots={max_slots} (e.g. {example}), got {widths}"
+        )
 
 
 def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:

@@ -34,7 +34,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from laplace import manifest
 from laplace.config import DataSection, TokenizerSection
@@ -53,6 +52,7 @@ from laplace.data.shards import KIND, SPLITS, TOKENS, ShardWriter
 from laplace.data.tokenizer import EOS_TOKEN, TOKENIZER_NAME, load_tokenizer, tokenizer_sha256, train_reaching
 from laplace.errors import DataError
 from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsync_file
+from laplace.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +510,7 @@ def _tokenize(
         ]
         surveys = []
         survey_of = pool.map_unordered(_survey, jobs, lambda j: f"slice {j.slice:05d} (survey)")
-        for survey in tqdm(survey_of, total=len(jobs), desc="survey slices", unit="slice"):
+        for survey in progress_bar(survey_of, total=len(jobs), desc="survey slices", unit="slice"):
             surveys.append(survey)
         surveys.sort(key=lambda s: s.slice)
         raw_tokenizer, tokenizer_key = _tokenizer_bytes(tok_cfg, surveys, settings, previous, out_dir, staging, pool)
@@ -547,7 +547,7 @@ def _tokenize(
                     tokenizer_json, eos_id, dtype.name, key, str(staging),
                 )
             )  # fmt: skip
-        progress = tqdm(total=len(busy), initial=len(reused), desc="tokenize slices", unit="slice")
+        progress = progress_bar(total=len(busy), initial=len(reused), desc="tokenize slices", unit="slice")
         tokens_done = shards_resumed = 0
         with progress:
             if map_slices is None:
@@ -559,7 +559,7 @@ def _tokenize(
                 records[record["slice"]] = record
                 tokens_done += sum(s["tokens"] for shards in record["shards"].values() for s in shards)
                 rate = tokens_done / max(time.perf_counter() - started, 1e-9)
-                progress.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:.3g}")
+                progress.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:.3g}", refresh=False)
                 progress.update(1)
 
     bad = [line for i in busy for line in records[i]["stats"]["bad"]]

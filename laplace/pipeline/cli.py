@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import textwrap
 from pathlib import Path
 
 from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
@@ -27,6 +29,50 @@ def model_facts(preset: str | None, cfg) -> dict:
     from laplace.model.facts import model_facts as facts
 
     return {"preset": preset or cfg.model.preset, **facts(_model_config(preset, cfg))}
+
+
+def stage_description(name: str, dvc_yaml: Path | None = None) -> str:
+    """A stage's --help text: what it does (its module's docstring), the params it reads and what
+    it writes, both as dvc.yaml declares them (so the help cannot drift from the pipeline)."""
+    import inspect
+
+    from laplace.pipeline.params import parse_yaml
+
+    stage = stages.STAGES[name]
+    here = Path(__file__).parent
+    doc = inspect.cleandoc(stage.module.__doc__ or "") or stage.help
+    text = [" ".join(doc.split("\n\n")[0].split())]
+    dvc_yaml = dvc_yaml or here.parents[1] / "dvc.yaml"
+    try:
+        entry = (parse_yaml(dvc_yaml.read_text(encoding="utf-8")) or {})["stages"][name]
+    except (OSError, KeyError, TypeError):
+        return textwrap.fill(text[0], 79)
+
+    def names(items) -> list[str]:
+        out = []
+        for item in items or []:
+            if isinstance(item, dict):  # `path: {options}`, or `params.yaml:` (every param)
+                out += ["every param" if key == "params.yaml" else key for key in item]
+            else:
+                out.append(str(item))
+        return out
+
+    reads = names(entry.get("params"))
+    writes = names(entry.get("outs")) + names(entry.get("metrics")) + names(entry.get("plots"))
+    text.append(f"params read (params.yaml): {', '.join(reads) if reads else 'none'}")
+    text.append(f"writes: {', '.join(writes)}")
+    return "\n\n".join(textwrap.fill(t, 79, subsequent_indent="  " if i else "") for i, t in enumerate(text))
+
+
+def _with_stage_description(parser: argparse.ArgumentParser, name: str):
+    """format_help that fills the description only when help is asked for (it reads files)."""
+    plain = parser.format_help
+
+    def format_help() -> str:
+        parser.description = stage_description(name)
+        return plain()
+
+    return format_help
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     for name, stage in stages.STAGES.items():
-        p = sub.add_parser(name, help=f"stage: {stage.help}")
+        p = sub.add_parser(name, help=f"stage: {stage.help}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.format_help = _with_stage_description(p, name)
         add_config_arguments(p)
         p.add_argument("--json", action="store_true", help="print the stage's figures as one JSON object")
         if name == "train":
@@ -120,6 +167,10 @@ def _print_info(facts: dict, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    # no usage reports from MLflow (track, serve --model models:/...), as DVC's are off in DVC's runs
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    if not sys.stderr.isatty():  # MLflow's artifact progress bars: a line per redraw in a log
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     try:
         return _run(args)
     except InputError as exc:  # bad params or data, a missed gate: exit 2, never retried
@@ -188,14 +239,23 @@ def _run(args) -> int:
         args.policy = args.policy or cfg.server.policy
         return serve.run(cfg, paths, args)
     if args.command == "summary":
-        print(summary.as_text(summary.read(paths), paths.root))
+        info = summary.read(paths)
+        if not any(info.values()):
+            raise InputError(f"no pipeline run in {paths.root} yet (no metrics/*.json): run `laplace run` first")
+        print(summary.as_text(info, paths.root))
     elif args.command == "generate":
         from laplace.serving.generation import generate_text
 
+        model_dir = Path(args.model) if args.model else paths.export_dir
+        if not args.model and not (model_dir / "config.json").exists():
+            raise InputError(
+                f"no exported model in {model_dir} yet: run `laplace run` (the whole pipeline), or "
+                "`laplace train` then `laplace export`; or pass --model DIR"
+            )
         g = cfg.generate
         max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens
         result = generate_text(
-            Path(args.model) if args.model else paths.export_dir,
+            model_dir,
             args.prompt if args.prompt is not None else g.prompt,
             max_new_tokens,
             args.temperature if args.temperature is not None else g.temperature,

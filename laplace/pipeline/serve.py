@@ -166,13 +166,12 @@ class ServerProcess:
         return cmd + self.extra_args
 
     def start(self) -> ServerProcess:
-        import yaml
-
+        from laplace.pipeline.params import dump_yaml
         from laplace.pipeline.repro import subprocess_env
 
         self._tmp = tempfile.TemporaryDirectory(prefix="laplace-serve-params-")
         params_file = Path(self._tmp.name) / "params.yaml"
-        params_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        params_file.write_text(dump_yaml(self.cfg.to_dict()))
         self.proc = subprocess.Popen(
             self.command(params_file),
             cwd=self.root,
