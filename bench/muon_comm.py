@@ -32,7 +32,8 @@ def worker(args) -> None:
 
     from laplace.config import AdamWSection, MuonSection, TrainSection
     from laplace.model.config import preset_model_config
-    from laplace.optim.sharded import ShardedMuonAdamW, traffic_metrics
+    from laplace.optim.exchange import traffic_metrics
+    from laplace.optim.muon_adamw import MuonAdamW
     from laplace.training import distributed
     from laplace.training.loop import build_model, cross_entropy
 
@@ -45,7 +46,7 @@ def worker(args) -> None:
     cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     out = {}
     for comm in ("allgather", "alltoall"):
-        opt = ShardedMuonAdamW(model, 1e-3, AdamWSection(), MuonSection(comm=comm))
+        opt = MuonAdamW(model, 1e-3, AdamWSection(), MuonSection(comm=comm))
         times = []
         for step in range(args.steps + 1):
             distributed.barrier()
@@ -84,7 +85,7 @@ def main() -> None:
 
     from laplace.model.config import preset_model_config
     from laplace.model.lm import LaplaceLM
-    from laplace.optim.sharded import model_traffic
+    from laplace.optim.exchange import model_traffic
     from laplace.training.plan import ARTICLE
 
     shape = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=4)

@@ -12,7 +12,7 @@ in the same run. Prints a table and one JSON object.
 
 `--distributed` times the trainer's own distributed step instead: for each world size
 (`--worlds`, default 1 and 2) a torchrun job builds the FSDP2 model on meta
-(laplace.training.loop.build_model) with ShardedMuonAdamW, each rank takes its slice of
+(laplace.training.loop.build_model) with MuonAdamW, each rank takes its slice of
 the same global batch, and full steps (forward, backward, clipping, Muon and AdamW) are
 timed. On CPU the ranks share the machine's cores (each gets cores / N threads unless
 --threads-per-rank says otherwise); on a GPU each rank has its device (gloo on CPU,
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from laplace.config import AdamWSection, MuonSection  # noqa: E402
 from laplace.model.config import preset_model_config  # noqa: E402
 from laplace.model.lm import LaplaceLM  # noqa: E402
-from laplace.optim.muon import MuonAdamW  # noqa: E402
+from laplace.optim.muon_adamw import MuonAdamW  # noqa: E402
 
 from common import (  # noqa: E402
     add_device_argument,
@@ -152,7 +152,7 @@ def distributed_worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from laplace.config import TrainSection
-    from laplace.optim.sharded import ShardedMuonAdamW
+    from laplace.optim.muon_adamw import MuonAdamW
     from laplace.runtime import compile_backend
     from laplace.training import distributed
     from laplace.training.loop import build_model, cross_entropy
@@ -167,7 +167,7 @@ def distributed_worker(args) -> None:
     t = TrainSection(precision=args.precision, compile=args.compile)
     model = build_model(cfg, mesh, group.device, t, seed=0)  # compiled per block with --compile
     backend = compile_backend(group.device) if args.compile else None
-    optimizer = ShardedMuonAdamW(model, 1e-3, AdamWSection(), MuonSection(comm=args.comm), compile_backend=backend)
+    optimizer = MuonAdamW(model, 1e-3, AdamWSection(), MuonSection(comm=args.comm), compile_backend=backend)
     flops = model_flops_per_token(model, args.seq_len)  # reads shapes and cfg only: fine on shards
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     peak = matmul_peak_gflops(dtype=dtype, device=group.device)
@@ -236,7 +236,7 @@ def distributed_main(args) -> None:
         runs.append(r)
         rows.append([n, r["params"], r["tokens_per_s"], r["mfu"], r["step_s"], r["fwd_bwd_s"], r["optimizer_s"]])
     print(
-        f"{device}: distributed training step, FSDP2 + ShardedMuonAdamW ({args.comm}, {args.precision}), "
+        f"{device}: distributed training step, FSDP2 + MuonAdamW ({args.comm}, {args.precision}), "
         f"`{args.presets[0]}`, global batch {args.batch} x {args.seq_len}"
     )
     print_table(["ranks", "params", "tok/s", "MFU", "step s", "fwd+bwd s", "optimizer s"], rows)

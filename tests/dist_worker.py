@@ -1,6 +1,6 @@
 """Run by torchrun from tests/test_distributed.py, on gloo, with a collective spy installed.
 
-step PREFIX     a few training steps of the FSDP2 model with ShardedMuonAdamW (both Muon
+step PREFIX     a few training steps of the FSDP2 model with MuonAdamW (both Muon
                 strategies); each rank takes its slice of a global batch. Rank 0 writes the
                 final parameters, the traffic and the spy's report.
 train PREFIX CONFIG DATA RUN
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from laplace.config import AdamWSection, MuonSection, TrainSection, config_from_dict
 from laplace.model.config import preset_model_config
-from laplace.optim.sharded import ShardedMuonAdamW
+from laplace.optim.muon_adamw import MuonAdamW
 from laplace.training import distributed
 from laplace.training.loop import build_model, cross_entropy, train
 
@@ -137,7 +137,7 @@ def step_mode(prefix: str) -> None:
     # same: every rank trains on the whole batch, no clipping (the optimizer alone: bitwise)
     for mode, comm in (("split", "alltoall"), ("split", "allgather"), ("same", "alltoall"), ("same", "allgather")):
         model = build_model(model_config(), mesh, group.device, TrainSection(precision="fp32"), SEED)
-        opt = ShardedMuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(lr=MUON.lr, comm=comm))
+        opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(lr=MUON.lr, comm=comm))
         opt.set_lr_scale(1.0)
         norms, losses = [], []
         for step in range(STEPS):

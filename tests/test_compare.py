@@ -17,9 +17,10 @@ from mlflow import MlflowClient
 
 from laplace.config import default_params
 from laplace.pipeline import headline, stage_track, summary
+from laplace.pipeline.champion import champion_decision
 from laplace.pipeline.layout import Paths, stamp_measurement
 from laplace.pipeline.params import load_config
-from laplace.pipeline.tracking import champion_decision, source_text
+from laplace.pipeline.provenance import source_text
 
 from project import ROOT
 from test_tracking_outage import write_stage_results

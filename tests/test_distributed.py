@@ -37,8 +37,8 @@ from safetensors.torch import load_file
 
 from laplace.config import AdamWSection, config_from_dict
 from laplace.model.lm import LaplaceLM
+from laplace.optim.exchange import muon_traffic
 from laplace.optim.muon import route_parameters
-from laplace.optim.sharded import muon_traffic
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
 from laplace.pipeline.stage_train import run_training
@@ -170,7 +170,7 @@ def test_a_device_only_process_group_sees_no_host_tensor():
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
 
     from laplace.config import MuonSection
-    from laplace.optim.sharded import ShardedMuonAdamW
+    from laplace.optim.muon_adamw import MuonAdamW
     from laplace.training.distributed import all_mean, shard_model
 
     dist.init_process_group("meta:fake", store=FakeStore(), rank=1, world_size=4)
@@ -181,7 +181,7 @@ def test_a_device_only_process_group_sees_no_host_tensor():
             model = LaplaceLM(model_config())
         shard_model(model, init_device_mesh("cpu", (4,)), "bf16")
         for comm in ("alltoall", "allgather"):
-            opt = ShardedMuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(comm=comm))
+            opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(comm=comm))
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
             norm = opt.step(max_grad_norm=1.0)

@@ -7,8 +7,9 @@ from conftest import rel_rms
 
 from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM
+from laplace.optim.exchange import ExchangePlan, muon_traffic
 from laplace.optim.muon import adjusted_lr, route_parameters, zeropower_via_newtonschulz
-from laplace.optim.sharded import ExchangePlan, ShardedMuon, muon_traffic
+from laplace.optim.sharded import ShardedMuon
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -161,3 +162,22 @@ def test_compiled_muon_elementwise_graphs_equal_the_eager_functions():
     compiled.apply(params_c, orthos, lr, 0.1, [1.5, 0.5])
     apply_updates_(params, orthos, torch.tensor(0.02), 0.1, [1.5, 0.5])
     torch.testing.assert_close(params_c, params, rtol=1e-6, atol=1e-6)
+
+
+def test_optim_imports_point_down_and_the_plan_imports_only_arithmetic():
+    """muon.py (the math) at the bottom, exchange.py (the plan's arithmetic) on it, sharded.py (the
+    optimizer) above both, muon_adamw.py (the one wrapper) on top; `laplace plan` never reaches
+    the optimizer (function-level imports count)."""
+    from test_layout import closure, imported_modules, module_file
+
+    below = {
+        "laplace.optim.muon": set(),
+        "laplace.optim.exchange": {"laplace.optim.muon"},
+        "laplace.optim.sharded": {"laplace.optim.muon", "laplace.optim.exchange"},
+        "laplace.optim.muon_adamw": {"laplace.optim.muon", "laplace.optim.sharded"},
+    }
+    for name, allowed in below.items():
+        optim = {m for m in imported_modules(module_file(name)) if m.startswith("laplace.optim.")}
+        assert optim == allowed, (name, optim)
+    reached = {str(p) for p in closure({"laplace.training.plan"})}
+    assert not [p for p in reached if p.endswith(("optim/sharded.py", "optim/muon_adamw.py"))], reached

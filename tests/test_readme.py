@@ -157,11 +157,11 @@ def test_the_readme_laplace_commands_run_as_written(project):
 def test_generate_says_why_when_it_produced_no_text(monkeypatch, capsys, tmp_path):
     """The model may end the text at once (it samples end-of-text first): the CLI says so rather
     than print the prompt alone. The model is replaced here by its outcome."""
-    import laplace.serving.sampling as sampling
+    import laplace.serving.generation as generation
     from laplace.pipeline.cli import main
 
     monkeypatch.setattr(
-        sampling, "generate_text", lambda *a, **kw: {"prompt": "The function", "completion": "", "new_tokens": 1}
+        generation, "generate_text", lambda *a, **kw: {"prompt": "The function", "completion": "", "new_tokens": 1}
     )
     assert main(["generate", "--params", str(ROOT / "params.yaml"), "--root", str(tmp_path)]) == 0
     out = capsys.readouterr()

@@ -14,8 +14,8 @@ from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import configure_compiler
 from laplace.serving.engine import DecodeEngine, Rejected, Request, StepRecord, fit, prefill_pieces, width_ladder
+from laplace.serving.generation import generate_ids
 from laplace.serving.replay import replay, summarize
-from laplace.serving.sampling import generate_ids
 from laplace.serving.workload import arrival_times, build_requests
 
 VOCAB = 97

@@ -11,7 +11,8 @@ import torch
 from laplace.config import Config, DataSection, TokenizerSection, TrainSection, config_from_dict
 from laplace.data.tokenize import tokenize_corpus
 from laplace.model.export import ExportError, export_model, load_export
-from laplace.serving.sampling import generate_ids, sample_next, stream_key
+from laplace.serving.generation import generate_ids
+from laplace.serving.sampling import sample_next, stream_key
 from laplace.training import checkpoint as ckpt
 from laplace.training.loop import TrainingDiverged, lr_scale, train
 

@@ -1,20 +1,138 @@
-"""The token shards on disk: the manifest, and a split as one virtual array over its memory-mapped
-shards (what the sampler, validation and the evals index into)."""
+"""The token shards on disk: the writer that fills them (fixed-size shards, each finished by its
+manifest), the manifest, and a split as one virtual array over its memory-mapped shards (what the
+sampler, validation and the evals index into)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 
 from laplace import manifest
 from laplace.errors import DataError, one_line
+from laplace.fileio import fsync_dir
 
 KIND = "tokenized"  # the output directory's manifest
 SHARD_KIND = "token-shard"  # each shard directory's manifest
 SPLITS = ("train", "val")
 TOKENS = "tokens.bin"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def shard_name(slice_index: int, part: int) -> str:
+    return f"{slice_index:05d}-{part:04d}"
+
+
+class ShardWriter:
+    """One split of one slice as consecutive shards of exactly shard_tokens tokens (the last shorter).
+
+    A document may straddle two shards; each finished shard's manifest records how many of the
+    split's documents it completes (`docs_done`) and how many tokens of the next one it already
+    holds (`carry`), which is all a resumed run needs to continue byte for byte.
+    """
+
+    def __init__(self, root: Path, split: str, slice_index: int, key: str, shard_tokens: int, dtype: np.dtype):
+        self.dir, self.split, self.slice, self.key = root / split, split, slice_index, key
+        self.shard_tokens, self.dtype = shard_tokens, dtype
+        self.finished: list[dict] = []  # shard entries, in order
+        self.docs_done = self.carry = self.tokens = 0
+        self._handle = self._tmp = None
+        self._digest = hashlib.sha256()
+        self._in_shard = 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._resume()
+
+    def _resume(self) -> None:
+        """Adopt this slice's finished shards from an interrupted run of the same key; drop the rest."""
+        part = 0
+        while True:
+            path = self.dir / shard_name(self.slice, part)
+            found, _ = manifest.read_manifest(path, SHARD_KIND)
+            entry = (found or {}).get("files", {}).get(TOKENS, {})
+            ok = (
+                found is not None
+                and found.get("key") == self.key
+                and not manifest.verify_file(path, TOKENS, entry, False)
+            )
+            if not ok:
+                break
+            self.finished.append(shard_entry(self.split, self.slice, part, found))
+            self.docs_done, self.carry = found["docs_done"], found["carry"]
+            self.tokens += found["tokens"]
+            part += 1
+        for stale in self.dir.glob(f"{self.slice:05d}-*"):
+            if stale.name >= shard_name(self.slice, part):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def skip(self, doc_index: int) -> int | None:
+        """Tokens of document `doc_index` already in finished shards (None: all of them)."""
+        if doc_index < self.docs_done:
+            return None
+        return self.carry if doc_index == self.docs_done else 0
+
+    def write(self, ids: np.ndarray, doc_index: int, skip: int) -> None:
+        written = skip
+        while written < len(ids):
+            if self._handle is None:
+                self._open()
+            take = min(len(ids) - written, self.shard_tokens - self._in_shard)
+            block = ids[written : written + take].tobytes()
+            self._handle.write(block)
+            self._digest.update(block)
+            written += take
+            self._in_shard += take
+            self.tokens += take
+            if self._in_shard == self.shard_tokens:
+                done = written == len(ids)
+                self._close(doc_index + 1 if done else doc_index, 0 if done else written)
+
+    def finish(self, documents: int) -> None:
+        if self._handle is not None:
+            self._close(documents, 0)
+
+    def _open(self) -> None:
+        part = len(self.finished)
+        self._tmp = self.dir / f".{shard_name(self.slice, part)}.tmp-{os.getpid()}"
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp.mkdir()
+        self._handle = open(self._tmp / TOKENS, "wb")
+        self._digest, self._in_shard = hashlib.sha256(), 0
+
+    def _close(self, docs_done: int, carry: int) -> None:
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        part = len(self.finished)
+        fields = dict(
+            split=self.split, slice=self.slice, part=part, tokens=self._in_shard, dtype=self.dtype.name,
+            key=self.key, docs_done=docs_done, carry=carry,
+        )  # fmt: skip
+        entry = {"bytes": self._in_shard * self.dtype.itemsize, "sha256": self._digest.hexdigest()}
+        written = manifest.write_manifest(self._tmp, SHARD_KIND, [TOKENS], known={TOKENS: entry}, **fields)
+        final = self.dir / shard_name(self.slice, part)
+        os.replace(self._tmp, final)
+        fsync_dir(self.dir)
+        self.finished.append(shard_entry(self.split, self.slice, part, written))
+        self.docs_done, self.carry = docs_done, carry
+        self._handle = self._tmp = None
+
+
+def shard_entry(split: str, slice_index: int, part: int, found: dict) -> dict:
+    tokens_file = found["files"][TOKENS]
+    return {
+        "path": f"{split}/{shard_name(slice_index, part)}",
+        "tokens": found["tokens"],
+        "bytes": tokens_file["bytes"],
+        "sha256": tokens_file["sha256"],
+    }
+
+
+# --------------------------------------------------------------------------- reading
 
 
 def read_manifest(dir: str | Path) -> dict:

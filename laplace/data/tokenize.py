@@ -12,27 +12,23 @@ in parallel, resumable.
              never rewritten), the manifest written last, and swapped in
 
 Work goes to `.<out>.partial/` beside the output: a killed run resumes from the shards it
-finished there; a failed one leaves the previous output untouched. The worker pool is ours
-(multiprocessing, not datasets.map) so that it dies with the stage: workers get SIGKILL when
-the stage process dies (PR_SET_PDEATHSIG) and are terminated when it fails or gets SIGTERM.
+finished there; a failed one leaves the previous output untouched. The worker pool is in
+laplace.data.pool, the shard writer in laplace.data.shards.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import hashlib
 import heapq
 import json
 import logging
-import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +37,7 @@ from tqdm.auto import tqdm
 
 from laplace import manifest
 from laplace.config import DataSection, TokenizerSection
+from laplace.data.pool import process_pool, sigterm_unwinds
 from laplace.data.readers import (
     SliceStats,
     Unit,
@@ -51,10 +48,10 @@ from laplace.data.readers import (
     unit_fingerprint,
     write_python_docs,
 )
-from laplace.data.shards import KIND, SHARD_KIND, SPLITS, TOKENS
+from laplace.data.shards import KIND, SPLITS, TOKENS, ShardWriter
 from laplace.data.tokenizer import EOS_TOKEN, TOKENIZER_NAME, load_tokenizer, tokenizer_sha256, train_reaching
 from laplace.errors import DataError
-from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, replace_dir
+from laplace.fileio import atomic_write_bytes, atomic_write_json, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -79,59 +76,6 @@ def _quota(total: int, slot: int, slots: int) -> int:
     if not total:
         return 0
     return max(1, total // slots + (slot < total % slots))
-
-
-# --------------------------------------------------------------------------- the worker pool
-
-
-def _die_with_parent(parent: int) -> None:
-    """Pool initializer: exit when the stage process dies, whatever kills it (SIGKILL included)."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before prctl
-        os._exit(1)
-
-
-@contextlib.contextmanager
-def _sigterm_unwinds():
-    """SIGTERM raises SystemExit in the main thread, so `finally` blocks stop the workers and tidy up."""
-    if multiprocessing.current_process().name != "MainProcess" or not _is_main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _is_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-@contextlib.contextmanager
-def _pool(num_proc: int) -> Iterator[Callable]:
-    """map_unordered(fn, jobs): in num_proc spawned workers, or in this process when num_proc is 1."""
-    if num_proc <= 1:
-        yield lambda fn, jobs: map(fn, jobs)
-        return
-    pool = multiprocessing.get_context("spawn").Pool(num_proc, initializer=_die_with_parent, initargs=(os.getpid(),))
-    try:
-        yield lambda fn, jobs: pool.imap_unordered(fn, jobs)
-        pool.close()
-        pool.join()
-    finally:
-        pool.terminate()  # no-op after a clean join; kills the workers on any failure or SIGTERM
-        pool.join()
 
 
 # --------------------------------------------------------------------------- survey: fingerprints and the sample
@@ -206,114 +150,6 @@ class _EncodeJob:
     staging: str
 
 
-def _shard_name(slice_index: int, part: int) -> str:
-    return f"{slice_index:05d}-{part:04d}"
-
-
-class _SplitWriter:
-    """One split of one slice as consecutive shards of exactly shard_tokens tokens (the last shorter).
-
-    A document may straddle two shards; each finished shard's manifest records how many of the
-    split's documents it completes (`docs_done`) and how many tokens of the next one it already
-    holds (`carry`), which is all a resumed run needs to continue byte for byte.
-    """
-
-    def __init__(self, root: Path, split: str, slice_index: int, key: str, shard_tokens: int, dtype: np.dtype):
-        self.dir, self.split, self.slice, self.key = root / split, split, slice_index, key
-        self.shard_tokens, self.dtype = shard_tokens, dtype
-        self.finished: list[dict] = []  # shard entries, in order
-        self.docs_done = self.carry = self.tokens = 0
-        self._handle = self._tmp = None
-        self._digest = hashlib.sha256()
-        self._in_shard = 0
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._resume()
-
-    def _resume(self) -> None:
-        """Adopt this slice's finished shards from an interrupted run of the same key; drop the rest."""
-        part = 0
-        while True:
-            path = self.dir / _shard_name(self.slice, part)
-            found, _ = manifest.read_manifest(path, SHARD_KIND)
-            entry = (found or {}).get("files", {}).get(TOKENS, {})
-            ok = (
-                found is not None
-                and found.get("key") == self.key
-                and not manifest.verify_file(path, TOKENS, entry, False)
-            )
-            if not ok:
-                break
-            self.finished.append(_shard_entry(self.split, self.slice, part, found))
-            self.docs_done, self.carry = found["docs_done"], found["carry"]
-            self.tokens += found["tokens"]
-            part += 1
-        for stale in self.dir.glob(f"{self.slice:05d}-*"):
-            if stale.name >= _shard_name(self.slice, part):
-                shutil.rmtree(stale, ignore_errors=True)
-
-    def skip(self, doc_index: int) -> int | None:
-        """Tokens of document `doc_index` already in finished shards (None: all of them)."""
-        if doc_index < self.docs_done:
-            return None
-        return self.carry if doc_index == self.docs_done else 0
-
-    def write(self, ids: np.ndarray, doc_index: int, skip: int) -> None:
-        written = skip
-        while written < len(ids):
-            if self._handle is None:
-                self._open()
-            take = min(len(ids) - written, self.shard_tokens - self._in_shard)
-            block = ids[written : written + take].tobytes()
-            self._handle.write(block)
-            self._digest.update(block)
-            written += take
-            self._in_shard += take
-            self.tokens += take
-            if self._in_shard == self.shard_tokens:
-                done = written == len(ids)
-                self._close(doc_index + 1 if done else doc_index, 0 if done else written)
-
-    def finish(self, documents: int) -> None:
-        if self._handle is not None:
-            self._close(documents, 0)
-
-    def _open(self) -> None:
-        part = len(self.finished)
-        self._tmp = self.dir / f".{_shard_name(self.slice, part)}.tmp-{os.getpid()}"
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        self._tmp.mkdir()
-        self._handle = open(self._tmp / TOKENS, "wb")
-        self._digest, self._in_shard = hashlib.sha256(), 0
-
-    def _close(self, docs_done: int, carry: int) -> None:
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
-        part = len(self.finished)
-        fields = dict(
-            split=self.split, slice=self.slice, part=part, tokens=self._in_shard, dtype=self.dtype.name,
-            key=self.key, docs_done=docs_done, carry=carry,
-        )  # fmt: skip
-        entry = {"bytes": self._in_shard * self.dtype.itemsize, "sha256": self._digest.hexdigest()}
-        written = manifest.write_manifest(self._tmp, SHARD_KIND, [TOKENS], known={TOKENS: entry}, **fields)
-        final = self.dir / _shard_name(self.slice, part)
-        os.replace(self._tmp, final)
-        fsync_dir(self.dir)
-        self.finished.append(_shard_entry(self.split, self.slice, part, written))
-        self.docs_done, self.carry = docs_done, carry
-        self._handle = self._tmp = None
-
-
-def _shard_entry(split: str, slice_index: int, part: int, found: dict) -> dict:
-    tokens_file = found["files"][TOKENS]
-    return {
-        "path": f"{split}/{_shard_name(slice_index, part)}",
-        "tokens": found["tokens"],
-        "bytes": tokens_file["bytes"],
-        "sha256": tokens_file["sha256"],
-    }
-
-
 def _encode(job: _EncodeJob) -> tuple[dict, int]:
     """Encode one slice: its record (what the manifest keeps) and how many of its shards were
     adopted from an interrupted run (a figure of this run, not of the slice)."""
@@ -328,7 +164,7 @@ def _encode(job: _EncodeJob) -> tuple[dict, int]:
     tokenizer = Tokenizer.from_str(job.tokenizer_json)
     tokenizer.encode_special_tokens = True
     dtype = np.dtype(job.dtype)
-    writers = {s: _SplitWriter(Path(job.staging), s, job.slice, job.key, data.shard_tokens, dtype) for s in SPLITS}
+    writers = {s: ShardWriter(Path(job.staging), s, job.slice, job.key, data.shard_tokens, dtype) for s in SPLITS}
     resumed = sum(len(w.finished) for w in writers.values())  # adopted from an interrupted run
     stats = SliceStats()
     counts = {s: 0 for s in SPLITS}
@@ -526,7 +362,7 @@ def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path,
     staging = staging_dir(out_dir)
     staging.mkdir(parents=True, exist_ok=True)
     try:
-        with _sigterm_unwinds(), _datasets_cache_in(staging / "hf-cache"):
+        with sigterm_unwinds(), _datasets_cache_in(staging / "hf-cache"):
             metrics = _tokenize(data, tok_cfg, out_dir, staging, seed)
     except (SystemExit, KeyboardInterrupt):
         finished = sum(1 for split in SPLITS for _ in staging.glob(f"{split}/*/manifest.json"))
@@ -558,7 +394,7 @@ def _tokenize(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, stagi
     previous = _previous(out_dir)
     workers = max(1, min(data.num_proc, len(busy)))
 
-    with _pool(workers) as map_unordered:
+    with process_pool(workers) as map_unordered:
         jobs = [
             _SurveyJob(i, slices[i], data, seed, docs_quota[i], 0 if tok_cfg.path else tok_cfg.sample_bytes)
             for i in busy

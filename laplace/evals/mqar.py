@@ -19,7 +19,7 @@ from laplace.config import AdamWSection, MuonSection, ProbesSection, TrainSectio
 from laplace.errors import ConfigError
 from laplace.model.config import ModelConfig, preset_model_config
 from laplace.model.lm import LaplaceLM, analytic_state_bytes
-from laplace.optim.muon import MuonAdamW
+from laplace.optim.muon_adamw import MuonAdamW
 from laplace.progress import progress_bar
 from laplace.serving.engine import DecodeEngine
 from laplace.training.schedule import lr_scale
@@ -281,8 +281,7 @@ def train_mqar(probes: ProbesSection, seed: int, progress: bool = True) -> dict:
         tokens, targets = _mixed_batch(batch_size, L, top, V, rng)
         loss = F.cross_entropy(model(tokens).reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer.step(max_grad_norm=1.0)  # clipped to a global norm of 1
         optimizer.zero_grad()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)

@@ -324,7 +324,7 @@ def eager_fingerprint(export_dir: Path, tokens: Tensor, n_tokens: int, seed: int
     """Logits and greedy tokens of eager fp32 at a fixed batch width, under deterministic algorithms."""
     from laplace.model.export import load_export
     from laplace.runtime import set_determinism
-    from laplace.serving.sampling import generate_ids
+    from laplace.serving.generation import generate_ids
 
     set_determinism(seed)
     model, _, _ = load_export(export_dir, dtype=torch.float32)

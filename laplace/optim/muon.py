@@ -1,7 +1,6 @@
-"""Muon for hidden matrices, AdamW for everything else.
+"""Muon's arithmetic, the bottom of laplace.optim: no process group, no optimizer class.
 
-Single-process training (`MuonAdamW`, used by the MQAR probe) runs `torch.optim.Muon`
-itself. The sharded optimizer (laplace.optim.sharded) needs Muon cut into three steps:
+The sharded optimizer (laplace.optim.sharded) needs Muon cut into three steps:
 `momentum_direction` (element-wise, runs on any rows), `zeropower_via_newtonschulz`
 (needs the whole matrix) and `apply_update_` (element-wise again). Run in order they
 perform exactly torch.optim.Muon's operations, so the results are bit-identical
@@ -19,7 +18,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from laplace.config import AdamWSection, MuonSection
+from laplace.config import MuonSection
 from laplace.errors import ConfigError
 from laplace.runtime import compile_static
 
@@ -132,62 +131,15 @@ def route_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     return groups
 
 
-class MuonAdamW:
-    """The training optimizer: Muon + AdamW over one model, with a shared LR schedule scale."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        adamw_lr: float,
-        adamw: AdamWSection,
-        muon: MuonSection,
-        compile_backend: str | None = None,
-    ):
-        """compile_backend: run Muon as CompiledMuonUpdate's graphs (through ShardedMuon on whole
-        matrices) and AdamW fused on CUDA, foreach elsewhere; None: torch.optim.Muon and
-        single-tensor AdamW, as before."""
-        self.routes = route_parameters(model)
-        self.base_lrs = {"muon": muon.lr, "adamw": adamw_lr}
-        kw = dict(
-            lr=muon.lr,
-            weight_decay=muon.weight_decay,
-            momentum=muon.momentum,
-            nesterov=muon.nesterov,
-            ns_coefficients=tuple(muon.ns_coefficients),
-            eps=muon.eps,
-            ns_steps=muon.ns_steps,
-            adjust_lr_fn=muon.adjust_lr_fn,
-        )
-        matrices = [p for _, p in self.routes["muon"]]
-        if compile_backend:
-            from laplace.optim.sharded import ShardedMuon  # it imports this module
-
-            self.muon = ShardedMuon(matrices, compile_backend=compile_backend, **kw)
-        else:
-            self.muon = torch.optim.Muon(matrices, **kw)
-        fused = bool(compile_backend) and any(p.is_cuda for p in model.parameters())
-        self.adamw = torch.optim.AdamW(
-            [
-                {"params": [p for _, p in self.routes["adamw_decay"]], "weight_decay": adamw.weight_decay},
-                {"params": [p for _, p in self.routes["adamw_no_decay"]], "weight_decay": 0.0},
-            ],
-            lr=adamw_lr,
-            betas=tuple(adamw.betas),
-            eps=adamw.eps,
-            foreach=bool(compile_backend) and not fused,
-            fused=fused or None,
-        )
-
-    def set_lr_scale(self, scale: float) -> None:
-        for g in self.muon.param_groups:
-            g["lr"] = self.base_lrs["muon"] * scale
-        for g in self.adamw.param_groups:
-            g["lr"] = self.base_lrs["adamw"] * scale
-
-    def step(self) -> None:
-        self.muon.step()
-        self.adamw.step()
-
-    def zero_grad(self) -> None:
-        self.muon.zero_grad(set_to_none=True)
-        self.adamw.zero_grad(set_to_none=True)
+def muon_hyperparameters(muon: MuonSection) -> dict:
+    """torch.optim.Muon's keyword arguments from the `muon:` section (ShardedMuon takes the same)."""
+    return dict(
+        lr=muon.lr,
+        weight_decay=muon.weight_decay,
+        momentum=muon.momentum,
+        nesterov=muon.nesterov,
+        ns_coefficients=tuple(muon.ns_coefficients),
+        eps=muon.eps,
+        ns_steps=muon.ns_steps,
+        adjust_lr_fn=muon.adjust_lr_fn,
+    )

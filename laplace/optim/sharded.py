@@ -28,27 +28,24 @@ result is torch.optim.Muon's bit for bit (tests/test_muon.py).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from laplace.config import AdamWSection, MuonSection
 from laplace.errors import ConfigError
 from laplace.model.lm import local_rows
+from laplace.optim.exchange import COLLECTIVES, ExchangePlan
 from laplace.optim.muon import (
     CompiledMuonUpdate,
     adjusted_lr,
     apply_update_,
     momentum_direction,
-    route_parameters,
     zeropower_via_newtonschulz,
 )
 
 COMMS = ("alltoall", "allgather")
-COLLECTIVES = ("muon_to_owner", "muon_from_owner", "muon_allgather")
-EXCHANGE_DTYPE = torch.bfloat16
+EXCHANGE_DTYPE = torch.bfloat16  # EXCHANGE_BYTES wide (laplace.optim.exchange)
 
 
 # --------------------------------------------------------------------------- local shards
@@ -65,65 +62,6 @@ def _mesh_group(params: list[Tensor]):
         raise ValueError("ShardedMuon needs all its parameters on one device mesh (or none sharded)")
     mesh = next(iter(meshes.values()))
     return mesh.get_group(), mesh.size(), mesh.get_local_rank()
-
-
-# --------------------------------------------------------------------------- the exchange plan
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Up to W matrices of one shape; `owners[k]` is the rank that orthogonalises `members[k]`."""
-
-    shape: tuple[int, int]
-    members: tuple[int, ...]  # indices into the optimizer's matrix list
-    owners: tuple[int, ...]
-    rows: int  # every rank's row shard, padded: ceil(R / W)
-    offset: int  # where the batch starts in each rank-to-rank segment
-
-    @property
-    def chunk(self) -> int:
-        """Values each rank sends each owner for this batch (its padded row shard)."""
-        return self.rows * self.shape[1]
-
-
-@dataclass
-class ExchangePlan:
-    """How `alltoall` packs every matrix into one equal-split all-to-all, and `allgather` into
-    one all-gather. Depends only on the shapes and W, so every rank builds the same plan."""
-
-    shapes: list[tuple[int, int]]
-    world: int
-    batches: list[Batch] = field(default_factory=list)
-    segment: int = 0  # values each rank sends to (and receives from) each rank, per all-to-all
-    allgather_offsets: list[int] = field(default_factory=list)
-    allgather_segment: int = 0  # values each rank contributes to the all-gather
-
-    def __post_init__(self):
-        W = self.world
-        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for i, shape in enumerate(self.shapes):
-            by_shape[tuple(shape)].append(i)
-        first_owner = 0  # rotates across partial batches, so leftover matrices spread over the ranks
-        for shape, members in by_shape.items():
-            rows = -(-shape[0] // W)
-            for start in range(0, len(members), W):
-                batch = tuple(members[start : start + W])
-                owners = tuple((first_owner + k) % W for k in range(len(batch)))
-                if len(batch) < W:
-                    first_owner = (first_owner + len(batch)) % W
-                self.batches.append(Batch(shape, batch, owners, rows, self.segment))
-                self.segment += rows * shape[1]
-        for shape in self.shapes:
-            self.allgather_offsets.append(self.allgather_segment)
-            self.allgather_segment += -(-shape[0] // W) * shape[1]
-
-    @property
-    def padding_slots(self) -> int:
-        return sum(self.world - len(b.members) for b in self.batches)
-
-    def owned_by(self, rank: int) -> list[tuple[Batch, int]]:
-        """(batch, matrix index) of every matrix `rank` orthogonalises."""
-        return [(b, m) for b in self.batches for m, o in zip(b.members, b.owners) if o == rank]
 
 
 # --------------------------------------------------------------------------- traffic
@@ -162,47 +100,6 @@ class TrafficMeter:
             c: {"sent": [rows[r][i][0] for r in range(world)], "received": [rows[r][i][1] for r in range(world)]}
             for i, c in enumerate(COLLECTIVES)
         }
-
-
-def traffic_metrics(gathered: dict[str, dict[str, list[int]]], steps: int) -> dict:
-    """Per-rank Muon bytes per optimizer step: by collective, and in total (sent + received)."""
-    world = len(next(iter(gathered.values()))["sent"])
-    per_rank = {c: [(v["sent"][r] + v["received"][r]) / steps for r in range(world)] for c, v in gathered.items()}
-    muon = [sum(per_rank[c][r] for c in per_rank) for r in range(world)]
-    out = {f"{c}_bytes_per_rank_per_step_max": max(v) for c, v in per_rank.items() if max(v) > 0}
-    out["muon_bytes_per_rank_per_step_max"] = max(muon)
-    out["muon_bytes_per_rank_per_step_mean"] = sum(muon) / world
-    return out
-
-
-def muon_traffic(shapes: list[tuple[int, int]], world: int, bytes_per_value: int = 2) -> dict:
-    """Muon bytes per rank (sent + received) of one optimizer step for matrices of these shapes,
-    from the plan the optimizer runs. Splits are equal, so every rank moves the same bytes."""
-    plan = ExchangePlan([tuple(s) for s in shapes], world)
-    values = sum(r * c for r, c in plan.shapes)
-    others = world - 1
-    alltoall = 2 * 2 * others * plan.segment * bytes_per_value  # two all-to-alls, each sent + received
-    allgather = 2 * others * plan.allgather_segment * bytes_per_value
-    # what the same exchange would move with no padding at all (the ideal the article's figures assume)
-    unpadded_alltoall = 2 * 2 * values * others / world / world * bytes_per_value if world > 1 else 0
-    return {
-        "world_size": world,
-        "muon_matrices": len(plan.shapes),
-        "muon_values": values,
-        "bytes_per_value": bytes_per_value,
-        "batches": len(plan.batches),
-        "padding_slots": plan.padding_slots,
-        "alltoall_bytes_per_rank": alltoall,
-        "allgather_bytes_per_rank": allgather,
-        "alltoall_unpadded_bytes_per_rank": unpadded_alltoall,
-        "ratio": allgather / alltoall if alltoall else None,
-        "ideal_ratio": world / 2,
-    }
-
-
-def model_traffic(model: nn.Module, world: int, bytes_per_value: int = 2) -> dict:
-    """`muon_traffic` of a model's Muon matrices (works on the meta device: only shapes are read)."""
-    return muon_traffic([tuple(p.shape) for _, p in route_parameters(model)["muon"]], world, bytes_per_value)
 
 
 # --------------------------------------------------------------------------- Muon
@@ -407,85 +304,3 @@ class ShardedMuon(torch.optim.Optimizer):
         orthos = self._orthogonalise(fulls, settings)  # every rank orthogonalises every matrix
         # my rows of each, copied so the whole matrices can go
         return [o[me * n : me * n + d.shape[0]].clone() for o, n, d in zip(orthos, per_rank, directions)]
-
-
-# --------------------------------------------------------------------------- Muon + AdamW
-
-
-class ShardedMuonAdamW:
-    """The training optimizer over an FSDP2 model: ShardedMuon for the blocks' 2-D matrices,
-    AdamW (fused on CUDA, foreach elsewhere, on the DTensor shards) for embeddings, head, norms, biases and
-    convolutions (route_parameters), one LR schedule, and global-norm clipping.
-    `optimizers` are plain torch.optim.Optimizers, so torch.distributed.checkpoint.state_dict
-    saves and reshards their state."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        adamw_lr: float,
-        adamw: AdamWSection,
-        muon: MuonSection,
-        compile_backend: str | None = None,
-    ):
-        """compile_backend: compile the Muon update (CompiledMuonUpdate); None runs it eagerly."""
-        self.routes = route_parameters(model)
-        self.base_lrs = {"muon": muon.lr, "adamw": adamw_lr}
-        self.muon = ShardedMuon(
-            [p for _, p in self.routes["muon"]],
-            lr=muon.lr,
-            weight_decay=muon.weight_decay,
-            momentum=muon.momentum,
-            nesterov=muon.nesterov,
-            ns_coefficients=tuple(muon.ns_coefficients),
-            eps=muon.eps,
-            ns_steps=muon.ns_steps,
-            adjust_lr_fn=muon.adjust_lr_fn,
-            comm=muon.comm,
-            compile_backend=compile_backend,
-        )
-        groups = [
-            {"params": [p for _, p in self.routes[route]], "weight_decay": wd}
-            for route, wd in (("adamw_decay", adamw.weight_decay), ("adamw_no_decay", 0.0))
-            if self.routes[route]
-        ]
-        # fused (one kernel for every tensor) on CUDA; foreach elsewhere, as the CPU figures were measured
-        fused = any(p.device.type == "cuda" for members in self.routes.values() for _, p in members)
-        self.adamw = torch.optim.AdamW(
-            groups, lr=adamw_lr, betas=tuple(adamw.betas), eps=adamw.eps, foreach=not fused, fused=fused or None
-        )
-        self.optimizers = [self.muon, self.adamw]
-        self.params = [p for members in self.routes.values() for _, p in members]
-
-    @property
-    def meter(self) -> TrafficMeter:
-        return self.muon.meter
-
-    def set_lr_scale(self, scale: float) -> None:
-        for g in self.muon.param_groups:
-            g["lr"] = self.base_lrs["muon"] * scale
-        for g in self.adamw.param_groups:
-            g["lr"] = self.base_lrs["adamw"] * scale
-
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """The global gradient norm (an fp32 tensor on the parameters' device, the same on every
-        rank); gradients are scaled down to `max_norm` when it is > 0 and exceeded."""
-        from torch.distributed.tensor import DTensor
-
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)  # foreach where torch picks it, as clip_grad_norm_
-        if isinstance(norm, DTensor):  # a partial sum over the shards: all-reduced here
-            norm = norm.full_tensor()
-        if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
-        return norm
-
-    def step(self, max_grad_norm: float = 0.0) -> Tensor:
-        """Clip, then one Muon and one AdamW step; returns the global gradient norm (a tensor)."""
-        norm = self.clip_grad_norm_(max_grad_norm)
-        self.muon.step()
-        self.adamw.step()
-        return norm
-
-    def zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)

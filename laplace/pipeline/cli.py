@@ -153,7 +153,7 @@ def _run(args) -> int:
     if args.command == "summary":
         print(summary.as_text(summary.read(paths), paths.root))
     elif args.command == "generate":
-        from laplace.serving.sampling import generate_text
+        from laplace.serving.generation import generate_text
 
         g = cfg.generate
         max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens

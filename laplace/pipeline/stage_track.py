@@ -46,7 +46,7 @@ def run(cfg: Config, paths: Paths) -> dict:
         "dvc_data_hash": data_hash or "unavailable (not run through dvc)",
         "launcher": launcher,
         "preset": cfg.model.preset,
-        # what the validation loss was measured on (tracking.COMPARABLE_TAGS)
+        # what the validation loss was measured on (champion.COMPARABLE_TAGS)
         "tokenizer_sha256": manifest.get("tokenizer_sha256", ""),
         "val_split_sha256": split_digest(manifest, "val"),
         "val_windows": f"{t.eval_batches} batches x {t.batch_size} x {t.seq_len} tokens, {t.precision}",

@@ -14,13 +14,13 @@ The run starts when the pipeline run did: at the first stage measured in it. A s
 DVC did not run this time (up to date, or restored from its run-cache) carries the
 measurement stamp of the run that did, and the MLflow run says so: the tag
 `source.<stage>` reads "cached from run NAME (ID), measured TIME" instead of presenting
-old timings as new.
+old timings as new (laplace.pipeline.provenance).
 
-The model is registered with the alias `candidate`. It takes `champion` only when its
-gates pass (serve-check, numerics, probes) and its validation loss, on the same validation
-windows and tokenizer, is no worse than the current champion's plus
-`tracking.champion_tolerance`; the decision and its reason are the run's tags
-`registered_as` and `registered_reason`, and the summary prints them.
+The model is registered with the alias `candidate`, and takes `champion` when the champion
+rule (laplace.pipeline.champion) says so; the decision and its reason are the run's tags
+`registered_as` and `registered_reason`, and the summary prints them. What the run looks
+like in the UI (metric names, the headline view, links) is laplace.pipeline.mlflow_views;
+where each stage's figures came from is laplace.pipeline.provenance.
 
 The metrics/ and plots/ files are the spool: when the tracking server is down, `track`
 retries with backoff for `tracking.retry_seconds`, then fails with one line
@@ -37,14 +37,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from laplace.config import GenerateSection
+from laplace.pipeline.champion import COMPARABLE_TAGS, champion_decision
 from laplace.pipeline.headline import HEADLINE, gates, mlflow_metrics
+from laplace.pipeline.mlflow_views import (
+    EXPERIMENT_KIND,
+    HEADLINE_VIEW,
+    VIEW_TAG_PREFIX,
+    figures_table,
+    headline_view,
+    ui_url,
+)
+from laplace.pipeline.provenance import measurement_sources, pipeline_started, source_text
 from laplace.pipeline.redact import redact, secret_values
 from laplace.pipeline.store import (
     DEFAULT_RETRY_SECONDS,
@@ -60,190 +68,8 @@ from laplace.pipeline.store import (
 
 log = logging.getLogger(__name__)
 
-# The experiment tag that marks an experiment as model training rather than GenAI development.
-EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
-# A saved view of the runs table (MLflow 3's "Views" menu keeps them as experiment tags under
-# this prefix) showing the headline figures as columns, and the UI link that opens it. MLflow
-# 3.17's UI opens an experiment in the workflow last picked in the browser (GenAI by default,
-# whatever the tag says) unless the link names one, so the link says `machine_learning`.
-VIEW_TAG_PREFIX = "mlflow.sharedViewState."
-HEADLINE_VIEW = "headline"
-VIEW_PARAMS = ("train.lr", "train.steps", "model.preset")
-# Run tags that say on what the validation loss was measured: two runs compare only when all agree.
-COMPARABLE_TAGS = {
-    "val_split_sha256": "validation split",
-    "tokenizer_sha256": "tokenizer",
-    "val_windows": "validation windows",
-}
 
-
-# --------------------------------------------------------------------------- metrics
-
-
-def flatten_metrics(stage: str, metrics: dict) -> dict[str, float]:
-    """Numeric leaves of a stage's metrics as `stage/key/subkey` (booleans as 0/1)."""
-    out: dict[str, float] = {}
-
-    def walk(prefix: str, value):
-        if isinstance(value, bool):
-            out[prefix] = float(value)
-        elif isinstance(value, (int, float)) and value == value and abs(value) != float("inf"):
-            out[prefix] = float(value)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}/{k}", v)
-
-    walk(stage, metrics)
-    return {re.sub(r"[^\w\-./ ]", "_", k): v for k, v in out.items()}
-
-
-def headline_view(existing: str | None) -> str | None:
-    """The saved runs-table view "Headline figures" (an MLflow saved-view envelope: name, times,
-    the table state as JSON): the headline metrics and a few params as columns.
-    None when `existing` already holds the same state."""
-    columns = [f"metrics.`{name}`" for name in HEADLINE if name != "gates"]
-    columns += [f"params.`{name}`" for name in VIEW_PARAMS] + ["attributes.`Models`"]
-    # no column order: the table sorts metrics by name (eval_loss first) after Created and Duration
-    state = json.dumps({"selectedColumns": columns})
-    now = int(time.time() * 1000)
-    try:
-        old = json.loads(existing) if existing else None
-    except ValueError:
-        old = None
-    if isinstance(old, dict) and old.get("state") == state:
-        return None
-    created = old.get("createdAt", now) if isinstance(old, dict) else now
-    return json.dumps({"name": "Headline figures", "createdAt": created, "updatedAt": now, "state": state})
-
-
-def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None, base: str | None = None) -> str:
-    """The MLflow UI page of the experiment's runs table in the headline view (or of one run).
-    `base`: the UI's address; default the tracking server itself, or `mlflow ui`'s
-    http://127.0.0.1:5000 for a local store."""
-    if base is None and tracking_uri.startswith("http"):
-        parts = urlsplit(tracking_uri)
-        base = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}"
-    base = base or "http://127.0.0.1:5000"
-    if run_id:
-        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
-    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={HEADLINE_VIEW}"
-
-
-def figures_table(metrics_by_stage: dict[str, dict]) -> dict[str, list]:
-    """Every numeric figure of every stage as one table (columns stage, figure, value)."""
-    rows = [
-        (stage, name.split("/", 1)[1], value)
-        for stage, m in sorted(metrics_by_stage.items())
-        for name, value in sorted(flatten_metrics(stage, m).items())
-    ]
-    return {"stage": [r[0] for r in rows], "figure": [r[1] for r in rows], "value": [r[2] for r in rows]}
-
-
-# --------------------------------------------------------------------------- where figures came from
-
-
-def _utc(iso: str | None) -> str:
-    """'2026-11-30T16:52:43Z' -> '2026-11-30 16:52 UTC' (as given when it does not parse)."""
-    try:
-        return datetime.fromisoformat(str(iso).replace("Z", "+00:00")).strftime("%Y-%m-%d %H:%M UTC")
-    except ValueError:
-        return str(iso)
-
-
-def _epoch(iso: str | None) -> float | None:
-    try:
-        return datetime.fromisoformat(str(iso).replace("Z", "+00:00")).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-def measurement_sources(client, experiment_id: str, metrics_by_stage: dict[str, dict]) -> dict[str, dict | None]:
-    """For each stage, None when its figures were measured in this pipeline run, else where they
-    came from (`run_id`, `run_name`, `measured_at`). A stage DVC did not run this time (up to
-    date, or restored from its run-cache) keeps the stamp of the run that measured it:
-
-    - the finished MLflow run that first logged that stamp (tag `measured.<stage>`), or
-    - when no run logged it (that pipeline run's track never succeeded, or logged elsewhere)
-      but it finished before the experiment's last finished run ended, an earlier pipeline
-      run all the same (`run_id` None, `measured_at` set);
-
-    a stage without a stamp (written by an older version) is reported as such."""
-    latest = client.search_runs(
-        [experiment_id], "attributes.status = 'FINISHED'", order_by=["attributes.end_time DESC"], max_results=1
-    )
-    last_end = latest[0].info.end_time / 1000 if latest and latest[0].info.end_time else None
-    sources: dict[str, dict | None] = {}
-    for stage, metrics in sorted(metrics_by_stage.items()):
-        stamp = metrics.get("measured") if isinstance(metrics.get("measured"), dict) else None
-        if not stamp or not stamp.get("id"):
-            sources[stage] = {"run_id": None, "run_name": None, "measured_at": None}
-            continue
-        earlier = client.search_runs(
-            [experiment_id],
-            filter_string=f"tags.`measured.{stage}` = '{stamp['id']}' and attributes.status = 'FINISHED'",
-            order_by=["attributes.start_time ASC"],
-            max_results=1,
-        )
-        finished = _epoch(stamp.get("finished"))
-        if earlier:
-            info = earlier[0].info
-            sources[stage] = {"run_id": info.run_id, "run_name": info.run_name, "measured_at": stamp.get("started")}
-        elif last_end is not None and finished is not None and finished + 1 < last_end:  # stamps keep whole seconds
-            sources[stage] = {"run_id": None, "run_name": None, "measured_at": stamp.get("started")}
-        else:
-            sources[stage] = None
-    return sources
-
-
-def source_text(source: dict | None) -> str:
-    """How a person reads where a stage's figures came from."""
-    if source is None:
-        return "measured in this run"
-    if source.get("run_id") is None:
-        if source.get("measured_at"):
-            return f"cached from an earlier pipeline run not in MLflow, measured {_utc(source['measured_at'])}"
-        return "from an earlier run (no measurement stamp)"
-    return f"cached from run {source['run_name']} ({source['run_id'][:8]}), measured {_utc(source['measured_at'])}"
-
-
-def pipeline_started(metrics_by_stage: dict[str, dict], sources: dict[str, dict | None], fallback: float) -> float:
-    """When this pipeline run began: the start of the earliest stage measured in it."""
-    starts = [
-        _epoch((m.get("measured") or {}).get("started"))
-        for stage, m in metrics_by_stage.items()
-        if sources.get(stage) is None and isinstance(m.get("measured"), dict)
-    ]
-    return min([s for s in starts if s is not None] + [fallback])
-
-
-# --------------------------------------------------------------------------- the champion rule
-
-
-def champion_decision(new: dict, champion: dict | None, tolerance: float) -> tuple[bool, str]:
-    """(take champion?, why). `new` and `champion` hold `val_loss`, the COMPARABLE_TAGS and
-    (for the champion) `version`; `new` also holds `gates` (stage -> True/False/None)."""
-    failed = [f"{stage} {'failed' if ok is False else 'missing'}" for stage, ok in new["gates"].items() if not ok]
-    if failed:
-        return False, f"gates not passed ({', '.join(failed)})"
-    if new.get("val_loss") is None:
-        return False, "no validation loss to compare"
-    if champion is None:
-        return True, "gates passed; no champion before"
-    name = f"champion v{champion['version']}"
-    differ = [what for key, what in COMPARABLE_TAGS.items() if not new.get(key) or new.get(key) != champion.get(key)]
-    if differ:
-        return False, f"not comparable with {name}: different {', '.join(differ)}"
-    if champion.get("val_loss") is None:
-        return False, f"not comparable with {name}: it has no validation loss"
-    limit = champion["val_loss"] + tolerance
-    if new["val_loss"] <= limit:
-        return True, (
-            f"validation loss {new['val_loss']:.4f} <= {name}'s {champion['val_loss']:.4f} + tolerance {tolerance:g}"
-        )
-    return False, (
-        f"validation loss {new['val_loss']:.4f} is worse than {name}'s {champion['val_loss']:.4f} "
-        f"(tolerance {tolerance:g}, tracking.champion_tolerance)"
-    )
+# --------------------------------------------------------------------------- the current champion
 
 
 def current_champion(client, model_name: str) -> dict | None:

@@ -175,7 +175,7 @@ def train(
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    from laplace.optim.sharded import ShardedMuonAdamW
+    from laplace.optim.muon_adamw import MuonAdamW
 
     t = cfg.train
     device = resolve_device(t.device)
@@ -199,7 +199,7 @@ def train(
         # recompiles). Not on CPU: there Inductor's OpenMP loops over many small tensors measured
         # slower than eager when the cores were shared (bench/RESULTS.md), and eager is not launch-bound.
         backend = compile_backend(group.device) if t.compile and group.device.type == "cuda" else None
-        optimizer = ShardedMuonAdamW(model, t.lr, cfg.adamw, cfg.muon, compile_backend=backend)
+        optimizer = MuonAdamW(model, t.lr, cfg.adamw, cfg.muon, compile_backend=backend)
         return _loop(
             cfg,
             model,
@@ -243,7 +243,7 @@ def _loop(
     before_step,
     progress,
 ) -> TrainResult:
-    from laplace.optim.sharded import traffic_metrics
+    from laplace.optim.exchange import traffic_metrics
 
     t = cfg.train
     device = group.device

@@ -23,8 +23,8 @@ import torch
 
 from laplace.model.config import ModelConfig
 from laplace.model.lm import LaplaceLM
+from laplace.optim.exchange import EXCHANGE_BYTES, ExchangePlan, muon_traffic
 from laplace.optim.muon import route_parameters
-from laplace.optim.sharded import EXCHANGE_DTYPE, ExchangePlan, muon_traffic
 
 GIB = 1024**3
 # The article's Muon traffic per rank per optimizer step, Laplace 3B on 64 ranks.
@@ -68,7 +68,7 @@ def plan(model_cfg: ModelConfig, world: int, precision: str = "bf16", hbm_gib: f
 
     shapes = [tuple(p.shape) for p in muon]
     exchange = ExchangePlan(shapes, world)
-    ex_item = torch.empty((), dtype=EXCHANGE_DTYPE).element_size()
+    ex_item = EXCHANGE_BYTES
     param_item = 2 if precision == "bf16" else 4
     owned = exchange.owned_by(0)
     block = sum(p.numel() for p in model.blocks[0].parameters())

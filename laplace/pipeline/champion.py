@@ -1,0 +1,44 @@
+"""The champion rule: when a newly registered model version takes the `champion` alias.
+
+It takes it only when its gates pass (serve-check, numerics, probes) and its validation loss,
+on the same validation windows and tokenizer (COMPARABLE_TAGS), is no worse than the current
+champion's plus `tracking.champion_tolerance`. Every version gets `candidate`; the decision
+and its reason become the run's tags `registered_as` and `registered_reason`
+(laplace.pipeline.tracking applies them). Pure: no MLflow here.
+"""
+
+from __future__ import annotations
+
+# Run tags that say on what the validation loss was measured: two runs compare only when all agree.
+COMPARABLE_TAGS = {
+    "val_split_sha256": "validation split",
+    "tokenizer_sha256": "tokenizer",
+    "val_windows": "validation windows",
+}
+
+
+def champion_decision(new: dict, champion: dict | None, tolerance: float) -> tuple[bool, str]:
+    """(take champion?, why). `new` and `champion` hold `val_loss`, the COMPARABLE_TAGS and
+    (for the champion) `version`; `new` also holds `gates` (stage -> True/False/None)."""
+    failed = [f"{stage} {'failed' if ok is False else 'missing'}" for stage, ok in new["gates"].items() if not ok]
+    if failed:
+        return False, f"gates not passed ({', '.join(failed)})"
+    if new.get("val_loss") is None:
+        return False, "no validation loss to compare"
+    if champion is None:
+        return True, "gates passed; no champion before"
+    name = f"champion v{champion['version']}"
+    differ = [what for key, what in COMPARABLE_TAGS.items() if not new.get(key) or new.get(key) != champion.get(key)]
+    if differ:
+        return False, f"not comparable with {name}: different {', '.join(differ)}"
+    if champion.get("val_loss") is None:
+        return False, f"not comparable with {name}: it has no validation loss"
+    limit = champion["val_loss"] + tolerance
+    if new["val_loss"] <= limit:
+        return True, (
+            f"validation loss {new['val_loss']:.4f} <= {name}'s {champion['val_loss']:.4f} + tolerance {tolerance:g}"
+        )
+    return False, (
+        f"validation loss {new['val_loss']:.4f} is worse than {name}'s {champion['val_loss']:.4f} "
+        f"(tolerance {tolerance:g}, tracking.champion_tolerance)"
+    )
