@@ -200,6 +200,8 @@ class ServeSection:
         "intra-op threads of serve-check's replays and laplace serve (0 = torch's default, one per core)",
     )
     shutdown_grace_s: float = knob(10.0, _non_negative, "on SIGTERM, in-flight requests get this long to finish")
+    max_request_bytes: int = knob(2 * 2**20, _positive, "laplace serve: a larger request body is refused (413)")
+    max_stop_chars: int = knob(1024, _positive, "laplace serve: the longest stop string a request may give")
     compile_scope: Literal["block", "model"] = knob(
         "block", doc="block: compile one GLA block, reused by every layer; model: the whole step as one graph"
     )

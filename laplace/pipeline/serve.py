@@ -85,12 +85,20 @@ def use_compile_cache(cache: Path | None, scratch: Path, policy: str) -> Path | 
 
 def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
     """Serve until SIGTERM; the exit status (0 after a graceful drain)."""
+    from laplace.serving.listen import PortInUse, bind_socket
+
+    s = cfg.serve
+    host, port = args.host or s.host, s.port if args.port is None else args.port
+    try:  # first of all: a busy port fails now, not after loading and compiling
+        sock = bind_socket(host, port)
+    except PortInUse as exc:
+        print(f"laplace serve: error: {exc.strerror} (is another server running? pick another --port)", file=sys.stderr)
+        return 1
     from laplace.model.export import load_export
     from laplace.runtime import compile_backend, configure_compiler, resolve_device, set_threads
     from laplace.serving.engine import DecodeEngine
     from laplace.serving.server import serve
 
-    s = cfg.serve
     set_threads(s.threads)
     policy = args.policy or s.policy
     with tempfile.TemporaryDirectory(prefix="laplace-serve-") as tmp:
@@ -114,11 +122,14 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
             engine,
             tokenizer,
             config.get("eos_id"),
-            host=args.host or s.host,
-            port=s.port if args.port is None else args.port,
+            host=host,
+            port=port,
             model_name=cfg.tracking.model_name,
             max_tokens_limit=s.max_new_tokens,
             shutdown_grace_s=s.shutdown_grace_s,
+            max_request_bytes=s.max_request_bytes,
+            max_stop_chars=s.max_stop_chars,
+            sock=sock,
         )
 
 

@@ -79,7 +79,9 @@ class CompletionsService:
         # the most characters one token stands for: a text of more than limit * this many characters
         # cannot fit the limit, so it is refused before tokenizing. Twice that, for a normalizer that
         # shortens text (NFKC composing accents).
-        self.max_chars_per_token = 2 * max(1, max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(vocab)))
+        self.max_chars_per_token = 2 * max(
+            1, max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(vocab))
+        )
         self.vocab_size = vocab
 
     # -- the request, on a worker thread ---------------------------------------------------------
@@ -89,9 +91,7 @@ class CompletionsService:
         if ignored:
             log.info(ignored_fields_note(ignored))
         if req.model != self.model_name:
-            raise ApiError(
-                404, f"model {req.model!r} does not exist: this server serves {self.model_name!r}", "model"
-            )
+            raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.model_name!r}", "model")
         engine = self.loop.engine
         max_tokens = req.max_tokens if req.max_tokens is not None else min(16, self.limits.max_tokens)
         if max_tokens > self.limits.max_tokens:
@@ -155,7 +155,9 @@ class CompletionsService:
             elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 if keep is None and len(p) > limit:
                     raise ApiError(
-                        400, f"{where[i]}: prompt has {len(p)} tokens, the limit is {limit}", "prompt",
+                        400,
+                        f"{where[i]}: prompt has {len(p)} tokens, the limit is {limit}",
+                        "prompt",
                         reason="prompt_too_long",
                     )
                 texts.append(None)
@@ -252,7 +254,9 @@ async def read_body(http_request, limit: int) -> bytes:
     anything, or while reading a body sent without one."""
     declared = http_request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {int(declared):,} bytes, the limit is {limit:,} (serve.max_request_bytes)")
+        raise ApiError(
+            413, f"request body of {int(declared):,} bytes, the limit is {limit:,} (serve.max_request_bytes)"
+        )
     chunks, size = [], 0
     async for chunk in http_request.stream():
         size += len(chunk)

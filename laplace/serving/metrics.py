@@ -131,7 +131,10 @@ class ServerMetrics:
             registry=r,
         )
         self.e2e = Histogram(
-            "laplace_e2e_request_latency_seconds", "arrival to last token", buckets=LONGER_BUCKETS + (120.0,), registry=r
+            "laplace_e2e_request_latency_seconds",
+            "arrival to last token",
+            buckets=LONGER_BUCKETS + (120.0,),
+            registry=r,
         )
         self.step_seconds = Histogram(
             "laplace_decode_step_seconds", "duration of one decode step", buckets=LATENCY_BUCKETS, registry=r
@@ -150,9 +153,7 @@ class ServerMetrics:
             "vllm:kv_cache_usage_perc", "state slots in use, as a fraction (our 'KV cache')", m, registry=r
         ).labels(name)
         self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "prefilled tokens", m, registry=r).labels(name)
-        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "generated tokens", m, registry=r).labels(
-            name
-        )
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "generated tokens", m, registry=r).labels(name)
         self.vllm_success = Counter(
             "vllm:request_success", "finished requests by reason", m + ["finished_reason"], registry=r
         )

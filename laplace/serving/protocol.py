@@ -137,7 +137,9 @@ def parse_request(raw: bytes) -> tuple[CompletionRequest, list[str]]:
 
 def ignored_fields_note(ignored: list[str]) -> str:
     known = sorted(CompletionRequest.model_fields)
-    hints = [f"{k} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1)) else k for k in ignored]
+    hints = [
+        f"{k} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1)) else k for k in ignored
+    ]
     return "request fields ignored (not part of the completions API): " + ", ".join(hints)
 
 

@@ -14,7 +14,7 @@ The parts, one job each:
   is done. After it the loop serves under `torch.compiler.set_stance("fail_on_recompile")`: a shape
   warmup did not compile is an error in the log and a 500 for the requests of that step, never a
   silent compile.
-- The listening socket is bound before anything is loaded (`bind_socket`, called by
+- The listening socket is bound before anything is loaded (`listen.bind_socket`, called first by
   laplace.pipeline.serve): a busy port fails at once, not after warmup.
 - Overload is shed at once: a request arriving while `serve.max_queue` wait gets 429 with Retry-After.
 - SIGTERM (or Ctrl-C) drains: the listening socket closes (new connections are refused), requests
@@ -35,37 +35,20 @@ import socket
 import sys
 import time
 
+from fastapi import Request  # at module level: FastAPI resolves the route's annotation here
+
 from laplace.serving.completions import CompletionsService, Limits
 from laplace.serving.engine import DecodeEngine
 from laplace.serving.engine_loop import EngineLoop
+from laplace.serving.listen import bind_socket
 from laplace.serving.metrics import ServerMetrics
 
 log = logging.getLogger("laplace.serving.server")
 
 
-class PortInUse(OSError):
-    pass
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port, before the model loads (as vLLM binds before it starts its
-    engine): connections queue in its backlog meanwhile, and a busy port is PortInUse at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT may be reused, a listener not
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise PortInUse(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def build_app(service: CompletionsService, metrics: ServerMetrics, on_started=None):
     """The FastAPI application (the engine loop is started and stopped by its lifespan)."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
 
     loop = service.loop
