@@ -632,13 +632,16 @@ def test_two_thousand_requests_at_several_times_capacity_no_leak_flat_memory(tin
 
 
 def streams_during(url: str, n: int, max_tokens: int, on_first_token) -> list[dict]:
-    """n streamed requests at once; `on_first_token()` is called once the first token arrived."""
+    """n streamed requests at once; `on_first_token()` is called at the first token that arrives once
+    all n were admitted (answered 200: they hold a slot or wait in the queue)."""
+    admitted = []
 
     async def one(client, fired):
         out = {"ids": [], "finish": None, "errors": []}
         body = {"model": MODEL, "prompt": "The function", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
         async with client.stream("POST", url + "/v1/completions", json={**body, "return_token_ids": True}) as r:
             assert r.status_code == 200
+            admitted.append(1)
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -648,7 +651,7 @@ def streams_during(url: str, n: int, max_tokens: int, on_first_token) -> list[di
                 for choice in event.get("choices", []):
                     out["ids"] += choice.get("token_ids", [])
                     out["finish"] = choice["finish_reason"] or out["finish"]
-                if out["ids"] and not fired.is_set():
+                if out["ids"] and len(admitted) == n and not fired.is_set():
                     fired.set()
                     on_first_token()
         return out
@@ -665,12 +668,18 @@ def test_sigterm_during_load_finishes_in_flight_requests_and_exits_0(tiny_artifa
     _, export_dir = tiny_artifacts
     server = start(config(), export_dir, tmp_path)
     refused = []
+    kept_alive = httpx.Client(timeout=30)  # a connection opened before the signal, kept open
+    assert kept_alive.get(server.url + "/health").status_code == 200
 
     def terminate():
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        try:  # no new request is admitted
-            refused.append(complete(server.url, prompt="x", max_tokens=2).status_code)
+        # no new request is admitted: 503 on the open connection, a new connection is refused
+        r = kept_alive.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        refused.append((r.status_code, r.json()["error"]["message"]))
+        refused.append(kept_alive.get(server.url + "/health").json())
+        try:
+            refused.append(httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code)
         except httpx.ConnectError:
             refused.append("refused")
 
@@ -679,7 +688,8 @@ def test_sigterm_during_load_finishes_in_flight_requests_and_exits_0(tiny_artifa
         status = server.proc.wait(timeout=90)
     finally:
         server.stop()
-    assert refused in (["refused"], [503])
+    kept_alive.close()
+    assert refused == [(503, "server shutting down: not admitting new requests"), {"status": "draining"}, "refused"]
     assert all(r["finish"] == "length" and len(r["ids"]) == 300 and not r["errors"] for r in results)
     log = "\n".join(server.lines)
     assert status == 0 and "Traceback" not in log, log[-3000:]
