@@ -541,6 +541,16 @@ def test_metrics_are_prometheus_text(served):
     assert families["laplace_time_to_first_token_seconds"].type == "histogram"
     counts = scrape(url)
     assert counts["laplace_time_to_first_token_seconds_count"] >= 1 and counts["laplace_compile_events_total"] == 0
+    # vLLM's names beside ours, labelled with the model's name, counting the same requests
+    label = f'{{model_name="{MODEL}"}}'
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert counts[name + label] == 0, name  # idle
+    assert (
+        counts[f"vllm:time_to_first_token_seconds_count{label}"] == counts["laplace_time_to_first_token_seconds_count"]
+    )
+    assert counts[f"vllm:generation_tokens_total{label}"] == counts["laplace_output_tokens_total"]
+    assert counts[f"vllm:e2e_request_latency_seconds_count{label}"] >= 1
+    assert families["vllm:inter_token_latency_seconds"].type == "histogram"
 
 
 # --------------------------------------------------------------------------- overload
