@@ -3,6 +3,7 @@
 #   make test   set everything up, then run the whole test suite (what CI runs, with make lint)
 #   make test-fast  the unit tests only (no end-to-end runs of DVC, Prefect, MLflow servers, torchrun)
 #   make lint   ruff check and ruff format --check
+#   make params rewrite params.yaml's comments from the knobs' docs in laplace/config.py (values kept)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 export PREFECT_HOME ?= $(abspath .prefect)
 
-.PHONY: setup run test test-fast lint format clean prefect-server prefect-worker prefect-deploy mlflow-ui
+.PHONY: setup run test test-fast lint format params clean prefect-server prefect-worker prefect-deploy mlflow-ui
 
 setup: $(VENV)/.installed
 
@@ -40,6 +41,9 @@ lint: setup
 format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+params: setup
+	$(BIN)/python -m laplace.pipeline.params params.yaml
 
 # Prefect: a local server, a process work pool with its worker, and the deployments of prefect.yaml.
 prefect-server: setup

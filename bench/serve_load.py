@@ -1,20 +1,20 @@
 """Benchmark: a live `laplace serve` under load, measured from the client, like `vllm bench serve`.
 
 Sends one of serve-check's seeded workloads (Poisson, bursty or all-at-once arrivals at
-`serve.rate`; prompts are windows of the validation split, lengths log-uniform) in
+`serve_check.rate`; prompts are windows of the validation split, lengths log-uniform) in
 wall-clock time with an async HTTP client (laplace/serving/loadgen.py) and reports output
 tokens/s, requests/s, TTFT / TPOT / inter-token / end-to-end percentiles, goodput under the
-SLOs (serve.slo_ttft_s, serve.slo_tpot_s) and errors by HTTP status.
+SLOs (serve_check.slo_ttft_s, serve_check.slo_tpot_s) and errors by HTTP status.
 
     .venv/bin/python bench/serve_load.py --url http://127.0.0.1:8000     # a server you started
     .venv/bin/python bench/serve_load.py --launch --compare-replay       # the issue-14 targets
 
-`--launch` starts `laplace serve` itself (serve.policy, from artifacts/warmup's compile cache,
+`--launch` starts `laplace serve` itself (server.policy, from artifacts/warmup's compile cache,
 on a free loopback port) and stops it with SIGTERM afterwards. `--compare-replay` also replays
 the same requests on the padded engine's virtual clock in a fresh process started from the
 warmup cache (what serve-check does) and checks the targets side by side: live output
 tokens/s >= 80% of the replay's, no compile while serving, client p99 TTFT <= 2x the replay's.
-Every `--set` applies (e.g. --set serve.rate=50). Prints a table and, last, one JSON object.
+Every `--set` applies (e.g. --set serve_check.rate=50). Prints a table and, last, one JSON object.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def replay_padded(cfg, paths: Paths, workload: str) -> dict:
     """The padded replay of `workload` in a fresh worker process from the warmup cache."""
     from laplace.pipeline.workers import run_worker_from_warmup_cache
 
-    one = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, workloads=[workload]))
+    one = dataclasses.replace(cfg, serve_check=dataclasses.replace(cfg.serve_check, workloads=[workload]))
     args = ["--export-dir", str(paths.export_dir), "--data-dir", str(paths.data_dir), "--policy", "padded"]
     result = run_worker_from_warmup_cache("laplace.pipeline.stage_servecheck", one, args, paths.warmup_cache)
     return result["workloads"][workload]
@@ -47,7 +47,7 @@ def replay_padded(cfg, paths: Paths, workload: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(ap)
-    ap.add_argument("--url", default=None, help="the server (default: http://serve.host:serve.port)")
+    ap.add_argument("--url", default=None, help="the server (default: http://server.host:server.port)")
     ap.add_argument("--launch", action="store_true", help="start laplace serve for the run, stop it after")
     ap.add_argument("--compare-replay", action="store_true", help="also replay the workload; check the targets")
     ap.add_argument("--workload", choices=ARRIVALS, default="poisson")
@@ -56,7 +56,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(args.params, args.overrides)
     paths = Paths.at(args.root)
-    s = cfg.serve
+    s, live = cfg.serve_check, cfg.server
     requests = build_requests(args.workload, s, open_split(paths.data_dir, "val"), s.seed)
     result: dict = {
         "bench": "serve_load",
@@ -64,7 +64,7 @@ def main() -> int:
         "workload": args.workload,
         "rate": s.rate,
         "requests": s.requests,
-        "policy": s.policy if args.launch else None,
+        "policy": live.policy if args.launch else None,
         "preset": cfg.model.preset,
     }
     replay = replay_padded(cfg, paths, args.workload) if args.compare_replay else None
@@ -72,7 +72,7 @@ def main() -> int:
         from laplace.pipeline.serve import ServerProcess
         from laplace.pipeline.stage_servecheck import scrape
 
-        with ServerProcess(cfg, model=paths.export_dir, policy=s.policy, compile_cache=paths.warmup_cache) as server:
+        with ServerProcess(cfg, model=paths.export_dir, policy=live.policy, compile_cache=paths.warmup_cache) as server:
             result["server_ready_s"] = server.wait_ready(s.live_startup_s)
             model = args.model or served_model(server.url)
             results, wall = run_load(server.url, requests, model, stream=not args.no_stream)
@@ -80,7 +80,7 @@ def main() -> int:
             result["server_exit_status"] = server.stop()
         result["compile_events"] = counters.get("laplace_compile_events_total")
     else:
-        url = args.url or f"http://{s.host}:{s.port}"
+        url = args.url or f"http://{live.host}:{live.port}"
         model = args.model or served_model(url)
         results, wall = run_load(url, requests, model, stream=not args.no_stream)
     summary = summarize_load(results, s.slo_ttft_s, s.slo_tpot_s)

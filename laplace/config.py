@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from laplace.errors import ConfigError
-from laplace.model.config import PRESETS, ModelConfig, preset_model_config
+from laplace.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig, preset_model_config
 
-__all__ = ["Config", "ConfigError", "ModelConfig", "config_from_dict", "default_params", "knob"]
+__all__ = ["Config", "ConfigError", "ModelConfig", "config_from_dict", "default_params", "knob", "knob_docs"]
 
 
 # --------------------------------------------------------------------------- checks
@@ -58,259 +58,347 @@ def knob(default, check=None, doc: str = ""):
 # --------------------------------------------------------------------------- sections
 
 
-@dataclass(frozen=True)
-class ModelSection:
-    """`model:` in params.yaml: a preset plus optional per-field overrides (null = the preset's value)."""
+def _model_section() -> type:
+    """`model:` in params.yaml: a preset plus one knob per ModelConfig field, built from ModelConfig's
+    own fields and docs (so a new field is a knob at once). An architecture knob left empty (null)
+    takes the preset's value; a runtime field (RUNTIME_FIELDS: kernel) defaults to ModelConfig's."""
+    hints = typing.get_type_hints(ModelConfig)
+    fields: list[tuple[str, Any, Any]] = [
+        (
+            "preset",
+            str,
+            knob("tiny", doc=" | ".join(PRESETS) + "; the keys below override the preset (empty = the preset's)"),
+        )
+    ]
+    for f in dataclasses.fields(ModelConfig):
+        doc = f.metadata.get("doc", "")
+        if f.name in RUNTIME_FIELDS:
+            fields.append((f.name, hints[f.name], knob(f.default, doc=doc)))
+        else:
+            fields.append((f.name, hints[f.name] | None, knob(None, doc=doc)))
+    section = dataclasses.make_dataclass("ModelSection", fields, frozen=True)
+    section.__module__ = __name__
+    section.__doc__ = "`model:` the architecture: a preset, and one key per ModelConfig field (overrides of the preset)"
+    return section
 
-    preset: str = knob("tiny", doc="tiny | small | laplace-3b")
-    vocab_size: int | None = knob(None, doc="null: the preset's, or the tokenizer's vocab size")
-    d_model: int | None = knob(None)
-    n_layers: int | None = knob(None)
-    n_heads: int | None = knob(None)
-    expand_k: float | None = knob(None)
-    expand_v: float | None = knob(None)
-    mlp_hidden: int | None = knob(None)
-    gate_low_rank_dim: int | None = knob(None)
-    gate_logit_normalizer: float | None = knob(None)
-    gate_bias_init: float | None = knob(None)
-    use_short_conv: bool | None = knob(None)
-    conv_size: int | None = knob(None)
-    chunk_size: int | None = knob(None)
-    sub_chunk_size: int | None = knob(None)
-    segment_len: int | None = knob(None)
-    tie_embeddings: bool | None = knob(None)
-    init_std: float | None = knob(None)
-    dtype: str | None = knob(None)
-    kernel: Literal["auto", "torch", "fla"] = knob(
-        "auto",
-        doc="the GLA core: torch (plain PyTorch, anywhere), fla (flash-linear-attention's Triton kernels, CUDA, "
-        "pip install 'laplace[cuda]'), auto (fla on CUDA when installed, else torch)",
-    )
+
+ModelSection = _model_section()
 
 
 @dataclass(frozen=True)
 class DataSection:
+    """`data:` the corpus and how it is cut into documents, split and sliced (corpus, tokenize)."""
+
     source: Literal["python-docs", "files", "hub"] = knob(
         "python-docs",
-        doc="python-docs: offline default (data.path, else the Python install); files: data.path; hub: a dataset",
+        doc="python-docs (offline default) | files (data.path) | hub (a Hugging Face dataset, streamed)",
     )
     path: str = knob(
         "data/python-docs",
         lambda v: None if v.strip() else "must name a file or directory",
-        "the corpus: a directory (walked) or one file; the tokenize stage's DVC dependency",
+        (
+            "the corpus: a directory (walked, sorted) or one file; tokenize's DVC "
+            "dependency (dvc.yaml). python-docs reads it when present (the corpus "
+            "stage writes it), else the Python install. Your own: put it in "
+            "data/raw, `dvc add data/raw`, set source: files and path: data/raw"
+        ),
     )
-    hub_path: str = knob("HuggingFaceFW/fineweb-edu", doc="a hub dataset name, or a local dataset directory")
-    hub_name: str = knob("sample-10BT")
-    hub_split: str = knob("train")
-    text_field: str = knob("text")
+    hub_path: str = knob(
+        "HuggingFaceFW/fineweb-edu", doc="a hub dataset, or a local dataset directory (save_to_disk, JSONL/Parquet)"
+    )
+    hub_name: str = knob("sample-10BT", doc="the hub dataset's configuration (subset)")
+    hub_split: str = knob("train", doc="the split to stream")
+    text_field: str = knob("text", doc="the text column of .jsonl/.json/.parquet records and datasets")
     max_documents: int = knob(0, _non_negative, "0 = no cap; else shared evenly among the slices")
     max_tokens: int = knob(0, _non_negative, "train tokens, 0 = no cap; else shared evenly among the slices")
-    min_chars: int = knob(64, _positive, "shorter documents are skipped (and counted)")
-    max_document_chars: int = knob(1_000_000, _positive, "longer text files are cut at blank lines into documents")
-    val_fraction: float = knob(0.05, _fraction)
-    on_bad_file: Literal["skip", "error"] = knob("skip", doc="undecodable or binary input: skip it (logged) or stop")
-    slices: int = knob(16, _positive, "input slices (files hashed by path, hub shards): the unit of work and reuse")
-    shard_tokens: int = knob(100_000_000, _positive, "tokens per shard file (the last of each slice is shorter)")
+    min_chars: int = knob(64, _positive, "shorter documents are skipped and counted")
+    max_document_chars: int = knob(
+        1_000_000, _positive, "longer text files are cut at blank lines (or at this size) into documents"
+    )
+    val_fraction: float = knob(
+        0.05, _fraction, doc="share of documents held out for validation (by a seeded hash of the text)"
+    )
+    on_bad_file: Literal["skip", "error"] = knob(
+        "skip", doc="undecodable or binary input: skip (each logged by name) | error"
+    )
+    slices: int = knob(
+        16, _positive, "input slices (files hashed by path, hub shards): the unit of parallel work and of reuse"
+    )
+    shard_tokens: int = knob(100_000_000, _positive, "tokens per shard file (the last shard of each slice is shorter)")
     num_proc: int = knob(2, _positive, "tokenizer worker processes")
 
 
 @dataclass(frozen=True)
 class TokenizerSection:
-    vocab_size: int = knob(4096, lambda v: None if v >= 260 else "must be >= 260 (256 bytes + specials)")
-    min_frequency: int = knob(2, _positive)
-    sample_bytes: int = knob(100_000_000, _positive, "the BPE trains on a seeded sample of at most this much text")
-    path: str = knob("", doc="an existing tokenizer.json to use instead of training one")
+    """`tokenizer:` the byte-level BPE (tokenize)."""
+
+    vocab_size: int = knob(
+        4096,
+        lambda v: None if v >= 260 else "must be >= 260 (256 bytes + specials)",
+        doc="a size the sample cannot reach is an error naming the size it reached",
+    )
+    min_frequency: int = knob(2, _positive, doc="BPE merges seen fewer times are dropped")
+    sample_bytes: int = knob(
+        100_000_000, _positive, "the BPE trains on a seeded sample of at most this many bytes of train documents"
+    )
+    path: str = knob("", doc="an existing tokenizer.json; empty = train a byte-level BPE")
 
 
 @dataclass(frozen=True)
 class TrainSection:
-    steps: int = knob(300, _positive)
-    batch_size: int = knob(8, _positive, "sequences per step (global, across ranks)")
-    seq_len: int = knob(256, _positive)
+    """`train:` the training run (train)."""
+
+    steps: int = knob(300, _positive, doc="optimizer steps")
+    batch_size: int = knob(8, _positive, "sequences per optimizer step, global across ranks")
+    seq_len: int = knob(256, _positive, doc="tokens per training sequence")
     lr: float = knob(3e-3, _positive, "AdamW learning rate (embeddings, head, norms, biases)")
-    schedule: Literal["cosine", "wsd", "constant"] = knob("cosine")
-    warmup_steps: int = knob(20, _non_negative)
-    min_lr_ratio: float = knob(0.1, lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
+    schedule: Literal["cosine", "wsd", "constant"] = knob("cosine", doc="cosine | wsd | constant")
+    warmup_steps: int = knob(20, _non_negative, doc="linear learning-rate warmup")
+    min_lr_ratio: float = knob(
+        0.1, lambda v: None if 0 <= v <= 1 else "must be in [0, 1]", doc="the schedule decays to lr * this"
+    )
     decay_fraction: float = knob(0.2, _unit_interval, "wsd: share of steps spent decaying")
     grad_clip: float = knob(1.0, _non_negative, "0 disables clipping")
     precision: Literal["fp32", "bf16"] = knob(
         "fp32",
-        doc="bf16: FSDP2 mixed precision, bf16 parameters and compute, fp32 gradient reduction and master weights",
+        doc="fp32 | bf16 (FSDP2 mixed precision: bf16 compute, fp32 reduction and master weights)",
     )
-    compile: bool = knob(False)
-    device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto")
-    eval_every: int = knob(50, _positive)
-    eval_batches: int = knob(8, _positive)
-    checkpoint_every: int = knob(100, _positive)
-    keep_checkpoints: int = knob(2, _positive)
-    log_every: int = knob(10, _positive)
-    nproc_per_node: int = knob(1, _positive, "ranks per node; > 1 launches torchrun")
-    nnodes: int = knob(1, _positive)
-    node_rank: int = knob(0, _non_negative)
-    rdzv_endpoint: str = knob("", doc="host:port of the c10d rendezvous; empty = one node, --standalone")
+    compile: bool = knob(False, doc="torch.compile the training step")
+    device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto", doc="auto | cpu | cuda | neuron")
+    eval_every: int = knob(50, _positive, doc="steps between validation losses")
+    eval_batches: int = knob(8, _positive, doc="validation batches per evaluation")
+    checkpoint_every: int = knob(100, _positive, doc="steps between checkpoints (DCP)")
+    keep_checkpoints: int = knob(2, _positive, doc="the newest this many checkpoints are kept")
+    log_every: int = knob(10, _positive, doc="steps between log lines")
+    nproc_per_node: int = knob(
+        1, _positive, "> 1: the train stage launches torchrun (gloo on CPU, nccl on CUDA, neuron on Trainium)"
+    )
+    nnodes: int = knob(1, _positive, doc="machines in the job")
+    node_rank: int = knob(0, _non_negative, doc="this machine's rank among them")
+    rdzv_endpoint: str = knob("", doc="host:port of the c10d rendezvous for several nodes; '' = --standalone")
     rdzv_id: str = knob("laplace", doc="rendezvous id shared by the nodes of one job")
-    max_restarts: int = knob(0, _non_negative, "torchrun restarts the whole job this often after a failure")
+    max_restarts: int = knob(0, _non_negative, "torchrun restarts the job (from the last checkpoint) this often")
 
 
 @dataclass(frozen=True)
 class AdamWSection:
-    betas: list[float] = knob([0.9, 0.95])
-    eps: float = knob(1e-8, _positive)
+    """`adamw:` AdamW, for embeddings, head, norms and biases (train)."""
+
+    betas: list[float] = knob([0.9, 0.95], doc="AdamW (beta1, beta2)")
+    eps: float = knob(1e-8, _positive, doc="AdamW epsilon")
     weight_decay: float = knob(0.1, _non_negative, "applied to embeddings and head; never to norms/biases")
 
 
 @dataclass(frozen=True)
 class MuonSection:
-    lr: float = knob(0.02, _positive)
-    momentum: float = knob(0.95, _fraction)
-    nesterov: bool = knob(True)
-    ns_steps: int = knob(5, lambda v: None if 0 < v < 100 else "must be in [1, 99]")
-    ns_coefficients: list[float] = knob([3.4445, -4.775, 2.0315])
-    eps: float = knob(1e-7, _positive)
-    weight_decay: float = knob(0.0, _non_negative)
-    adjust_lr_fn: Literal["original", "match_rms_adamw"] = knob("original")
+    """`muon:` Muon, for the 2-D weight matrices (train)."""
+
+    lr: float = knob(0.02, _positive, doc="Muon learning rate (2-D weight matrices)")
+    momentum: float = knob(0.95, _fraction, doc="Muon momentum (the averaged form, as torch.optim.Muon)")
+    nesterov: bool = knob(True, doc="Nesterov momentum")
+    ns_steps: int = knob(5, lambda v: None if 0 < v < 100 else "must be in [1, 99]", doc="Newton-Schulz iterations")
+    ns_coefficients: list[float] = knob([3.4445, -4.775, 2.0315], doc="Newton-Schulz quintic coefficients (a, b, c)")
+    eps: float = knob(1e-7, _positive, doc="added to the norm before Newton-Schulz")
+    weight_decay: float = knob(0.0, _non_negative, doc="decoupled weight decay of the Muon matrices")
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = knob(
+        "original", doc="original (scale by sqrt(max(1, rows/cols))) | match_rms_adamw (0.2 * sqrt(max(rows, cols)))"
+    )
     comm: Literal["alltoall", "allgather"] = knob(
-        "alltoall", doc="sharded Newton-Schulz: whole matrices on owner ranks (two all-to-alls) or everywhere"
+        "alltoall", doc="sharded Newton-Schulz: alltoall (owner ranks, the article's) | allgather (baseline)"
     )
 
 
 @dataclass(frozen=True)
 class GenerateSection:
-    prompt: str = knob("The function")
-    max_new_tokens: int = knob(48, _positive)
+    """`generate:` laplace generate, and the logged MLflow model's defaults (track)."""
+
+    prompt: str = knob("The function", doc="laplace generate: the prompt")
+    max_new_tokens: int = knob(48, _positive, doc="tokens generated (also the logged MLflow model's default)")
     temperature: float = knob(0.8, _non_negative, "0 = greedy")
-    top_p: float = knob(0.95, _unit_interval)
-    seed: int = knob(0)
+    top_p: float = knob(
+        0.95, _unit_interval, doc="nucleus sampling: the smallest set of tokens holding this much probability"
+    )
+    seed: int = knob(0, doc="sampling seed")
 
 
 @dataclass(frozen=True)
-class ServeSection:
-    """Serving: the decode engine, the compile warmup, `laplace serve` and the workloads of serve-check."""
+class EngineSection:
+    """`engine:` the decode engine: warmup, serve-check, numerics, probes and laplace serve build it from this.
 
-    device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto")
-    host: str = knob("127.0.0.1", doc="laplace serve listens here (loopback: only this machine)")
+    Its device and shapes. Every stage that builds an engine reads the whole section, as do
+    `laplace serve` and the logged MLflow model (its model_config)."""
+
+    device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto", doc="auto | cpu | cuda | neuron")
+    compile_scope: Literal["block", "model"] = knob(
+        "block", doc="block: one GLA block compiled, reused by every layer | model: the whole step, one graph"
+    )
+    max_slots: int = knob(8, _positive, "concurrent sequences; one more (dummy) slot takes the padding rows")
+    widths: list[int] = knob([], doc="decode width ladder; [] = powers of two up to max_slots ([1, 2, 4, 8] for 8)")
+    prefill_buckets: list[int] = knob([64, 256], doc="prompts are right-padded to one of these lengths")
+    max_prompt_tokens: int = knob(256, _positive, "longer prompts are rejected")
+    max_queue: int = knob(64, _positive, "requests that may wait for a slot; one more is rejected at once")
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    """`server:` laplace serve, the live server.
+
+    serve-check's replays and live phase run as that server does, on an address and policy of
+    their own: serve-check declares threads, max_new_tokens and shutdown_grace_s, not the rest."""
+
+    host: str = knob("127.0.0.1", doc="laplace serve listens here (loopback: only this machine can connect)")
     port: int = knob(8000, lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "laplace serve's port")
     policy: Literal["padded", "exact", "eager"] = knob(
-        "padded", doc="laplace serve: padded (warmed ladder, compiled), exact, or eager (no compiler)"
+        "padded", doc="laplace serve: padded (warmed ladder, compiled) | exact | eager (no compiler)"
     )
     max_new_tokens: int = knob(1024, _positive, "the largest max_tokens one request may ask for")
     threads: int = knob(
         1,
         _non_negative,
-        "intra-op threads of serve-check's replays and laplace serve (0 = torch's default, one per core)",
+        (
+            "intra-op threads of serve-check's replays and laplace serve (0 = "
+            "torch's: one per core); 1 leaves a core to the HTTP side and a client:"
+            " on a busy 2-core machine a step whose OpenMP threads wait for a "
+            "descheduled sibling stalls for 100s of ms"
+        ),
     )
-    shutdown_grace_s: float = knob(10.0, _non_negative, "on SIGTERM, in-flight requests get this long to finish")
-    max_request_bytes: int = knob(2 * 2**20, _positive, "laplace serve: a larger request body is refused (413)")
-    max_stop_chars: int = knob(1024, _positive, "laplace serve: the longest stop string a request may give")
-    compile_scope: Literal["block", "model"] = knob(
-        "block", doc="block: compile one GLA block, reused by every layer; model: the whole step as one graph"
+    shutdown_grace_s: float = knob(
+        10.0, _non_negative, "on SIGTERM: no new requests; in-flight ones get this long to finish"
     )
-    max_slots: int = knob(8, _positive, "concurrent sequences (state slots); one more dummy slot pads")
-    widths: list[int] = knob([], doc="decode width ladder; empty = powers of two up to max_slots")
-    prefill_buckets: list[int] = knob([64, 256], doc="prompt lengths are padded up to one of these")
-    max_prompt_tokens: int = knob(256, _positive, "longer prompts are rejected")
-    max_queue: int = knob(64, _positive, "requests that may wait for a slot; one more is rejected at once")
+    max_request_bytes: int = knob(2 * 2**20, _positive, "a larger request body is refused with 413")
+    max_stop_chars: int = knob(1024, _positive, "the longest stop string a request may give")
+
+
+@dataclass(frozen=True)
+class ServeCheckSection:
+    """`serve_check:` the workloads serve-check replays (and serves live), and its gates."""
+
     requests: int = knob(48, _positive, "requests per replayed workload")
     workloads: list[str] = knob(["batch", "poisson", "bursty"], doc="arrival processes replayed")
-    exact_workloads: list[str] = knob(["poisson"], doc="workloads also replayed with the exact policy")
+    exact_workloads: list[str] = knob(["poisson"], doc="also replayed with the exact (compile-on-first-sight) policy")
     rate: float = knob(25.0, _positive, "mean arrivals per second (poisson, bursty)")
-    burst_cv: float = knob(3.0, _positive, "bursty: coefficient of variation of the gaps (Gamma)")
+    burst_cv: float = knob(3.0, _positive, "bursty: coefficient of variation of inter-arrival gaps (Gamma)")
     prompt_tokens: list[int] = knob([8, 256], doc="[min, max] prompt length, log-uniform")
     output_tokens: list[int] = knob([8, 64], doc="[min, max] new tokens per request, log-uniform")
     temperature: float = knob(0.0, _non_negative, "0 = greedy")
-    top_p: float = knob(1.0, _unit_interval)
+    top_p: float = knob(1.0, _unit_interval, doc="nucleus sampling of the replayed requests (1 = off)")
     slo_ttft_s: float = knob(1.0, _positive, "goodput: time to first token at most this")
     slo_tpot_s: float = knob(0.05, _positive, "goodput: time per output token at most this")
     decode_contexts: list[int] = knob([2048, 8192], doc="prompt lengths for the decode-cost-vs-context check")
-    decode_timing_steps: int = knob(64, _positive)
+    decode_timing_steps: int = knob(64, _positive, doc="decode steps timed at each decode context")
     max_decode_cost_ratio: float = knob(1.05, _positive, "gate: decode cost at the longest / shortest context")
-    live: bool = knob(True, doc="serve-check also serves the headline workload live: laplace serve + load generator")
+    live: bool = knob(True, doc="serve-check also serves the headline workload live (laplace serve + load generator)")
     live_startup_s: float = knob(300.0, _positive, "serve-check's live phase: how long the server may take to warm up")
-    seed: int = knob(0)
+    seed: int = knob(0, doc="seeds the workloads (arrivals, lengths, prompt windows)")
 
 
 @dataclass(frozen=True)
 class NumericsSection:
-    """Eager vs compiled vs fp64 checks on the exported model (the numerics stage)."""
+    """`numerics:` eager vs compiled vs fp64 on the exported model (numerics)."""
 
     mode: Literal["compare", "eager"] = knob(
-        "compare", doc="compare: compiled vs eager vs fp64 gates; eager: also prove bitwise eager reproducibility"
+        "compare", doc="compare | eager (also prove two eager runs are bit-identical)"
     )
     batch_size: int = knob(4, _positive, "held-out sequences per check")
     seq_len: int = knob(128, _positive, "prefill / training-step length")
-    greedy_prompts: int = knob(4, _positive)
-    greedy_tokens: int = knob(32, _positive)
-    prompt_tokens: int = knob(32, _positive)
+    greedy_prompts: int = knob(4, _positive, doc="prompts decoded greedily, compiled vs eager")
+    greedy_tokens: int = knob(32, _positive, doc="tokens decoded greedily after each")
+    prompt_tokens: int = knob(32, _positive, doc="prompt length of the decode-step comparison")
     decode_tokens: int = knob(8, _positive, "tokens decoded after each prompt in the decode-step comparison")
     margin: float = knob(
-        0.5, _non_negative, "top-1 agreement also counted on positions whose fp64 top-1/top-2 gap >= this"
+        0.5, _non_negative, "top-1 agreement also reported on positions with fp64 top1-top2 gap >= margin"
     )
     fp32_rel_rms_max: float = knob(1e-5, _positive, "gate: fp32 compiled vs fp64 relative RMS of logits")
     fp32_top1_min: float = knob(1.0, _unit_interval, "gate: fp32 compiled vs eager top-1 agreement")
     bf16_error_ratio_max: float = knob(1.5, _positive, "gate: bf16 compiled error vs fp64 <= this x eager's")
     bf16_top1_min: float = knob(0.99, _unit_interval, "gate: bf16 top-1 agreement with fp64 on clear-margin positions")
     grad_rel_rms_fp32_max: float = knob(1e-4, _positive, "gate: fp32 compiled training-step gradients vs fp64")
-    seed: int = knob(0)
+    seed: int = knob(0, doc="seeds the held-out windows")
 
 
 @dataclass(frozen=True)
 class ProbesSection:
-    """Retrieval probes and memory accounting (the probes stage)."""
+    """`probes:` retrieval probes and memory accounting (probes)."""
 
     mqar_contexts: list[int] = knob([64, 256, 1024], doc="MQAR sequence lengths")
     mqar_pairs: list[int] = knob([4, 8, 16], doc="key-value pairs per sequence")
     mqar_samples: int = knob(32, _positive, "sequences per (context, pairs) cell")
-    paths_agree_min: float = knob(0.99, _unit_interval, "gate: MQAR argmax agreement of the serving and eager paths")
-    passkey_contexts: list[int] = knob([256, 1024, 4096])
+    paths_agree_min: float = knob(
+        0.99, _unit_interval, "gate: MQAR argmax agreement of the serving path and the eager forward"
+    )
+    passkey_contexts: list[int] = knob([256, 1024, 4096], doc="passkey prompt lengths")
     passkey_depths: list[float] = knob([0.1, 0.5, 0.9], doc="where the passkey sits, as a fraction of the context")
-    passkey_samples: int = knob(2, _positive)
+    passkey_samples: int = knob(2, _positive, doc="prompts per (context, depth) cell")
     memory_contexts: list[int] = knob([1024, 4096, 16384, 32768], doc="decode memory measured after these")
-    kv_contexts: list[int] = knob([2048, 8192, 32768])
+    kv_contexts: list[int] = knob(
+        [2048, 8192, 32768], doc="contexts at which a transformer's KV-cache bytes are reported beside the GLA state"
+    )
     train_mqar: bool = knob(True, doc="train a small GLA on MQAR so the probe is seen to measure something")
-    mqar_train_steps: int = knob(600, _positive)
-    mqar_train_d_model: int = knob(128, _positive)
-    mqar_train_layers: int = knob(2, _positive)
-    mqar_train_heads: int = knob(2, _positive)
-    mqar_train_gate_bias: float = knob(4.0, doc="forget-gate bias init: > 0 starts with long memory")
-    mqar_train_vocab: int = knob(64, _positive, "MQAR training vocabulary (a larger one stays on the plateau longer)")
-    mqar_train_seq_len: int = knob(64, _positive)
+    mqar_train_steps: int = knob(600, _positive, doc="learning is a sudden jump after ~150-250 steps")
+    mqar_train_d_model: int = knob(128, _positive, doc="hidden size of the MQAR model")
+    mqar_train_layers: int = knob(2, _positive, doc="its layers")
+    mqar_train_heads: int = knob(2, _positive, doc="its heads")
+    mqar_train_gate_bias: float = knob(4.0, doc="forget gates start near 1 (long memory)")
+    mqar_train_vocab: int = knob(
+        64,
+        _positive,
+        (
+            "MQAR training vocabulary: 24 key ids, 32 value ids, so chance is 1/32 "
+            "(a larger one stays on the plateau longer)"
+        ),
+    )
+    mqar_train_seq_len: int = knob(64, _positive, doc="its sequence length")
     mqar_train_pairs: int = knob(8, _positive, "the hardest pair count sampled during MQAR training")
     mqar_train_batch_size: int = knob(16, _positive, "small batches reach the jump in accuracy soonest on a CPU")
     mqar_train_lr: float = knob(5e-3, _positive, "AdamW learning rate of the MQAR model")
-    mqar_train_muon_lr: float = knob(0.02, _positive)
-    mqar_train_warmup_steps: int = knob(20, _non_negative)
-    seed: int = knob(0)
+    mqar_train_muon_lr: float = knob(0.02, _positive, doc="Muon learning rate of the MQAR model")
+    mqar_train_warmup_steps: int = knob(20, _non_negative, doc="its learning-rate warmup")
+    seed: int = knob(0, doc="seeds the probe samples and the MQAR model")
 
 
 @dataclass(frozen=True)
 class TrackingSection:
-    experiment: str = knob("laplace", doc="MLflow experiment")
-    model_name: str = knob("laplace-gla", doc="MLflow registered model name")
+    """`tracking:` MLflow: where the run is logged and how the model is registered (track)."""
+
+    experiment: str = knob(
+        "laplace", doc="MLflow experiment (store: sqlite mlflow.db in the project, or MLFLOW_TRACKING_URI)"
+    )
+    model_name: str = knob(
+        "laplace-gla", doc="registered model: alias candidate; champion when the gates pass and it is no worse"
+    )
     champion_tolerance: float = knob(
         0.0,
         _non_negative,
-        "a new version takes the champion alias only if its val_loss is at most the current "
-        "champion's plus this (nats/token), on the same validation windows and tokenizer",
+        (
+            "a new version takes the champion alias only if its val_loss is at most"
+            " the current champion's plus this (nats/token), on the same validation"
+            " windows and tokenizer"
+        ),
     )
     register: bool = knob(True, doc="register the exported model (alias candidate; champion when it earns it)")
     retry_seconds: float = knob(
         60.0,
         _non_negative,
-        "how long track waits, with backoff, for an unreachable "
-        "tracking server before failing (0 = one try); nothing is lost either way",
+        (
+            "track waits this long, with backoff, for an unreachable tracking "
+            "server (0 = one try), then fails with one line; nothing is lost: rerun"
+            " `laplace track` / `dvc repro` to log the run"
+        ),
     )
 
 
 @dataclass(frozen=True)
 class PipelineSection:
-    retries: int = knob(1, _non_negative, "Prefect retries of a stage after a transient failure")
-    retry_delay_s: float = knob(10.0, _non_negative)
+    """`pipeline:` Prefect task settings (flows/pipeline.py)."""
+
+    retries: int = knob(1, _non_negative, "retries after a transient failure; bad params are never retried")
+    retry_delay_s: float = knob(10.0, _non_negative, doc="seconds between Prefect retries")
     stage_timeout_s: float = knob(7200.0, _positive, "Prefect timeout of one stage")
 
 
 @dataclass(frozen=True)
 class Config:
-    seed: int = knob(1234)
+    seed: int = knob(1234, doc="seeds the tokenizer sample, the validation split, the model init and the data order")
     data: DataSection = field(default_factory=DataSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -318,7 +406,9 @@ class Config:
     adamw: AdamWSection = field(default_factory=AdamWSection)
     muon: MuonSection = field(default_factory=MuonSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
-    serve: ServeSection = field(default_factory=ServeSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    serve_check: ServeCheckSection = field(default_factory=ServeCheckSection)
     numerics: NumericsSection = field(default_factory=NumericsSection)
     probes: ProbesSection = field(default_factory=ProbesSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
@@ -482,6 +572,24 @@ def check_project_paths(cfg: Config) -> None:
                 f"{key}: {value!r} resolves outside the project ({levels} level(s) above the project "
                 "directory, where relative paths are read); give an absolute path to read outside it"
             )
+
+
+def knob_docs(cls: type = None, prefix: str = "") -> dict[str, str]:
+    """`section.key: doc` of every knob, and `section: doc` of every section (its docstring's first
+    paragraph, less the leading `name:`): the one place a knob is documented (params.yaml's
+    comments are written from it)."""
+    cls = cls or Config
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            first = (tp.__doc__ or "").strip().split("\n\n")[0]
+            out[key] = " ".join(first.removeprefix(f"`{f.name}:`").split()).rstrip(".")
+            out.update(knob_docs(tp, key))
+        else:
+            out[key] = f.metadata.get("doc", "")
+    return out
 
 
 def default_params() -> dict:

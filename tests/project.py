@@ -30,16 +30,16 @@ TINY_PARAMS = {
     "train.checkpoint_every": 3,
     "train.log_every": 1,
     "pipeline.retries": 0,
-    "serve.max_slots": 2,  # each compiled graph costs ~6-11 s on 2 cores whatever the model size
-    "serve.prefill_buckets": [64],
-    "serve.max_prompt_tokens": 64,
-    "serve.requests": 12,
-    "serve.workloads": ["batch", "poisson"],
-    "serve.prompt_tokens": [4, 64],
-    "serve.output_tokens": [2, 12],
-    "serve.decode_contexts": [256, 1024],
-    "serve.decode_timing_steps": 16,
-    "serve.max_decode_cost_ratio": 1.5,  # a 1-layer model's ~1 ms steps are noisy; the gate logic is unit-tested
+    "engine.max_slots": 2,  # each compiled graph costs ~6-11 s on 2 cores whatever the model size
+    "engine.prefill_buckets": [64],
+    "engine.max_prompt_tokens": 64,
+    "serve_check.requests": 12,
+    "serve_check.workloads": ["batch", "poisson"],
+    "serve_check.prompt_tokens": [4, 64],
+    "serve_check.output_tokens": [2, 12],
+    "serve_check.decode_contexts": [256, 1024],
+    "serve_check.decode_timing_steps": 16,
+    "serve_check.max_decode_cost_ratio": 1.5,  # a 1-layer model's ~1 ms steps are noisy; the gate logic is unit-tested
     "numerics.batch_size": 2,
     "numerics.seq_len": 32,
     "numerics.prompt_tokens": 16,

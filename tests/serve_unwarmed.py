@@ -17,9 +17,9 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     export_dir, port = sys.argv[1], int(sys.argv[2])
-    cfg = config_from_dict({"serve": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32}})
+    cfg = config_from_dict({"engine": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32}})
     model, tokenizer, config = load_export(export_dir)
-    engine = DecodeEngine.for_policy(model, cfg.serve, "padded")  # ladder [1, 2], compiled
+    engine = DecodeEngine.for_policy(model, cfg.engine, "padded")  # ladder [1, 2], compiled
     configure_compiler(engine.graphs_needed())
     sys.exit(
         serve(

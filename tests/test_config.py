@@ -1,20 +1,48 @@
 """params.yaml is the one place for every knob; bad values fail with one line naming the key."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import yaml
 
-from laplace.config import default_params
+from laplace.config import Config, ModelConfig, ModelSection, default_params, knob_docs
 from laplace.errors import ConfigError
 from laplace.pipeline.cli import main
-from laplace.pipeline.params import load_config, parse_override
+from laplace.pipeline.params import load_config, parse_override, render_params
+from laplace.pipeline.params import main as params_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_params_yaml_mirrors_the_defaults_in_code():
     assert yaml.safe_load((ROOT / "params.yaml").read_text()) == default_params()
+
+
+def test_every_knob_has_one_doc_and_params_yaml_comments_are_written_from_it(tmp_path):
+    """The doc in code is the only one: params.yaml is exactly what `make params` writes from it."""
+    docs = knob_docs()
+    assert [key for key, doc in docs.items() if not doc] == []
+    assert set(docs) >= {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)} | {"engine", "engine.max_slots"}
+    assert (ROOT / "params.yaml").read_text() == render_params()
+    # a doc changed in code and not in the file is caught by --check, and `make params` fixes the file
+    stale = tmp_path / "params.yaml"
+    stale.write_text((ROOT / "params.yaml").read_text().replace("# epsilon of the RMS norms", "# old text"))
+    assert params_main(["--check", str(stale)]) == 1
+    assert params_main([str(stale)]) == 0 and params_main(["--check", str(stale)]) == 0
+    assert stale.read_text() == (ROOT / "params.yaml").read_text()
+
+
+def test_the_model_section_is_every_modelconfig_field():
+    """A ModelConfig field is a knob without a second copy: norm_eps included."""
+    assert [f.name for f in dataclasses.fields(ModelSection)] == ["preset"] + [
+        f.name for f in dataclasses.fields(ModelConfig)
+    ]
+    cfg = load_config(ROOT / "params.yaml", ["model.norm_eps=1.0e-5", "model.kernel=torch"])
+    assert cfg.model_config().norm_eps == 1e-5 and cfg.model_config().kernel == "torch"
+    assert Config().model_config().norm_eps == ModelConfig.__dataclass_fields__["norm_eps"].default
+    with pytest.raises(ConfigError, match=r"^model.norm_eps: must be > 0, got 0.0$"):
+        load_config(ROOT / "params.yaml", ["model.norm_eps=0.0"])
 
 
 @pytest.mark.parametrize(
@@ -76,7 +104,7 @@ def test_broken_yaml_is_one_line(tmp_path):
         ("seed: 1\ntrain:\n  lr: 0.1\n   steps: 3\n", 4),  # bad indentation: that line
         ("seed: 1\ntrain:\n  lr 0.1\n  steps: 3\n", 3),  # a key without its colon
         ('seed: 1\ndata:\n  hub_name: "sample\n  hub_split: train\n', 3),  # an unclosed quote
-        ("seed: 1\nserve:\n  widths: [1, 2\n  max_slots: 2\n", 3),  # an unclosed bracket
+        ("seed: 1\nengine:\n  widths: [1, 2\n  max_slots: 2\n", 3),  # an unclosed bracket
     ],
 )
 def test_a_yaml_error_names_the_line_to_fix(tmp_path, text, line):

@@ -34,17 +34,11 @@ RSS_GROWTH_LIMIT_MB = 4.0
 
 
 def serve_params(**overrides):
-    """A validated `serve:` section for the 1-layer tiny export: short prompts and outputs."""
-    serve = {
-        "max_slots": MAX_SLOTS,
-        "max_queue": MAX_QUEUE,
-        "prefill_buckets": [16, 32],
-        "max_prompt_tokens": 32,
-        "prompt_tokens": [2, 32],
-        "output_tokens": [2, 16],
-        **overrides,
-    }
-    return config_from_dict({"serve": serve}).serve
+    """A validated config for the 1-layer tiny export: a small engine, short prompts and outputs
+    (`overrides` are serve_check: keys)."""
+    engine = {"max_slots": MAX_SLOTS, "max_queue": MAX_QUEUE, "prefill_buckets": [16, 32], "max_prompt_tokens": 32}
+    workloads = {"prompt_tokens": [2, 32], "output_tokens": [2, 16], **overrides}
+    return config_from_dict({"engine": engine, "serve_check": workloads})
 
 
 def rss_mb() -> float:
@@ -90,8 +84,9 @@ def test_sustained_overload_serves_or_sheds_every_request_without_leaks(
     data_dir, export_dir = tiny_artifacts
     model, _, _ = load_export(export_dir)
     text = open_split(data_dir, "val")
-    serve = serve_params()
-    engine = DecodeEngine.for_policy(model, serve, "eager")
+    cfg = serve_params()
+    serve = cfg.serve_check
+    engine = DecodeEngine.for_policy(model, cfg.engine, "eager")
     assert engine.max_queue == MAX_QUEUE
 
     # Warmup: 200 requests at once; the queue takes 64 and the rest are shed at once. The engine is
@@ -161,14 +156,14 @@ def test_sustained_overload_serves_or_sheds_every_request_without_leaks(
     assert rss_end - rss_start < RSS_GROWTH_LIMIT_MB, figures
 
 
-def good_and_bad_requests(serve, text, vocab: int):
+def good_and_bad_requests(cfg, text, vocab: int):
     """(good requests, [(bad request, expected reason)]). The good ones all arrive at t = 0, so their
     schedule, and so their outputs, cannot depend on step timings; the bad ones arrive among them
     (odd ids between the good ones' even ids) and then every 2 ms while they are decoded."""
-    good = build_requests("batch", serve, text, 3)
+    good = build_requests("batch", cfg.serve_check, text, 3)
     for i, req in enumerate(good):
         req.id = 2 * i
-    limit = serve.max_prompt_tokens
+    limit = cfg.engine.max_prompt_tokens
     outside = f"is outside the vocabulary [0, {vocab})"
     bad = [
         (Request(0, [], 4), "empty prompt"),
@@ -206,9 +201,9 @@ def test_malformed_requests_are_rejected_with_a_reason_while_the_rest_are_served
     data_dir, export_dir = tiny_artifacts
     model, _, _ = load_export(export_dir)
     text = open_split(data_dir, "val")
-    serve = serve_params(requests=40)
-    good, bad = good_and_bad_requests(serve, text, model.cfg.vocab_size)
-    mixed = DecodeEngine.for_policy(model, serve, "eager")
+    cfg = serve_params(requests=40)
+    good, bad = good_and_bad_requests(cfg, text, model.cfg.vocab_size)
+    mixed = DecodeEngine.for_policy(model, cfg.engine, "eager")
     done = {c.request_id: c for c in replay(mixed, good + [req for req, _ in bad])}
     assert len(done) == len(good) + len(bad)
 
@@ -219,7 +214,7 @@ def test_malformed_requests_are_rejected_with_a_reason_while_the_rest_are_served
     last_finish_s = max(done[req.id].finished_s for req in good)
     assert any(0 < done[req.id].finished_s < last_finish_s for req, _ in bad)  # some came mid-serving
     # the good requests are all served, token for token as on an engine that never saw a bad one
-    alone = {c.request_id: c for c in replay(DecodeEngine.for_policy(model, serve, "eager"), good)}
+    alone = {c.request_id: c for c in replay(DecodeEngine.for_policy(model, cfg.engine, "eager"), good)}
     for req in good:
         assert done[req.id].status == "done", done[req.id].reason
         assert len(done[req.id].output_ids) == req.max_new_tokens
@@ -228,8 +223,8 @@ def test_malformed_requests_are_rejected_with_a_reason_while_the_rest_are_served
 
 
 def test_max_queue_is_validated():
-    assert config_from_dict({}).serve.max_queue == 64
-    with pytest.raises(ConfigError, match=r"^serve.max_queue: must be > 0, got 0$"):
-        config_from_dict({"serve": {"max_queue": 0}})
-    with pytest.raises(ConfigError, match=r"^serve.max_queue: expected an integer, got str 'many'$"):
-        config_from_dict({"serve": {"max_queue": "many"}})
+    assert config_from_dict({}).engine.max_queue == 64
+    with pytest.raises(ConfigError, match=r"^engine.max_queue: must be > 0, got 0$"):
+        config_from_dict({"engine": {"max_queue": 0}})
+    with pytest.raises(ConfigError, match=r"^engine.max_queue: expected an integer, got str 'many'$"):
+        config_from_dict({"engine": {"max_queue": "many"}})

@@ -30,7 +30,12 @@ from test_tracking_outage import write_stage_results
 
 pytestmark = pytest.mark.slow
 
-SERVE = {"serve.max_slots": 2, "serve.widths": [1, 2], "serve.prefill_buckets": [16, 32], "serve.max_prompt_tokens": 48}
+SERVE = {
+    "engine.max_slots": 2,
+    "engine.widths": [1, 2],
+    "engine.prefill_buckets": [16, 32],
+    "engine.max_prompt_tokens": 48,
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,7 @@ def engine_for(cfg, export_dir):
     from laplace.model.export import load_export
 
     model, tokenizer, config = load_export(export_dir)
-    s = cfg.serve
+    s = cfg.engine
     engine = DecodeEngine(
         model,
         max_slots=s.max_slots,
@@ -72,7 +77,7 @@ def test_the_pyfunc_predicts_a_batch_through_the_engine_at_the_ladder_widths(reg
     project, uri, export_dir, cfg = registered
     model = mlflow.pyfunc.load_model(uri)
     inner = model.unwrap_python_model()
-    assert inner.engine.ladder == [1, 2] and inner.engine.buckets == [16, 32]  # the run's serve: shapes
+    assert inner.engine.ladder == [1, 2] and inner.engine.buckets == [16, 32]  # the run's engine: shapes
     widths = []
     step = inner.engine._run_step  # every decode step: ints [3, width] (tokens, slots, keys)
     inner.engine._run_step = lambda ints, floats: widths.append(ints.shape[1]) or step(ints, floats)

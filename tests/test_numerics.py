@@ -12,7 +12,7 @@ from laplace.config import config_from_dict
 from laplace.evals.numerics import check_dtype, compare_logits, dtype_gates, gate_table, reference, rel_rms
 
 SMALL = {
-    "serve": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32},
+    "engine": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32},
     "numerics": {"batch_size": 2, "seq_len": 32, "prompt_tokens": 16, "greedy_prompts": 2, "greedy_tokens": 8},
 }
 

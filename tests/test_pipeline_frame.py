@@ -75,7 +75,7 @@ def test_one_value_set_by_dvc_exp_run_or_laplace_is_a_one_line_diff(tmp_path):
     assert write_params(params, ["train.lr=0.001", "model.preset=tiny"]) is True
     assert len(changed_lines(before, params.read_text())) == 2
     params.write_text(before)
-    write_params(params, {"serve.prefill_buckets": [64]})
+    write_params(params, {"engine.prefill_buckets": [64]})
     assert changed_lines(before, params.read_text()) == ["-  - 256"]
 
 

@@ -402,7 +402,7 @@ def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
                 "checkpoint_every": 2,
                 "warmup_steps": 1,
             },
-            "serve": {"max_slots": 4, "prefill_buckets": [32, 64], "max_prompt_tokens": 64},
+            "engine": {"max_slots": 4, "prefill_buckets": [32, 64], "max_prompt_tokens": 64},
             "probes": {
                 "mqar_contexts": [32, 128],
                 "mqar_pairs": [2, 4],

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from laplace.config import ServeSection
+from laplace.config import ServeCheckSection
 from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import configure_compiler
@@ -283,7 +283,7 @@ def test_arrival_processes():
     assert gaps.mean() == pytest.approx(0.1, rel=0.05) and gaps.std() / gaps.mean() == pytest.approx(1, rel=0.05)
     gaps = np.diff(arrival_times("bursty", 20001, 10.0, 3.0, rng))
     assert gaps.mean() == pytest.approx(0.1, rel=0.1) and gaps.std() / gaps.mean() == pytest.approx(3, rel=0.1)
-    serve = ServeSection(requests=30, prompt_tokens=[4, 20], output_tokens=[2, 9])
+    serve = ServeCheckSection(requests=30, prompt_tokens=[4, 20], output_tokens=[2, 9])
     reqs = build_requests("poisson", serve, np.arange(1000) % VOCAB, seed=1)
     assert reqs == build_requests("poisson", serve, np.arange(1000) % VOCAB, seed=1)  # seeded
     assert all(4 <= len(r.prompt_ids) <= 20 and 2 <= r.max_new_tokens <= 9 for r in reqs)

@@ -47,12 +47,12 @@ pytestmark = pytest.mark.slow
 
 MODEL = "laplace-gla"
 BASE = {
-    "serve.max_slots": 4,
-    "serve.max_queue": 16,
-    "serve.prefill_buckets": [16, 32],
-    "serve.max_prompt_tokens": 64,  # longer than the largest bucket: prefilled in pieces
-    "serve.max_new_tokens": 4096,
-    "serve.shutdown_grace_s": 30.0,
+    "engine.max_slots": 4,
+    "engine.max_queue": 16,
+    "engine.prefill_buckets": [16, 32],
+    "engine.max_prompt_tokens": 64,  # longer than the largest bucket: prefilled in pieces
+    "server.max_new_tokens": 4096,
+    "server.shutdown_grace_s": 30.0,
 }
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # several processes share 2 cores
 
@@ -150,7 +150,7 @@ def test_completions_equal_laplace_generate_and_the_replay_engine_token_for_toke
     prompts = val_prompts(data_dir, tokenizer, 3) + ["The function"]
     prompt_ids = [tokenizer.encode(p).ids for p in prompts]
     # the replay engine: all four decoded together, as in serve-check
-    engine = DecodeEngine.for_policy(model, cfg.serve, "eager")
+    engine = DecodeEngine.for_policy(model, cfg.engine, "eager")
     replayed = replay(engine, [Request(i, ids, n, stop_ids=(eos,)) for i, ids in enumerate(prompt_ids)])
 
     async def concurrently():  # the four at once through HTTP: they share decode steps
@@ -431,8 +431,8 @@ def test_nothing_stalls_the_event_loop_a_10_mb_prompt_nor_a_200_kb_stop_string(s
 
     url, *_ = served
     abusive = [
-        ({"prompt": "x" * 10_000_000}, 413),  # over serve.max_request_bytes: refused from Content-Length
-        ({"prompt": "The function", "stop": "y" * 200_000}, 400),  # over serve.max_stop_chars
+        ({"prompt": "x" * 10_000_000}, 413),  # over server.max_request_bytes: refused from Content-Length
+        ({"prompt": "The function", "stop": "y" * 200_000}, 400),  # over server.max_stop_chars
         ({"prompt": "The value " * 150_000}, 400),  # 1.5 MB, under the body limit: refused before tokenizing
         ({"prompt": ["The value " * 10] * 16}, 200),  # tokenized off the loop, and served
     ]
@@ -562,11 +562,11 @@ def test_two_thousand_requests_at_several_times_capacity_no_leak_flat_memory(tin
     # on a shared 2-core machine to offer several times it
     cfg = config(
         **{
-            "serve.max_slots": 2,
-            "serve.max_queue": 4,
-            "serve.max_prompt_tokens": 32,
-            "serve.prompt_tokens": [2, 32],
-            "serve.output_tokens": [24, 48],
+            "engine.max_slots": 2,
+            "engine.max_queue": 4,
+            "engine.max_prompt_tokens": 32,
+            "serve_check.prompt_tokens": [2, 32],
+            "serve_check.output_tokens": [24, 48],
         }
     )
     text = open_split(data_dir, "val")
@@ -577,7 +577,7 @@ def test_two_thousand_requests_at_several_times_capacity_no_leak_flat_memory(tin
         async def closed_loop(n: int, clients: int) -> float:
             """n requests from `clients` clients, each sending its next as soon as one is answered:
             the server is never idle, so n / seconds is its capacity."""
-            requests = build_requests("batch", dataclasses.replace(cfg.serve, requests=n), text, 5)
+            requests = build_requests("batch", dataclasses.replace(cfg.serve_check, requests=n), text, 5)
             todo = iter(requests)
             async with httpx.AsyncClient(timeout=120) as client:
 
@@ -592,8 +592,10 @@ def test_two_thousand_requests_at_several_times_capacity_no_leak_flat_memory(tin
                 return n / (time.perf_counter() - start)
 
         url = server.url
-        capacity = asyncio.run(closed_loop(200, cfg.serve.max_slots + cfg.serve.max_queue))
-        load = dataclasses.replace(cfg.serve, requests=2000, rate=6 * capacity)  # asked; the client may fall short
+        capacity = asyncio.run(closed_loop(200, cfg.engine.max_slots + cfg.engine.max_queue))
+        load = dataclasses.replace(
+            cfg.serve_check, requests=2000, rate=6 * capacity
+        )  # asked; the client may fall short
         requests = build_requests("poisson", load, text, 6)
         # in two halves of 1,000, the server's RSS read after each: the first half sets the high-water
         # mark of what the allocator keeps (buffers for the peak of open connections; measured: it
@@ -622,7 +624,7 @@ def test_two_thousand_requests_at_several_times_capacity_no_leak_flat_memory(tin
         print("offered rps (second half)", round(offered, 1))
         assert offered >= 2 * capacity, (offered, capacity)  # the client kept up: really overloaded
         assert statuses[429] >= 2000 * 0.4, statuses  # ... and a good share was shed
-        assert statuses[200] >= cfg.serve.max_queue, statuses
+        assert statuses[200] >= cfg.engine.max_queue, statuses
         assert summary["served"] == statuses[200]
         # no slot or queue entry leaked, and the server's own counts agree with the client's
         counts = scrape(url)
@@ -708,7 +710,7 @@ def test_sigterm_during_load_finishes_in_flight_requests_and_exits_0(tiny_artifa
 
 def test_sigterm_cancels_what_outlives_the_grace_period_and_exits_0(tiny_artifacts, tmp_path):
     _, export_dir = tiny_artifacts
-    server = start(config(**{"serve.shutdown_grace_s": 1.0}), export_dir, tmp_path)
+    server = start(config(**{"server.shutdown_grace_s": 1.0}), export_dir, tmp_path)
     try:
         results = streams_during(server.url, 6, 4000, lambda: server.proc.send_signal(signal.SIGTERM))
         status = server.proc.wait(timeout=90)
@@ -780,17 +782,17 @@ def test_serve_check_live_phase_serves_the_replayed_workload(tiny_artifacts):
     data_dir, export_dir = tiny_artifacts
     cfg = config(
         **{
-            "serve.requests": 12,
-            "serve.max_prompt_tokens": 32,
-            "serve.prompt_tokens": [4, 32],
-            "serve.output_tokens": [2, 12],
+            "serve_check.requests": 12,
+            "engine.max_prompt_tokens": 32,
+            "serve_check.prompt_tokens": [4, 32],
+            "serve_check.output_tokens": [2, 12],
         }
     )
     model, _, _ = load_export(export_dir)
-    requests = build_requests("poisson", cfg.serve, open_split(data_dir, "val"), cfg.serve.seed)
-    engine = DecodeEngine.for_policy(model, cfg.serve, "eager")
+    requests = build_requests("poisson", cfg.serve_check, open_split(data_dir, "val"), cfg.serve_check.seed)
+    engine = DecodeEngine.for_policy(model, cfg.engine, "eager")
     replayed = replay(engine, requests)  # what serve-check's eager replay computes
-    figures = summarize(engine.steps, replayed, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s)
+    figures = summarize(engine.steps, replayed, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s)
     metrics = {"eager": figures, "gates": {"replayed": True}, "_outputs": {"eager": [c.output_ids for c in replayed]}}
 
     with pytest.MonkeyPatch.context() as mp:

@@ -3,7 +3,7 @@
 On the exported model and held-out text, for fp32 and bf16, on the three graphs that
 matter: prefill (the chunked form, every position), the decode step at every warmed
 width (with pad rows on the dummy slot), and one training step (loss and gradients).
-The compiled path is the serving one: `serve.compile_scope` decides whether one GLA
+The compiled path is the serving one: `engine.compile_scope` decides whether one GLA
 block or the whole step is a graph. Gates follow PyTorch's own practice for low
 precision: fp32 compiled must sit within ~1e-5 of fp64; bf16 compiled must be no worse
 than 1.5x eager's error against fp64, and agree on top-1 where the reference has a
@@ -167,7 +167,7 @@ def reference(cfg: Config, ref_model, held_out: Tensor) -> dict:
     from laplace.serving.engine import DecodeEngine
 
     n = cfg.numerics
-    engine = DecodeEngine.for_policy(ref_model, cfg.serve, "eager")
+    engine = DecodeEngine.for_policy(ref_model, cfg.engine, "eager")
     prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens : n.prompt_tokens + n.decode_tokens]
     ref = {"prefill": prefill_logits(ref_model, held_out[: n.batch_size, : n.seq_len]), "decode": {}}
     for width in engine.ladder:
@@ -193,9 +193,9 @@ def check_dtype(
     comp_base, _, _ = load_export(export_dir, dtype=dtype)
     if corrupt_compiled is not None:
         corrupt_compiled(comp_base)
-    eager_engine = DecodeEngine.for_policy(eager, cfg.serve, "eager")
-    comp_engine = DecodeEngine.for_policy(comp_base, cfg.serve, "padded", backend)
-    compiled = comp_base if cfg.serve.compile_scope == "block" else compiled_model(comp_base, "model", backend)
+    eager_engine = DecodeEngine.for_policy(eager, cfg.engine, "eager")
+    comp_engine = DecodeEngine.for_policy(comp_base, cfg.engine, "padded", backend)
+    compiled = comp_base if cfg.engine.compile_scope == "block" else compiled_model(comp_base, "model", backend)
     out: dict = {}
     seconds: dict[str, float] = {}
 
@@ -229,7 +229,7 @@ def check_dtype(
     train_comp_base, _, _ = load_export(export_dir, dtype=torch.float32)
     if corrupt_compiled is not None:
         corrupt_compiled(train_comp_base)
-    train_comp = compiled_model(train_comp_base, cfg.serve.compile_scope, backend)
+    train_comp = compiled_model(train_comp_base, cfg.engine.compile_scope, backend)
     train_eager.train()
     train_comp_base.train()
     batch = held_out[: n.batch_size, : n.seq_len + 1]
@@ -366,10 +366,10 @@ def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled
 
     n = cfg.numerics
     torch.manual_seed(n.seed)
-    configure_compiler(4 * (len(width_ladder(cfg.serve.max_slots, cfg.serve.widths)) + 4))
+    configure_compiler(4 * (len(width_ladder(cfg.engine.max_slots, cfg.engine.widths)) + 4))
     val = open_split(data_dir, "val")
     need = max(n.seq_len + 1, n.prompt_tokens + n.decode_tokens)
-    rows = max(n.batch_size, max(width_ladder(cfg.serve.max_slots, cfg.serve.widths)))
+    rows = max(n.batch_size, max(width_ladder(cfg.engine.max_slots, cfg.engine.widths)))
     rng = np.random.default_rng(n.seed)
     starts = rng.integers(0, len(val) - need, size=rows)
     held_out = torch.as_tensor(np.stack([np.asarray(val[s : s + need], dtype=np.int64) for s in starts]))
@@ -377,7 +377,7 @@ def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled
     started = time.perf_counter()
     ref = reference(cfg, ref_model, held_out)
     result: dict = {
-        "compile_scope": cfg.serve.compile_scope,
+        "compile_scope": cfg.engine.compile_scope,
         "mode": n.mode,
         "reference_seconds": time.perf_counter() - started,
     }

@@ -45,9 +45,9 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     p = cfg.probes
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    device = resolve_device(cfg.serve.device)
+    device = resolve_device(cfg.engine.device)
     model, tokenizer, _ = load_export(export_dir, device=device, kernel=cfg.model.kernel)
-    engine = DecodeEngine.for_policy(model, cfg.serve, "padded", compile_backend(device))
+    engine = DecodeEngine.for_policy(model, cfg.engine, "padded", compile_backend(device))
     configure_compiler(engine.graphs_needed())
     engine.warmup()
     # Pad rows read and write the dummy slot: NaN there makes any leak into a real row visible.

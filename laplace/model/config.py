@@ -14,32 +14,41 @@ from typing import Any
 from laplace.errors import ConfigError
 
 
+def _doc(default=dataclasses.MISSING, doc: str = ""):
+    """A field with its one-line doc: laplace.config makes every field a `model:` knob documented by it."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a GLA language model (fla conventions)."""
 
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    expand_k: float = 0.5
-    expand_v: float = 1.0
-    mlp_hidden: int = 0  # 0: fla's rule, 4 * d * 2/3 rounded up to a multiple of 256
-    gate_low_rank_dim: int = 16
-    gate_logit_normalizer: float = 16.0
-    gate_bias_init: float = 0.0  # > 0 starts the forget gates near 1 (long memory)
-    use_short_conv: bool = True
-    conv_size: int = 4
-    norm_eps: float = 1e-6
-    chunk_size: int = 64
-    sub_chunk_size: int = 16
-    segment_len: int = 2048  # long sequences run in segments of this many tokens carrying the state
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    dtype: str = "float32"  # dtype the model is served in (parameters, activations, conv cache)
-    # How the GLA core runs, not what the model is (laplace.model.kernels): auto | torch | fla.
-    # Left out of exports and of the training run's fingerprint.
-    kernel: str = "auto"
+    vocab_size: int = _doc(doc="empty: the preset's, else the tokenizer's")
+    d_model: int = _doc(doc="hidden size")
+    n_layers: int = _doc(doc="GLA blocks")
+    n_heads: int = _doc(doc="attention heads; d_model * expand_k and d_model * expand_v divide by it")
+    expand_k: float = _doc(0.5, "key dimension = d_model * expand_k")
+    expand_v: float = _doc(1.0, "value dimension = d_model * expand_v")
+    mlp_hidden: int = _doc(0, "0: fla's rule, 4 * d_model * 2/3 rounded up to a multiple of 256")
+    gate_low_rank_dim: int = _doc(16, "rank of the forget-gate projection")
+    gate_logit_normalizer: float = _doc(16.0, "forget-gate logits are divided by this")
+    gate_bias_init: float = _doc(0.0, "> 0 starts the forget gates near 1 (long memory)")
+    use_short_conv: bool = _doc(True, "a short causal convolution on q, k and v")
+    conv_size: int = _doc(4, "its kernel size")
+    norm_eps: float = _doc(1e-6, "epsilon of the RMS norms")
+    chunk_size: int = _doc(64, "tokens per chunk of the chunked (training and prefill) form")
+    sub_chunk_size: int = _doc(16, "sub-chunk of the chunked form; divides chunk_size, at most 32")
+    segment_len: int = _doc(2048, "long sequences run in segments of this many tokens carrying the state")
+    tie_embeddings: bool = _doc(False, "the output head shares the embedding matrix")
+    init_std: float = _doc(0.02, "standard deviation of the initial weights")
+    dtype: str = _doc("float32", "float32 | bfloat16 | float16 | float64: parameters, activations, conv cache")
+    # How the GLA core runs, not what the model is (laplace.model.kernels). Left out of exports
+    # and of the training run's fingerprint.
+    kernel: str = _doc(
+        "auto",
+        "the GLA core: torch (plain PyTorch, any device) | fla (flash-linear-attention's Triton kernels: CUDA, "
+        "pip install 'laplace[cuda]') | auto (fla on CUDA when installed, else torch)",
+    )
 
     @property
     def key_dim(self) -> int:

@@ -149,6 +149,11 @@ def _run(args) -> int:
         return 0
     paths = Paths.at(args.root)
     if args.command == "serve":
+        # the address and policy default to server: here, not in serve.run, which serve-check's live
+        # phase also runs (on an address and policy of its own: not serve-check's params)
+        args.host = args.host or cfg.server.host
+        args.port = cfg.server.port if args.port is None else args.port
+        args.policy = args.policy or cfg.server.policy
         return serve.run(cfg, paths, args)
     if args.command == "summary":
         print(summary.as_text(summary.read(paths), paths.root))
@@ -164,7 +169,7 @@ def _run(args) -> int:
             args.temperature if args.temperature is not None else g.temperature,
             args.top_p if args.top_p is not None else g.top_p,
             args.seed if args.seed is not None else g.seed,
-            serve=cfg.serve,
+            engine=cfg.engine,
         )
         if args.json:
             print(json.dumps(result))

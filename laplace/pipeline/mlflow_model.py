@@ -3,7 +3,7 @@ so the logged model holds no pickled Python object (its weights are the safetens
 
 It predicts through the serving engine (laplace.serving.engine.DecodeEngine): a batch of
 prompts is admitted into the engine's slots and decoded together at the ladder widths of the
-run's `serve:` params (without a compiler: `mlflow models serve` has no warmup cache), so the
+run's `engine:` params (without a compiler: `mlflow models serve` has no warmup cache), so the
 `champion` alias certifies the code that `mlflow models serve -m models:/laplace-gla@champion`
 runs. A request the engine cannot serve (an empty prompt, max_new_tokens <= 0, ...) is an
 MLflow INVALID_PARAMETER_VALUE error with the reason: HTTP 400 with a message, no stack trace.
@@ -17,7 +17,7 @@ import mlflow.models
 import mlflow.pyfunc
 import numpy as np
 
-from laplace.config import GenerateSection, ServeSection
+from laplace.config import EngineSection, GenerateSection
 
 
 class LaplaceGenerator(mlflow.pyfunc.PythonModel):
@@ -40,8 +40,8 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
         from laplace.serving.engine import SHAPE_KEYS, DecodeEngine, width_ladder
 
         self.model, self.tokenizer, self.config = load_export(context.artifacts["export"])
-        # the run's serve: shapes (its model_config), else the defaults
-        shapes = {**{k: getattr(ServeSection(), k) for k in SHAPE_KEYS}, **(context.model_config or {})}
+        # the run's engine: shapes (its model_config), else the defaults
+        shapes = {**{k: getattr(EngineSection(), k) for k in SHAPE_KEYS}, **(context.model_config or {})}
         self.engine = DecodeEngine(
             self.model,
             max_slots=shapes["max_slots"],

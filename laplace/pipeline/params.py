@@ -1,5 +1,6 @@
-"""params.yaml: reading it, `--set section.key=value` overrides, and writing overrides back
-into the file with its comments kept (what `dvc exp run --set-param` does)."""
+"""params.yaml: reading it, `--set section.key=value` overrides, writing overrides back into
+the file with its comments kept (what `dvc exp run --set-param` does), and writing the file
+itself from the typed defaults, each knob's comment its doc in code (`make params`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from laplace.config import Config, config_from_dict
+from laplace.config import Config, config_from_dict, knob_docs
 from laplace.errors import ConfigError
 
 
@@ -137,3 +138,86 @@ def write_params(path: Path, overrides: list[str] | dict) -> bool:
         yaml.dump(doc, out)
         atomic_write_bytes(path, out.getvalue().encode("utf-8"))
     return changed
+
+
+# --------------------------------------------------------------------------- params.yaml from the code
+
+PARAMS_HEADER = """\
+Laplace pipeline parameters: every knob lives here (defaults in laplace/config.py mirror this file).
+Override on the command line: laplace <command> --set train.lr=0.01 --set model.preset=tiny
+Laid out as `dvc exp run --set-param` writes YAML (a list item a line, empty = null, '' quotes),
+so changing one value is a one-line diff (tests/test_pipeline_frame.py). The comments are the
+knobs' docs in laplace/config.py (model: ModelConfig's): after changing one, run `make params`."""
+COMMENT_COLUMN = 29
+LINE_WIDTH = 120
+
+
+def _comment(doc: str) -> str:
+    """A knob's doc as an end-of-line comment, continued on lines of their own at the same column."""
+    import textwrap
+
+    lines = textwrap.wrap(doc, LINE_WIDTH - COMMENT_COLUMN - 2) or [""]
+    return ("\n" + " " * COMMENT_COLUMN + "# ").join(lines)
+
+
+def render_params(cfg: Config | None = None) -> str:
+    """params.yaml for `cfg` (default: the defaults in code): every knob with its doc as comment,
+    in the YAML layout DVC writes (ruamel round-trip), floats as PyYAML writes them (1.0e-08, which
+    a YAML 1.1 reader also takes for a number)."""
+    from io import StringIO
+
+    from ruamel.yaml import YAML
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    cfg = cfg or Config()
+    docs = knob_docs()
+    root = CommentedMap()
+    for section, values in cfg.to_dict().items():
+        if not isinstance(values, dict):
+            root[section] = values
+        else:
+            node = CommentedMap()
+            for key, value in values.items():
+                node[key] = CommentedSeq(value) if isinstance(value, list) else value
+                if docs.get(f"{section}.{key}"):
+                    node.yaml_add_eol_comment(_comment(docs[f"{section}.{key}"]), key, column=COMMENT_COLUMN)
+            root[section] = node
+            root.yaml_set_comment_before_after_key(section, before="\n")
+        if docs.get(section):
+            root.yaml_add_eol_comment(_comment(docs[section]), section, column=COMMENT_COLUMN)
+    root.yaml_set_start_comment(PARAMS_HEADER)
+    yaml = YAML()
+    yaml.representer.add_representer(float, _represent_float)
+    out = StringIO()
+    yaml.dump(root, out)
+    return out.getvalue()
+
+
+def _represent_float(representer, value: float):
+    text = yaml.safe_dump(value).split("\n", 1)[0]  # PyYAML's form: 1.0e-08, 0.003, 25.0
+    return representer.represent_scalar("tag:yaml.org,2002:float", text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m laplace.pipeline.params [--check] [PATH]`: write params.yaml from the code (its
+    knob values kept), or check that it is what the code would write."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("path", nargs="?", default="params.yaml")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the code's")
+    args = parser.parse_args(argv)
+    path = Path(args.path)
+    text = render_params(load_config(path) if path.exists() else None)
+    if args.check:
+        same = path.exists() and path.read_text(encoding="utf-8") == text
+        print(f"{path}: {'up to date' if same else 'differs from the knobs in code: run make params'}")
+        return 0 if same else 1
+    from laplace.fileio import atomic_write_bytes
+
+    atomic_write_bytes(path, text.encode("utf-8"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """`laplace serve`: load a model (an export directory or a registered MLflow model), start from
 the warmup stage's compile cache, and serve it over HTTP until SIGTERM (laplace.serving.server).
 
-`python -m laplace.pipeline.serve` takes the same arguments; serve-check's live phase starts
-the server that way.
+`python -m laplace.pipeline.serve` takes the same arguments, with --host, --port and --policy
+required; serve-check's live phase (ServerProcess) starts the server that way, in a new process.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="an export directory, or a registered model such as models:/laplace-gla@champion "
         "(default: artifacts/export)",
     )
-    p.add_argument("--host", default=None, help="address to listen on (default: serve.host, 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default: serve.port)")
+    p.add_argument("--host", default=None, help="address to listen on (default: server.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: server.port)")
     p.add_argument(
-        "--policy", choices=("padded", "exact", "eager"), default=None, help="default: serve.policy (padded)"
+        "--policy", choices=("padded", "exact", "eager"), default=None, help="default: server.policy (padded)"
     )
     p.add_argument(
         "--compile-cache",
@@ -84,13 +84,13 @@ def use_compile_cache(cache: Path | None, scratch: Path, policy: str) -> Path | 
 
 
 def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
-    """Serve until SIGTERM; the exit status (0 after a graceful drain)."""
+    """Serve until SIGTERM on `args.host`, `args.port` and `args.policy` (given: `laplace serve`
+    defaults them from `server:`, serve-check's live phase picks its own, so they are not its
+    params); the exit status (0 after a graceful drain, 1 when the port is busy or warmup failed)."""
     from laplace.serving.listen import PortInUse, bind_socket
 
-    s = cfg.serve
-    host, port = args.host or s.host, s.port if args.port is None else args.port
-    try:  # first of all: a busy port fails now, not after loading and compiling
-        sock = bind_socket(host, port)
+    try:  # first of all, before torch is imported: a busy port fails now, not after loading and compiling
+        sock = bind_socket(args.host, args.port)
     except PortInUse as exc:
         print(f"laplace serve: error: {exc.strerror} (is another server running? pick another --port)", file=sys.stderr)
         return 1
@@ -99,16 +99,16 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
     from laplace.serving.engine import DecodeEngine
     from laplace.serving.server import serve
 
-    set_threads(s.threads)
-    policy = args.policy or s.policy
+    set_threads(cfg.server.threads)
+    policy = args.policy
     with tempfile.TemporaryDirectory(prefix="laplace-serve-") as tmp:
         scratch = Path(tmp)
         export_dir = export_dir_of(args.model, paths, scratch)
         cache = Path(args.compile_cache) if args.compile_cache else paths.warmup_cache
         use_compile_cache(cache, scratch, policy)
-        device = resolve_device(s.device)
+        device = resolve_device(cfg.engine.device)
         model, tokenizer, config = load_export(export_dir, device=device, kernel=cfg.model.kernel)
-        engine = DecodeEngine.for_policy(model, s, policy, compile_backend(device))
+        engine = DecodeEngine.for_policy(model, cfg.engine, policy, compile_backend(device))
         configure_compiler(engine.graphs_needed())
         log.info(
             "serving %s (%s parameters) on %s, policy %s, as %r",
@@ -122,13 +122,13 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
             engine,
             tokenizer,
             config.get("eos_id"),
-            host=host,
-            port=port,
+            host=args.host,
+            port=args.port,
             model_name=cfg.tracking.model_name,
-            max_tokens_limit=s.max_new_tokens,
-            shutdown_grace_s=s.shutdown_grace_s,
-            max_request_bytes=s.max_request_bytes,
-            max_stop_chars=s.max_stop_chars,
+            max_tokens_limit=cfg.server.max_new_tokens,
+            shutdown_grace_s=cfg.server.shutdown_grace_s,
+            max_request_bytes=cfg.server.max_request_bytes,
+            max_stop_chars=cfg.server.max_stop_chars,
             sock=sock,
         )
 
@@ -170,7 +170,7 @@ class ServerProcess:
 
     def command(self, params_file: Path) -> list[str]:
         cmd = [sys.executable, "-m", "laplace.pipeline.serve", "--params", str(params_file), "--root", str(self.root)]
-        cmd += ["--model", str(self.model), "--port", str(self.port), "--policy", self.policy]
+        cmd += ["--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), "--policy", self.policy]
         if self.compile_cache is not None:
             cmd += ["--compile-cache", str(self.compile_cache)]
         return cmd + self.extra_args
@@ -231,7 +231,7 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=(self.cfg.serve.shutdown_grace_s if grace_s is None else grace_s) + 60)
+                self.proc.wait(timeout=(self.cfg.server.shutdown_grace_s if grace_s is None else grace_s) + 60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     add_config_arguments(parser)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if None in (args.host, args.port, args.policy):  # the child of ServerProcess, which gives all three
+        parser.error("--host, --port and --policy are required here (`laplace serve` defaults them from server:)")
     setup_logging()
     try:
         return run(load_config(args.params, args.overrides), Paths.at(args.root), args)

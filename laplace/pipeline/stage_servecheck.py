@@ -5,7 +5,7 @@ in its own fresh process so compile caches cannot leak between them:
 - padded: a copy of the warmup stage's compile cache, serving under fail_on_recompile;
 - eager:  no compiler at all.
 
-Then a short live phase (serve.live): `laplace serve` (padded, from the warmup cache) on a free
+Then a short live phase (serve_check.live): `laplace serve` (padded, from the warmup cache) on a free
 loopback port, the headline workload sent by the load generator in wall-clock time, SIGTERM.
 The live figures sit beside the replay's, with how well the replay's virtual clock predicted
 them (live / replay).
@@ -33,7 +33,7 @@ def run(cfg: Config, paths: Paths) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="laplace-serve-") as scratch:
         metrics, traces = replay_policies(cfg, paths.export_dir, paths.data_dir, paths.warmup_cache, Path(scratch))
-    if cfg.serve.live:
+    if cfg.serve_check.live:
         metrics = add_live(metrics, live_phase(cfg, paths.export_dir, paths.data_dir, paths.warmup_cache, "padded"))
     metrics.pop("_outputs", None)
     workload = metrics["headline_workload"]
@@ -81,13 +81,13 @@ def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
         metrics[policy] = dict(wl.get(headline) or next(iter(wl.values())))
     metrics["by_workload"] = {
         kind: {p: results[p]["workloads"][kind] for p in POLICIES if kind in results[p]["workloads"]}
-        for kind in cfg.serve.workloads
+        for kind in cfg.serve_check.workloads
     }
     cost = results["padded"]["decode_cost"]
     metrics["decode_s_per_token"] = cost["decode_s_per_token"]
     metrics["state_bytes_per_sequence"] = cost["state_bytes_per_sequence"]
     metrics["decode_rss_bytes"] = cost["rss_bytes"]
-    lo, hi = min(cfg.serve.decode_contexts), max(cfg.serve.decode_contexts)
+    lo, hi = min(cfg.serve_check.decode_contexts), max(cfg.serve_check.decode_contexts)
     metrics[f"decode_cost_ratio_{hi}_vs_{lo}"] = cost["ratio"]
     metrics["warm_start_s"] = results["padded"]["warm_start_s"]
     exact_tps = metrics["exact"]["output_tokens_per_s"]
@@ -102,7 +102,7 @@ def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
     states = set(cost["state_bytes_per_sequence"].values())
     gates = {
         "padded_zero_compiles": padded_compiles == 0,
-        "decode_cost_ratio": cost["ratio"] <= cfg.serve.max_decode_cost_ratio,
+        "decode_cost_ratio": cost["ratio"] <= cfg.serve_check.max_decode_cost_ratio,
         "state_bytes_constant": len(states) == 1,
         "every_request_served": all(
             w["served"] == w["requests"] for r in results.values() for w in r["workloads"].values()
@@ -153,7 +153,7 @@ def live_phase(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path
     from laplace.serving.workload import build_requests
 
     headline = headline_workload(cfg)
-    requests = build_requests(headline, cfg.serve, open_split(data_dir, "val"), cfg.serve.seed)
+    requests = build_requests(headline, cfg.serve_check, open_split(data_dir, "val"), cfg.serve_check.seed)
     server = ServerProcess(
         cfg,
         model=export_dir,
@@ -162,11 +162,11 @@ def live_phase(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path
         echo=lambda line: print(f"  [serve] {line}", flush=True),
     )
     with server:
-        ready_s = server.wait_ready(cfg.serve.live_startup_s)
+        ready_s = server.wait_ready(cfg.serve_check.live_startup_s)
         results, wall_s = run_load(server.url, requests, cfg.tracking.model_name)
         counters = scrape(server.url)
         status = server.stop()
-    summary = summarize_load(results, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s)
+    summary = summarize_load(results, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s)
     log_text = "\n".join(server.lines)
     live = {
         "workload": headline,
@@ -214,7 +214,7 @@ def add_live(metrics: dict, live: dict) -> dict:
 
 
 def headline_workload(cfg: Config) -> str:
-    return "poisson" if "poisson" in cfg.serve.exact_workloads else cfg.serve.exact_workloads[0]
+    return "poisson" if "poisson" in cfg.serve_check.exact_workloads else cfg.serve_check.exact_workloads[0]
 
 
 def main(argv: list[str] | None = None) -> int:

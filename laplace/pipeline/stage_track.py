@@ -55,12 +55,8 @@ def run(cfg: Config, paths: Paths) -> dict:
         if os.environ.get(env):
             tags[tag] = os.environ[env]
     summary = tracking.log_pipeline_run(
+        cfg,
         root=paths.root,
-        params=cfg.flat(),
-        params_hash=cfg.digest(),
-        experiment=cfg.tracking.experiment,
-        model_name=cfg.tracking.model_name,
-        register=cfg.tracking.register,
         metrics_by_stage=metrics_by_stage,
         step_series=step_series,
         plots_dir=paths.plots_dir,
@@ -71,7 +67,6 @@ def run(cfg: Config, paths: Paths) -> dict:
         dataset_digest=data_hash or split_digest(manifest, "train") or None,
         run_name=f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}",
         tags=tags,
-        champion_tolerance=cfg.tracking.champion_tolerance,
         track_started=started,
     )
     atomic_write_json(paths.tracking_file, summary)

@@ -45,7 +45,7 @@ def warm_up(cfg: Config, cache_dir: Path, vocab_size: int, scratch: Path) -> dic
     files, size = dir_size(cache_dir)
     return {
         "backend": cold["backend"],
-        "compile_scope": cfg.serve.compile_scope,
+        "compile_scope": cfg.engine.compile_scope,
         "device": cold["device"],
         "graphs": cold["graphs"],
         "cold": cold["seconds"],

@@ -54,7 +54,6 @@ class TrackingUnavailable(Failure):
     exit_status = 75
 
 
-DEFAULT_RETRY_SECONDS = 60.0
 _MAX_BACKOFF_S = 10.0
 
 

@@ -41,7 +41,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from laplace.config import GenerateSection
+from laplace.config import Config
 from laplace.pipeline.champion import COMPARABLE_TAGS, champion_decision
 from laplace.pipeline.headline import HEADLINE, gates, mlflow_metrics
 from laplace.pipeline.mlflow_views import (
@@ -55,7 +55,6 @@ from laplace.pipeline.mlflow_views import (
 from laplace.pipeline.provenance import measurement_sources, pipeline_started, source_text
 from laplace.pipeline.redact import redact, secret_values
 from laplace.pipeline.store import (
-    DEFAULT_RETRY_SECONDS,
     TrackingUnavailable,
     _connection_lost,
     _retrying,
@@ -93,13 +92,9 @@ def current_champion(client, model_name: str) -> dict | None:
 
 
 def log_pipeline_run(
+    cfg: Config,
     *,
     root: Path,
-    params: dict,
-    params_hash: str,
-    experiment: str,
-    model_name: str,
-    register: bool,
     metrics_by_stage: dict[str, dict],
     step_series: dict[str, list[tuple[int, float]]],
     plots_dir: Path | None,
@@ -110,22 +105,21 @@ def log_pipeline_run(
     run_name: str,
     tags: dict[str, str],
     metrics_dir: Path | None = None,
-    champion_tolerance: float = 0.0,
     track_started: float | None = None,
-    retry_seconds: float | None = None,
 ) -> dict:
     """Create one MLflow run holding the whole pipeline run. Returns ids, the model version, the
     alias it got and why, and where each stage's figures came from.
 
-    First waits up to `retry_seconds` (default: the params' tracking.retry_seconds) for the
-    tracking server, else raises TrackingUnavailable having logged nothing. Param and tag
-    values go through `redact`. `tags` should hold the COMPARABLE_TAGS of this run's
-    validation loss; `track_started` (epoch seconds) is when the track stage began."""
+    Every effective knob of `cfg` is logged as a param; its `tracking:` section says where and
+    how. First waits up to tracking.retry_seconds for the tracking server, else raises
+    TrackingUnavailable having logged nothing. Param and tag values go through `redact`.
+    `tags` should hold the COMPARABLE_TAGS of this run's validation loss; `track_started`
+    (epoch seconds) is when the track stage began."""
     import mlflow
     from mlflow import MlflowClient
 
-    if retry_seconds is None:
-        retry_seconds = float(params.get("tracking.retry_seconds", DEFAULT_RETRY_SECONDS))
+    experiment, model_name, register = cfg.tracking.experiment, cfg.tracking.model_name, cfg.tracking.register
+    retry_seconds = cfg.tracking.retry_seconds
     track_started = time.time() if track_started is None else track_started
     secrets = secret_values()
     uri, artifacts = tracking_store(root)
@@ -158,7 +152,7 @@ def log_pipeline_run(
     gate_results = gates(metrics_by_stage)
     all_tags = {
         **tags,
-        "params_hash": params_hash,
+        "params_hash": cfg.digest(),
         **{f"gate.{k}": {True: "passed", False: "failed", None: "missing"}[v] for k, v in gate_results.items()},
         **{
             f"measured.{stage}": m["measured"]["id"]
@@ -193,7 +187,7 @@ def log_pipeline_run(
             version = _log_run_contents(
                 client,
                 run_id,
-                params=params,
+                cfg,
                 secrets=secrets,
                 metrics_by_stage=metrics_by_stage,
                 step_series=step_series,
@@ -209,7 +203,7 @@ def log_pipeline_run(
             if register and version is not None:
                 new = {"val_loss": (metrics_by_stage.get("train") or {}).get("val_loss"), "gates": gate_results}
                 new.update({key: tags.get(key) for key in COMPARABLE_TAGS})
-                decision = champion_decision(new, champion, champion_tolerance)
+                decision = champion_decision(new, champion, cfg.tracking.champion_tolerance)
                 _assign_aliases(client, model_name, version, decision)
             registered_as = ("champion" if decision[0] else "candidate") if version is not None else "not registered"
             client.set_tag(run_id, "registered_as", registered_as)
@@ -263,8 +257,8 @@ def _assign_aliases(client, model_name: str, version, decision: tuple[bool, str]
 def _log_run_contents(
     client,
     run_id: str,
+    cfg: Config,
     *,
-    params,
     secrets,
     metrics_by_stage,
     step_series,
@@ -286,7 +280,7 @@ def _log_run_contents(
     from mlflow.models import infer_signature
 
     now = int(time.time() * 1000)
-    param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(params.items())]
+    param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(cfg.flat().items())]
     # one value each, except the names with a step history (the loss curves), logged as the history
     # The histories first, in HEADLINE's order, then the single values: MLflow lists a run's metrics
     # in the order they were first logged, and its compare view charts the first: eval_loss.
@@ -321,7 +315,7 @@ def _log_run_contents(
     import laplace
     from laplace.serving.engine import SHAPE_KEYS
 
-    generate = GenerateSection()
+    generate = cfg.generate
     example = pd.DataFrame({"prompt": ["The function"]})
     # the serving payload shown by the MLflow UI and used with `mlflow models serve` (serving_input_example.json)
     example_params = {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": generate.seed}
@@ -329,10 +323,10 @@ def _log_run_contents(
         model_input=example,
         model_output=["text"],
         params={
-            "max_new_tokens": int(params.get("generate.max_new_tokens", generate.max_new_tokens)),
+            "max_new_tokens": generate.max_new_tokens,
             "temperature": 0.0,
             "top_p": 1.0,
-            "seed": int(params.get("generate.seed", generate.seed)),
+            "seed": generate.seed,
         },
     )
     info = mlflow.pyfunc.log_model(
@@ -341,7 +335,7 @@ def _log_run_contents(
         artifacts={"export": str(export_dir)},
         signature=signature,
         input_example=(example, example_params),
-        model_config={k: params[f"serve.{k}"] for k in SHAPE_KEYS if f"serve.{k}" in params},  # the engine's shapes
+        model_config={k: getattr(cfg.engine, k) for k in SHAPE_KEYS},  # the engine's shapes
         code_paths=[str(Path(laplace.__file__).parent)],
         pip_requirements=["torch>=2.13", "numpy", "safetensors", "tokenizers", "pandas"],
         registered_model_name=model_name if register else None,

@@ -1,8 +1,8 @@
 """POST /v1/completions over the engine thread (vLLM's serving_completion.py, for one model).
 
-A request goes: the body, read up to `serve.max_request_bytes` (413 beyond), then parsed,
+A request goes: the body, read up to `server.max_request_bytes` (413 beyond), then parsed,
 checked and tokenized on a worker thread (never on the event loop: a prompt far over
-`serve.max_prompt_tokens` is refused from its length before it is tokenized, and
+`engine.max_prompt_tokens` is refused from its length before it is tokenized, and
 `Tokenizer.encode_batch` releases the GIL), then one engine request per prompt and choice, then
 the answer: one JSON body, or server-sent events as tokens arrive. A client that goes away is
 cancelled at once, streamed or not, so the engine frees its slot at the next step."""
@@ -255,13 +255,13 @@ async def read_body(http_request, limit: int) -> bytes:
     declared = http_request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(
-            413, f"request body of {int(declared):,} bytes, the limit is {limit:,} (serve.max_request_bytes)"
+            413, f"request body of {int(declared):,} bytes, the limit is {limit:,} (server.max_request_bytes)"
         )
     chunks, size = [], 0
     async for chunk in http_request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"request body over {limit:,} bytes (serve.max_request_bytes)")
+            raise ApiError(413, f"request body over {limit:,} bytes (server.max_request_bytes)")
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from laplace.config import ServeSection
+from laplace.config import EngineSection
 from laplace.errors import ConfigError, InputError, one_line
 from laplace.model.kernels import resolve_kernel
 from laplace.model.lm import LaplaceLM, State
@@ -45,7 +45,7 @@ from laplace.runtime import compile_cache_counts, compile_static, compiled_graph
 from laplace.serving.sampling import sample_next, stream_key
 
 POLICIES = ("padded", "exact", "eager")
-# The `serve:` params that decide an engine's shapes (the MLflow model is logged with them).
+# The `engine:` params that decide an engine's shapes (the MLflow model is logged with them).
 SHAPE_KEYS = ("max_slots", "widths", "prefill_buckets", "max_prompt_tokens", "max_queue")
 
 
@@ -119,9 +119,9 @@ def width_ladder(max_slots: int, widths: list[int] | None = None) -> list[int]:
     if widths:
         ladder = sorted(set(widths))
         if ladder[0] < 1:
-            raise ConfigError(f"serve.widths: widths must be >= 1, got {ladder}")
+            raise ConfigError(f"engine.widths: widths must be >= 1, got {ladder}")
         if ladder[-1] < max_slots:
-            raise ConfigError(f"serve.widths: the largest width {ladder[-1]} cannot hold max_slots={max_slots}")
+            raise ConfigError(f"engine.widths: the largest width {ladder[-1]} cannot hold max_slots={max_slots}")
         return ladder
     ladder = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots]
     return ladder + [max_slots]
@@ -227,7 +227,7 @@ class DecodeEngine:
         exact_widths: bool = False,
         backend: str = "inductor",
         pad_id: int = 0,
-        max_queue: int = ServeSection.max_queue,  # the params.yaml default
+        max_queue: int = EngineSection.max_queue,  # the params.yaml default
     ):
         """compile_scope: None (eager), "model" (each decode width / prefill bucket is one graph)
         or "block" (one GLA block is compiled per shape and reused by every layer).
@@ -235,9 +235,9 @@ class DecodeEngine:
         are prefilled in pieces). max_queue: requests that may wait for a slot; one arriving at
         a full queue is rejected."""
         if max_queue < 1:
-            raise ConfigError(f"serve.max_queue: must be >= 1, got {max_queue}")
+            raise ConfigError(f"engine.max_queue: must be >= 1, got {max_queue}")
         if not prefill_buckets or min(prefill_buckets) < 1:
-            raise ConfigError(f"serve.prefill_buckets: need at least one length >= 1, got {prefill_buckets}")
+            raise ConfigError(f"engine.prefill_buckets: need at least one length >= 1, got {prefill_buckets}")
         self.model = model.eval()
         first = next(model.parameters())
         self.device = first.device
@@ -268,36 +268,38 @@ class DecodeEngine:
             for block in model.blocks:
                 compile_static(block, backend)
         elif compile_scope is not None:
-            raise ConfigError(f"serve.compile_scope: unknown scope {compile_scope!r} (block or model)")
+            raise ConfigError(f"engine.compile_scope: unknown scope {compile_scope!r} (block or model)")
 
     @classmethod
-    def for_policy(cls, model: LaplaceLM, serve, policy: str, backend: str = "inductor") -> DecodeEngine:
-        """The engine of a serving policy from the `serve:` params: `padded` (ladder widths,
+    def for_policy(
+        cls, model: LaplaceLM, engine: EngineSection, policy: str, backend: str = "inductor"
+    ) -> DecodeEngine:
+        """The engine of a serving policy from the `engine:` params: `padded` (ladder widths,
         compiled), `exact` (live-count widths, compiled) or `eager` (live-count widths, no compiler)."""
         if policy not in POLICIES:
             raise ConfigError(f"unknown serving policy {policy!r} (choose from {', '.join(POLICIES)})")
         return cls(
             model,
-            max_slots=serve.max_slots,
-            ladder=width_ladder(serve.max_slots, serve.widths),
-            prefill_buckets=serve.prefill_buckets,
-            max_prompt_tokens=serve.max_prompt_tokens,
-            compile_scope=None if policy == "eager" else serve.compile_scope,
+            max_slots=engine.max_slots,
+            ladder=width_ladder(engine.max_slots, engine.widths),
+            prefill_buckets=engine.prefill_buckets,
+            max_prompt_tokens=engine.max_prompt_tokens,
+            compile_scope=None if policy == "eager" else engine.compile_scope,
             exact_widths=policy != "padded",
             backend=backend,
-            max_queue=serve.max_queue,
+            max_queue=engine.max_queue,
         )
 
     @classmethod
     def single(cls, model: LaplaceLM) -> DecodeEngine:
         """One eager slot for one-off generation: prompts of any length (prefilled in pieces of
         the default buckets), decoded at width 1."""
-        serve = ServeSection()
+        engine = EngineSection()
         return cls(
             model,
             max_slots=1,
             ladder=[1],
-            prefill_buckets=serve.prefill_buckets,
+            prefill_buckets=engine.prefill_buckets,
             max_prompt_tokens=2**62,
             compile_scope=None,
             exact_widths=True,

@@ -35,15 +35,15 @@ def generate_text(
     temperature: float,
     top_p: float,
     seed: int,
-    serve=None,
+    engine=None,
     policy: str = "eager",
 ) -> dict:
     """Generate from an export directory through the decode engine of `policy` built from the
-    `serve:` params (default: one eager slot): the prompt, the completion, its ids and the rate."""
+    `engine:` params (default: one eager slot): the prompt, the completion, its ids and the rate."""
     from laplace.model.export import load_export
 
     model, tokenizer, config = load_export(model_dir)
-    engine = DecodeEngine.single(model) if serve is None else DecodeEngine.for_policy(model, serve, policy)
+    engine = DecodeEngine.single(model) if engine is None else DecodeEngine.for_policy(model, engine, policy)
     prompt_ids = tokenizer.encode(prompt).ids
     start = time.perf_counter()
     ids = generate_ids(

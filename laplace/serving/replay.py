@@ -155,7 +155,7 @@ def decode_cost(engine, contexts: list[int], steps: int, text) -> dict:
 
 
 def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) -> dict:
-    """Replay every workload of `cfg.serve` under one policy in this process (the serve-check
+    """Replay every workload of `cfg.serve_check` under one policy in this process (the serve-check
     worker): figures, traces and, for `padded`, the decode cost against context."""
     import contextlib
 
@@ -166,11 +166,11 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
     from laplace.runtime import compile_backend, configure_compiler, resolve_device, set_threads
     from laplace.serving.workload import build_requests
 
-    set_threads(cfg.serve.threads)  # as laplace serve runs, so the live phase compares like with like
-    device = resolve_device(cfg.serve.device)
+    set_threads(cfg.server.threads)  # as laplace serve runs, so the live phase compares like with like
+    device = resolve_device(cfg.engine.device)
     model, _, _ = load_export(export_dir, device=device, kernel=cfg.model.kernel)
     text = open_split(data_dir, "val")
-    engine = DecodeEngine.for_policy(model, cfg.serve, policy, compile_backend(device))
+    engine = DecodeEngine.for_policy(model, cfg.engine, policy, compile_backend(device))
     configure_compiler(engine.graphs_needed())
     result: dict = {"policy": policy, "workloads": {}, "traces": {}, "outputs": {}}
     stance = contextlib.nullcontext()
@@ -180,16 +180,18 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
         result["warm_start"] = {k: {str(w): s for w, s in v.items()} for k, v in warm.items()}
         result["warm_start_s"] = time.perf_counter() - start
         stance = torch.compiler.set_stance("fail_on_recompile")  # any compile from here on is an error
-    kinds = cfg.serve.exact_workloads if policy == "exact" else cfg.serve.workloads
+    kinds = cfg.serve_check.exact_workloads if policy == "exact" else cfg.serve_check.workloads
     for kind in kinds:
         engine.reset()
-        requests = build_requests(kind, cfg.serve, text, cfg.serve.seed)
+        requests = build_requests(kind, cfg.serve_check, text, cfg.serve_check.seed)
         with stance:
             done = replay(engine, requests)
         leaked = engine.pool.owners
         if leaked:
             raise RuntimeError(f"slots still owned after {kind}: {leaked}")
-        result["workloads"][kind] = summarize(engine.steps, done, cfg.serve.slo_ttft_s, cfg.serve.slo_tpot_s)
+        result["workloads"][kind] = summarize(
+            engine.steps, done, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s
+        )
         result["traces"][kind] = trace(engine.steps, done)
         result["workloads"][kind]["outputs_digest"] = hash(tuple(tuple(c.output_ids) for c in done)) & 0xFFFFFFFF
         result["outputs"][kind] = [c.output_ids for c in done]  # by request id
@@ -201,6 +203,9 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
     if policy == "padded":
         with stance:
             result["decode_cost"] = decode_cost(
-                engine, cfg.serve.decode_contexts, cfg.serve.decode_timing_steps, text[: max(cfg.serve.decode_contexts)]
+                engine,
+                cfg.serve_check.decode_contexts,
+                cfg.serve_check.decode_timing_steps,
+                text[: max(cfg.serve_check.decode_contexts)],
             )
     return result

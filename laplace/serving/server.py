@@ -16,9 +16,9 @@ The parts, one job each:
   silent compile.
 - The listening socket is bound before anything is loaded (`listen.bind_socket`, called first by
   laplace.pipeline.serve): a busy port fails at once, not after warmup.
-- Overload is shed at once: a request arriving while `serve.max_queue` wait gets 429 with Retry-After.
+- Overload is shed at once: a request arriving while `engine.max_queue` wait gets 429 with Retry-After.
 - SIGTERM (or Ctrl-C) drains: the listening socket closes (new connections are refused), requests
-  on open connections get 503, in-flight requests get `serve.shutdown_grace_s` to finish, what is
+  on open connections get 503, in-flight requests get `server.shutdown_grace_s` to finish, what is
   left is cancelled (a stream ends with an error event), and the process exits 0. A second signal
   stops at once.
 

@@ -26,12 +26,12 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
     from laplace.runtime import compile_backend, configure_compiler, resolve_device
     from laplace.serving.engine import DecodeEngine
 
-    device = resolve_device(cfg.serve.device)
+    device = resolve_device(cfg.engine.device)
     model_cfg = cfg.model_config(vocab_size=vocab_size)
     torch.manual_seed(cfg.seed)
     model = LaplaceLM(model_cfg).to(device=device, dtype=torch_dtype(model_cfg.dtype))
     backend = compile_backend(device)
-    engine = DecodeEngine.for_policy(model, cfg.serve, "padded", backend)
+    engine = DecodeEngine.for_policy(model, cfg.engine, "padded", backend)
     configure_compiler(engine.graphs_needed())
     seconds = engine.warmup(log=lambda line: print(line, flush=True))  # one line per graph as it compiles
     total = sum(seconds["decode"].values()) + sum(seconds["prefill"].values())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from laplace.config import ServeSection
+from laplace.config import ServeCheckSection
 from laplace.errors import ConfigError
 from laplace.serving.engine import Request
 
@@ -28,7 +28,9 @@ def arrival_times(kind: str, n: int, rate: float, burst_cv: float, rng: np.rando
         shape = 1.0 / burst_cv**2
         gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
     else:
-        raise ConfigError(f"serve.workloads: unknown arrival process {kind!r} (choose from {', '.join(ARRIVALS)})")
+        raise ConfigError(
+            f"serve_check.workloads: unknown arrival process {kind!r} (choose from {', '.join(ARRIVALS)})"
+        )
     gaps[0] = 0.0
     return np.cumsum(gaps)
 
@@ -36,26 +38,26 @@ def arrival_times(kind: str, n: int, rate: float, burst_cv: float, rng: np.rando
 def log_uniform(lo: int, hi: int, n: int, rng: np.random.Generator) -> np.ndarray:
     if not 1 <= lo <= hi:
         raise ConfigError(
-            f"serve.prompt_tokens/output_tokens: length range must satisfy 1 <= min <= max, got [{lo}, {hi}]"
+            f"serve_check.prompt_tokens/output_tokens: length range must satisfy 1 <= min <= max, got [{lo}, {hi}]"
         )
     return np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), size=n))).astype(int).clip(lo, hi)
 
 
-def build_requests(kind: str, serve: ServeSection, text_tokens: np.ndarray, seed: int) -> list[Request]:
-    """The seeded workload `kind` of serve.requests requests over windows of `text_tokens`."""
+def build_requests(kind: str, serve_check: ServeCheckSection, text_tokens: np.ndarray, seed: int) -> list[Request]:
+    """The seeded workload `kind` of serve_check.requests requests over windows of `text_tokens`."""
     rng = np.random.default_rng([seed, ARRIVALS.index(kind) if kind in ARRIVALS else 99])
-    n = serve.requests
-    arrivals = arrival_times(kind, n, serve.rate, serve.burst_cv, rng)
-    prompt_lens = log_uniform(*serve.prompt_tokens, n, rng)
-    output_lens = log_uniform(*serve.output_tokens, n, rng)
+    n = serve_check.requests
+    arrivals = arrival_times(kind, n, serve_check.rate, serve_check.burst_cv, rng)
+    prompt_lens = log_uniform(*serve_check.prompt_tokens, n, rng)
+    output_lens = log_uniform(*serve_check.output_tokens, n, rng)
     starts = rng.integers(0, len(text_tokens) - int(prompt_lens.max()) - 1, size=n)
     return [
         Request(
             id=i,
             prompt_ids=[int(t) for t in text_tokens[s : s + p]],
             max_new_tokens=int(o),
-            temperature=serve.temperature,
-            top_p=serve.top_p,
+            temperature=serve_check.temperature,
+            top_p=serve_check.top_p,
             seed=seed * 100003 + i,
             arrival_s=float(a),
         )
