@@ -504,7 +504,7 @@ def test_a_busy_port_fails_at_once_with_one_line_and_exit_1(served, tmp_path):
     started = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "laplace.pipeline.serve", "--params", str(params), "--root", str(tmp_path)]
-        + ["--model", str(export_dir), "--port", str(port), "--policy", "padded"],
+        + ["--model", str(export_dir), "--host", "127.0.0.1", "--port", str(port), "--policy", "padded"],
         capture_output=True,
         text=True,
         timeout=120,
