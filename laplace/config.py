@@ -244,7 +244,8 @@ class ServerSection:
     """`server:` laplace serve, the live server.
 
     serve-check's replays and live phase run as that server does, on an address and policy of
-    their own: serve-check declares threads, max_new_tokens and shutdown_grace_s, not the rest."""
+    their own: serve-check declares threads, max_new_tokens, shutdown_grace_s and the request limits
+    (max_request_bytes, max_stop_chars), not the rest."""
 
     host: str = knob("127.0.0.1", doc="laplace serve listens here (loopback: only this machine can connect)")
     port: int = knob(8000, lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "laplace serve's port")
