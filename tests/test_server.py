@@ -379,6 +379,37 @@ def test_identical_prompts_at_temperature_1_differ_and_n_gives_independent_draws
     assert seeded[0]["token_ids"] != seeded[1]["token_ids"] and seeded[1]["token_ids"] == alone["token_ids"]
 
 
+def test_vllm_extras_that_change_results_are_honoured(served):
+    url, _, export_dir, *_ = served
+    _, tokenizer, _ = load_export(export_dir)
+    body = {"prompt": "The function", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    greedy = complete(url, **body).json()["choices"][0]
+    ids = greedy["token_ids"]
+    # stop_token_ids: the sequence ends at the first such token, which counts but is not in the text
+    cut = ids.index(ids[2])  # where that token first comes
+    stopped = complete(url, **body, stop_token_ids=[ids[cut]]).json()["choices"][0]
+    assert stopped["token_ids"] == ids[: cut + 1] and stopped["finish_reason"] == "stop"
+    assert stopped["text"] == tokenizer.decode(ids[:cut])
+    # include_stop_str_in_output: the text ends after the stop string instead of before it
+    stop = greedy["text"][5:8]
+    kept = complete(url, **body, stop=stop, include_stop_str_in_output=True).json()["choices"][0]
+    assert kept["text"] == greedy["text"][: greedy["text"].index(stop) + len(stop)]
+    # truncate_prompt_tokens: the last k prompt tokens
+    truncated = complete(url, **{**body, "prompt": ids[:8]}, truncate_prompt_tokens=3).json()["choices"][0]
+    assert truncated["prompt_token_ids"] == ids[5:8]
+    # stream_options.continuous_usage_stats: usage in every chunk
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, **body, "stream": True}
+        | {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        timeout=120,
+    )
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    token_chunks = [e for e in events if e["choices"]]
+    assert all("usage" in e for e in token_chunks)
+    assert token_chunks[3]["usage"]["completion_tokens"] == 4 and events[-1]["usage"]["completion_tokens"] == 12
+
+
 def test_vllm_bench_serve_payload_and_model_discovery_are_accepted(served):
     """The request `vllm bench serve` sends (vllm/benchmarks/lib/endpoint_request_func.py,
     async_request_openai_completions: repetition_penalty, logprobs null, stream_options.include_usage,

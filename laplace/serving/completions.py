@@ -291,13 +291,18 @@ class _Choice:
         self.status = 200
         self.stop_ids = ticket.request.stop_ids
         self.ended = False
+        self.stop_token: list[int] = []  # the stop token that ended it, kept out of the text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens generated, up to the stop string or stop token that ended the choice."""
+        return self.text.ids[: self.text.consumed] + self.stop_token
 
     def token(self, token: int) -> str:
         if self.finish_reason is not None:
             return ""  # tokens the engine made after a stop string matched
         if token in self.stop_ids and not self.include_stop:  # a stop token ends the sequence; not its text
-            self.text.ids.append(token)
-            self.text.consumed = len(self.text.ids)
+            self.stop_token = [token]
             return ""
         delta = self.text.add(token)
         if self.text.stopped:
@@ -349,7 +354,7 @@ class _Answer:
     def usage(self) -> dict:
         """Prompt tokens (once per choice, as vLLM counts them) and the generated tokens each choice used."""
         prompt = sum(len(self.params.prompts[self.params.prompt_of(ch.ticket.index)]) for ch in self.choices)
-        completion = sum(ch.text.consumed for ch in self.choices)
+        completion = sum(len(ch.token_ids) for ch in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _open(self) -> int:
@@ -398,7 +403,7 @@ class _Answer:
         for i, ch in enumerate(choices):
             choice = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": ch.finish_reason}
             if params.request.return_token_ids:
-                choice["token_ids"] = ch.text.ids[: ch.text.consumed]
+                choice["token_ids"] = ch.token_ids
                 choice["prompt_token_ids"] = params.prompts[params.prompt_of(i)]
             out.append(choice)
         return {

@@ -213,8 +213,9 @@ class ServerMetrics:
         c = completion
         self.requests.labels(c.status).inc()
         if c.status != "done":
-            if c.status == "cancelled":
-                self.vllm_success.labels(self.model_name, "abort").inc()
+            if c.status == "cancelled":  # a stop string ends a request by cancelling it: vLLM counts a stop
+                reason = "stop" if c.reason == "stop string" else "abort"
+                self.vllm_success.labels(self.model_name, reason).inc()
             return
         self.prompt_tokens.inc(c.prompt_tokens)
         self.vllm_prompt_tokens.inc(c.prompt_tokens)
