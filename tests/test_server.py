@@ -491,15 +491,21 @@ def test_nothing_stalls_the_event_loop_a_10_mb_prompt_nor_a_200_kb_stop_string(s
                 health.append((started, time.perf_counter() - started))
                 time.sleep(0.01)
 
+    # encoded before the measurement: json.dumps of 10 MB holds this process's GIL, which would
+    # stall the test's own reader threads and be mistaken for the server's stall
+    encoded = [(json.dumps({"model": MODEL, "max_tokens": 4, **body}).encode(), status) for body, status in abusive]
+    headers = {"content-type": "application/json"}
     threads = [threading.Thread(target=read_stream), threading.Thread(target=poll_health)]
     for t in threads:
         t.start()
     try:
         time.sleep(1.5)  # the baseline
         attack_start = time.perf_counter()
-        for body, status in abusive:
-            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "max_tokens": 4, **body}, timeout=120)
+        for raw, status in encoded:
+            sent = time.perf_counter()
+            r = httpx.post(url + "/v1/completions", content=raw, headers=headers, timeout=120)
             assert r.status_code == status, (status, r.text[:300])
+            print(f"stall test: {len(raw):,} bytes answered {status} in {time.perf_counter() - sent:.3f}s")
         attack_end = time.perf_counter()
         time.sleep(0.3)
     finally:
