@@ -40,7 +40,7 @@ def replay_padded(cfg, paths: Paths, workload: str) -> dict:
 
     one = dataclasses.replace(cfg, serve_check=dataclasses.replace(cfg.serve_check, workloads=[workload]))
     args = ["--export-dir", str(paths.export_dir), "--data-dir", str(paths.data_dir), "--policy", "padded"]
-    result = run_worker_from_warmup_cache("laplace.pipeline.stage_servecheck", one, args, paths.warmup_cache)
+    result = run_worker_from_warmup_cache("laplace.pipeline.stage_serve_check", one, args, paths.warmup_cache)
     return result["workloads"][workload]
 
 
@@ -70,7 +70,7 @@ def main() -> int:
     replay = replay_padded(cfg, paths, args.workload) if args.compare_replay else None
     if args.launch:
         from laplace.pipeline.serve import ServerProcess
-        from laplace.pipeline.stage_servecheck import scrape
+        from laplace.pipeline.stage_serve_check import scrape
 
         with ServerProcess(cfg, model=paths.export_dir, policy=live.policy, compile_cache=paths.warmup_cache) as server:
             result["server_ready_s"] = server.wait_ready(s.live_startup_s)

@@ -16,11 +16,12 @@ import pytest
 from mlflow import MlflowClient
 
 from laplace.config import default_params
-from laplace.pipeline import headline, stage_track, summary
+from laplace.pipeline import headline, summary
 from laplace.pipeline.champion import champion_decision
 from laplace.pipeline.layout import Paths, stamp_measurement
 from laplace.pipeline.params import load_config
 from laplace.pipeline.provenance import source_text
+from laplace.pipeline.stages import STAGES
 
 from project import ROOT
 from test_tracking_outage import write_stage_results
@@ -36,7 +37,7 @@ SERVE = {
 STAGE_RESULTS = {
     "tokenize": {"documents_train": 190, "documents_val": 10, "tokens_train": 41000, "tokens_val": 2100},
     "export": {"export_dir": "artifacts/export", "parameters": 5540864},
-    "serve": SERVE,
+    "serve-check": SERVE,
     "numerics": {
         "passed": True,
         "max_abs_logit_diff_fp32": 2e-6,
@@ -55,7 +56,7 @@ STAGE_RESULTS = {
     },
 }
 COMPARABLE = {"val_split_sha256": "aa", "tokenizer_sha256": "tt", "val_windows": "8 batches x 8 x 256 tokens, fp32"}
-PASSED = {"serve": True, "numerics": True, "probes": True}
+PASSED = {"serve-check": True, "numerics": True, "probes": True}
 
 
 # --------------------------------------------------------------------------- the rule
@@ -78,7 +79,7 @@ def test_champion_rule_needs_passed_gates_and_a_comparable_loss_no_worse():
         "gates passed; no champion before",
     )
     # better, but a gate failed or is missing: never champion
-    gates = {"serve": True, "numerics": False, "probes": None}
+    gates = {"serve-check": True, "numerics": False, "probes": None}
     assert champion_decision({**new, "val_loss": 4.0, "gates": gates}, champion, 0.0) == (
         False,
         "gates not passed (numerics failed, probes missing)",
@@ -103,7 +104,7 @@ def test_champion_tolerance_is_a_param():
 def test_the_dvc_headline_is_small_and_fits_80_columns():
     metrics = {
         "train": {"val_loss": 4.49931234, "tokens_per_s": 3031.27},
-        "serve": SERVE,
+        "serve-check": SERVE,
         "numerics": {"passed": True},
         "probes": {"passed": True},
     }
@@ -174,7 +175,7 @@ def track(project: Path, monkeypatch) -> dict:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(project)
     cfg = load_config(project / "params.yaml", {"tracking.retry_seconds": 0})
-    return stage_track.run(cfg, Paths.at(project))
+    return STAGES["track"].run(cfg, Paths.at(project))
 
 
 @pytest.mark.slow
@@ -183,7 +184,7 @@ def test_a_worse_run_does_not_take_champion_and_the_comparison_tells_the_truth(p
 
     # run 1: the whole pipeline ran (stamped ten minutes ago), gates pass: champion
     first_start = time.time() - 600
-    stamp(project, ["tokenize", "train", "export", "serve", "numerics", "probes"], first_start)
+    stamp(project, ["tokenize", "train", "export", "serve-check", "numerics", "probes"], first_start)
     one = track(project, monkeypatch)
     assert one["model_version"] == 1 and one["champion"] is True
     run1 = client.get_run(one["run_id"])
@@ -218,15 +219,15 @@ def test_a_worse_run_does_not_take_champion_and_the_comparison_tells_the_truth(p
     # the details are artifacts: each stage's JSON file and one table of every figure
     assert {a.path for a in client.list_artifacts(one["run_id"], "metrics")} >= {
         "metrics/train.json",
-        "metrics/serve.json",
+        "metrics/serve-check.json",
     }
     table = client.load_table(one["experiment_id"], "figures.json", run_ids=[one["run_id"]])
-    row = table[(table.stage == "serve") & (table.figure == "padded/ttft_p99_s")]
+    row = table[(table.stage == "serve-check") & (table.figure == "padded/ttft_p99_s")]
     assert row.value.tolist() == [pytest.approx(0.1204)]
     # the run lasts from the first stage's start, not from the track stage's
     assert abs(run1.info.start_time / 1000 - first_start) < 2
     assert run1.info.end_time / 1000 - first_start >= 600
-    assert all(run1.data.tags[f"source.{s}"] == "measured in this run" for s in ("train", "serve", "probes"))
+    assert all(run1.data.tags[f"source.{s}"] == "measured in this run" for s in ("train", "serve-check", "probes"))
     assert json.loads((project / "metrics.json").read_text())["eval_loss"] == 4.25  # DVC's headline
 
     # run 2: only train and export reran (a higher learning rate): a worse validation loss
@@ -243,7 +244,7 @@ def test_a_worse_run_does_not_take_champion_and_the_comparison_tells_the_truth(p
     assert client.get_model_version("laplace-gla", "2").tags["registered_reason"] == reason
     # serve-check, numerics and probes were not measured again: labelled with the run that was
     cached = f"cached from run {run1.info.run_name} ({one['run_id'][:8]}), measured "
-    assert run2.data.tags["source.serve"].startswith(cached)
+    assert run2.data.tags["source.serve-check"].startswith(cached)
     assert run2.data.tags["source.train"] == "measured in this run"
     assert abs(run2.info.start_time / 1000 - second_start) < 2  # this pipeline run began with train
     assert run2.data.metrics["eval_loss"] == 4.925

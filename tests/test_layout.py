@@ -122,7 +122,7 @@ def test_every_module_a_stage_runs_is_a_dependency_of_that_stage():
     problems = []
     for name, stage in STAGES.items():
         deps = [ROOT / d for d in dvc[name].get("deps", [])]
-        runs = closure({f"laplace.pipeline.{stage.module}", "laplace.pipeline.params"})
+        runs = closure({stage.module.__name__, "laplace.pipeline.params"})
         for path in sorted(runs):
             if not any(path == d or d in path.parents for d in deps):
                 problems.append(f"{name}: {path.relative_to(ROOT)} ({dotted(path)}) is not in its deps")
@@ -248,7 +248,7 @@ def stage_params_problems(dvc: dict) -> list[str]:
     sections = knob_keys()
     problems = []
     for name, stage in STAGES.items():
-        entry = {f"laplace.pipeline.{stage.module}", "laplace.pipeline.params"}
+        entry = {stage.module.__name__, "laplace.pipeline.params"}
         files = closure(entry) - {CONFIG_FILE}
         runs = used_definitions(files, {module_file(m) for m in entry})
         read = set().union(*(params_read(path, sections, runs[path]) for path in files))
@@ -305,10 +305,6 @@ def test_a_config_is_always_named_cfg():
 
 # --------------------------------------------------------------------------- imports point down
 
-# Import circles tolerated while being taken apart, by name (empty: the optim and serving splits of
-# issue 22 landed). A pair that stops being a circle must leave this set (the test below).
-KNOWN_CIRCLES: set[frozenset[str]] = set()
-
 
 def import_graph() -> dict[str, set[str]]:
     """laplace module -> the laplace modules it imports (anywhere in it, function-level included)."""
@@ -351,21 +347,9 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_imports_point_down_no_circle():
     """No two modules import each other, directly or around a loop, at top level or inside a function."""
-    graph = import_graph()
-    for pair in KNOWN_CIRCLES:  # tolerated until their split lands (see KNOWN_CIRCLES)
-        a, b = sorted(pair)
-        graph[a].discard(b)
-        graph[b].discard(a)
-    assert import_circles(graph) == []
+    assert import_circles(import_graph()) == []
 
 
 def test_the_circle_check_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_circles(graph) == [["a", "b", "c"]]
-
-
-def test_every_tolerated_circle_is_still_one():
-    """A circle taken apart leaves KNOWN_CIRCLES, so the exception cannot outlive the problem."""
-    circles = {frozenset(c) for c in import_circles(import_graph())}
-    gone = [sorted(pair) for pair in KNOWN_CIRCLES if pair not in circles]
-    assert gone == [], f"no longer import circles, delete them from KNOWN_CIRCLES: {gone}"

@@ -20,9 +20,9 @@ import mlflow
 import psutil
 import pytest
 
-from laplace.pipeline import stage_track
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
+from laplace.pipeline.stages import STAGES
 from laplace.serving.engine import DecodeEngine, Request, width_ladder
 
 from project import descendants, free_port, wait_until_answers
@@ -51,7 +51,7 @@ def registered(tiny_artifacts, tmp_path_factory):
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.chdir(project)
         cfg = load_config(project / "params.yaml", {"tracking.retry_seconds": 0, **SERVE})
-        summary = stage_track.run(cfg, Paths.at(project))
+        summary = STAGES["track"].run(cfg, Paths.at(project))
     assert summary["champion"], summary
     mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
     return project, "models:/laplace-gla@champion", export_dir, cfg

@@ -85,7 +85,7 @@ def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
     warmup = json.loads((repo / "metrics/warmup.json").read_text())
     assert warmup["graphs"] == 2 + 1  # decode widths 1, 2 and the prefill bucket 64
     assert warmup["warm_speedup"] >= 3, warmup  # starting from the cache artifact is several times faster
-    serve = json.loads((repo / "metrics/serve.json").read_text())
+    serve = json.loads((repo / "metrics/serve-check.json").read_text())
     assert serve["passed"] and serve["padded"]["compile_events"] == 0 and serve["exact"]["compile_events"] > 0
     live = serve["live"]  # laplace serve, started from the warmup cache, served the headline workload
     assert live["served"] == live["requests"] == 12 and live["compile_events"] == 0
@@ -136,14 +136,14 @@ def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, f
     version = c.get_model_version_by_alias("laplace-gla", "candidate")
     assert version.run_id == r.info.run_id
     detail = figures(c, r)  # every detailed figure: a table artifact, beside metrics/*.json
-    assert detail[("serve", "padded/compile_events")] == 0
-    assert detail[("serve", "exact/compile_events")] > 0
+    assert detail[("serve-check", "padded/compile_events")] == 0
+    assert detail[("serve-check", "exact/compile_events")] > 0
     assert detail[("warmup", "compile_seconds_total")] > 0
-    assert r.data.metrics["ttft_p99"] == pytest.approx(detail[("serve", "padded/ttft_p99_s")])
+    assert r.data.metrics["ttft_p99"] == pytest.approx(detail[("serve-check", "padded/ttft_p99_s")])
     assert r.data.tags["gate.serve"] == "passed" and r.data.tags["gate.numerics"] == "passed"
     assert detail[("numerics", "max_abs_logit_diff_fp32")] < 1e-3
     assert r.data.metrics["gate_numerics"] == 1.0
-    assert "metrics/serve.json" in {a.path for a in c.list_artifacts(r.info.run_id, "metrics")}
+    assert "metrics/serve-check.json" in {a.path for a in c.list_artifacts(r.info.run_id, "metrics")}
     champion = c.get_model_version_by_alias("laplace-gla", "champion")  # gates passed, the first
     assert champion.version == c.get_model_version_by_alias("laplace-gla", "candidate").version
     assert r.data.tags["registered_as"] == "champion"
@@ -241,7 +241,7 @@ def test_a_stage_restored_from_the_run_cache_says_which_run_measured_it(repo, fi
     runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
     first, last = runs[0], runs[-1]
     cached = f"cached from run {first.info.run_name} ({first.info.run_id[:8]}), measured "
-    assert all(last.data.tags[f"source.{stage}"].startswith(cached) for stage in ("serve", "numerics", "probes"))
+    assert all(last.data.tags[f"source.{stage}"].startswith(cached) for stage in ("serve-check", "numerics", "probes"))
     assert last.data.tags["source.train"] == "measured in this run"
     serving = out.stdout[out.stdout.index("\nserving") : out.stdout.index("\nnumerics")]
     assert cached in serving  # the summary says so under the serving figures

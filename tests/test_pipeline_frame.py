@@ -2,13 +2,14 @@
 before any stage runs; params overrides keep the file's comments; retries skip bad input."""
 
 import difflib
+import json
 
 import pytest
 import yaml
 
 from laplace.config import Config
 from laplace.errors import ConfigError
-from laplace.pipeline import repro
+from laplace.pipeline import cli, repro
 from laplace.pipeline.params import write_params
 from laplace.pipeline.stages import PIPELINE, STAGES
 
@@ -32,6 +33,25 @@ def test_dvc_yaml_matches_the_stage_registry():
             assert f"metrics/{STAGES[name].metrics}.json" in outs
     # the one DVC metrics file: the headline, written by track
     assert [next(iter(m)) for s in stages.values() for m in s.get("metrics", [])] == ["metrics.json"]
+
+
+def test_each_stage_has_one_name_module_cli_and_metrics_file():
+    """serve-check is laplace.pipeline.stage_serve_check, `laplace serve-check`, metrics/serve-check.json;
+    every stage module is registered, by reference."""
+    modules = sorted(p.stem for p in (ROOT / "laplace" / "pipeline").glob("stage_*.py"))
+    assert sorted(s.module.__name__.rsplit(".", 1)[1] for s in STAGES.values()) == modules
+    for name, stage in STAGES.items():
+        assert stage.module.__name__ == f"laplace.pipeline.stage_{name.replace('-', '_')}"
+        assert stage.metrics in (name, None) and (stage.metrics is None) == (name == "track")
+    commands = set(cli.build_parser()._subparsers._group_actions[0].choices)
+    assert set(STAGES) <= commands
+
+
+def test_the_registry_imports_no_torch():
+    """Every `laplace` command and the Prefect flow import the registry: its stages import their
+    heavy parts when they run, so `laplace --help` does not wait for torch."""
+    code = "import sys, laplace.pipeline.cli, laplace.pipeline.stages; print('torch' in sys.modules)"
+    assert run(["python", "-c", code], ROOT).stdout.strip() == "False"
 
 
 def test_write_params_validates_first_and_keeps_comments(tmp_path):
@@ -107,3 +127,38 @@ def test_bad_params_stop_dvc_repro_and_laplace_run_before_any_work(tmp_path):
     assert "train.steps: expected an integer, got str 'many'" in out.stdout + out.stderr
     assert not (repo / "data" / "tokenized" / "manifest.json").exists()
     assert not (repo / "runs").exists()
+
+
+# One knob of each section that the serve: split and the model section touched, and exactly the
+# stages that read it (track logs every knob, so it reads them all).
+KNOB_READERS = {
+    "engine.max_slots": {"warmup", "serve-check", "numerics", "probes", "track"},
+    "server.port": {"track"},  # only `laplace serve` and the log of the run read the address
+    "server.threads": {"serve-check", "track"},
+    "serve_check.rate": {"serve-check", "track"},
+    "model.norm_eps": {"warmup", "train", "track"},
+    "model.kernel": {"warmup", "train", "serve-check", "probes", "track"},
+}
+
+
+def test_changing_a_knob_makes_dvc_rerun_exactly_the_stages_that_read_it(tmp_path):
+    """A real git + DVC repo with this dvc.yaml's params and params.yaml, each stage's command
+    reduced to `true` (its code and data deps are not the point): after a repro, `dvc status`
+    after changing one knob lists exactly the stages that read it (the params check in
+    tests/test_layout.py holds each stage's declared params to the code's reads)."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    stub = {name: {"cmd": "true", "params": stage["params"]} for name, stage in stages.items() if "params" in stage}
+    assert set(stages) - set(stub) == {"corpus"}  # reads no knob
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stub}, sort_keys=False))
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    run(["git", "init", "-q", "-b", "main"], tmp_path)
+    run(["python", "-m", "dvc", "init", "-q"], tmp_path)
+    run(["python", "-m", "dvc", "repro", "-q"], tmp_path)
+    values = {"engine.max_slots": 4, "server.port": 8001, "server.threads": 2, "serve_check.rate": 5.0}
+    values |= {"model.norm_eps": 1.0e-5, "model.kernel": "torch"}
+    assert set(values) == set(KNOB_READERS)
+    for key, value in values.items():
+        write_params(tmp_path / "params.yaml", {key: value})
+        status = json.loads(run(["python", "-m", "dvc", "status", "--json"], tmp_path).stdout)
+        assert set(status) == KNOB_READERS[key], key
+        (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())

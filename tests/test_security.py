@@ -16,11 +16,11 @@ from mlflow import MlflowClient
 
 from laplace.data.readers import iter_documents
 from laplace.errors import ConfigError
-from laplace.pipeline import stage_track
 from laplace.pipeline.cli import main
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config, write_params
 from laplace.pipeline.redact import redact, secret_values
+from laplace.pipeline.stages import STAGES
 
 from project import ROOT
 from test_tracking_outage import write_stage_results
@@ -59,7 +59,7 @@ def tracked(tiny_artifacts, tmp_path_factory):
                 "tracking.retry_seconds": 0,
             },
         )
-        summary = stage_track.run(cfg, Paths.at(project))
+        summary = STAGES["track"].run(cfg, Paths.at(project))
     return project, summary
 
 

@@ -35,7 +35,7 @@ from laplace.data.shards import open_split
 from laplace.model.export import load_export
 from laplace.pipeline.params import load_config
 from laplace.pipeline.serve import ServerProcess, free_port
-from laplace.pipeline.stage_servecheck import add_live, live_phase, scrape
+from laplace.pipeline.stage_serve_check import add_live, live_phase, scrape
 from laplace.serving.engine import DecodeEngine, Request
 from laplace.serving.loadgen import run_load, summarize_load
 from laplace.serving.replay import replay, summarize

@@ -32,7 +32,7 @@ def write_stage_results(root: Path) -> None:
     results = {
         "metrics/tokenize.json": {"documents_read": 200, "tokens_train": 41000, "tokens_val": 2100},
         "metrics/train.json": TRAIN,
-        "metrics/serve.json": {"passed": True, "padded": {"compile_events": 0}},
+        "metrics/serve-check.json": {"passed": True, "padded": {"compile_events": 0}},
         "metrics/numerics.json": {"passed": True, "max_abs_logit_diff_fp32": 2e-6},
         "plots/train_loss.json": [{"step": s, "loss": 6.0 - s / 4, "tokens_per_s": 1000.0 + s} for s in range(1, 7)],
         "plots/val_loss.json": [{"step": 3, "val_loss": 4.9}, {"step": 6, "val_loss": 4.25}],
@@ -196,7 +196,7 @@ def test_server_down_fails_in_one_line_and_a_rerun_logs_everything(server, tmp_p
     assert {a.path for a in client.list_artifacts(run.info.run_id, "metrics")} == {
         "metrics/tokenize.json",
         "metrics/train.json",
-        "metrics/serve.json",
+        "metrics/serve-check.json",
         "metrics/numerics.json",
     }  # every detailed figure, logged from the spool too
     history = client.get_metric_history(run.info.run_id, "train_loss")

@@ -12,7 +12,10 @@ One definition for both places a person compares runs:
 from __future__ import annotations
 
 # Stages whose metrics carry a `passed` gate; all must pass before a version may be champion.
-VALIDATION_STAGES = ("serve", "numerics", "probes")
+VALIDATION_STAGES = ("serve-check", "numerics", "probes")
+# Each gate's name in MLflow (the metric gate_<name>, the tag gate.<name>) and in metrics.json:
+# the names runs have always been compared by, so they stay short and unchanged.
+GATE_NAMES = {"serve-check": "serve", "numerics": "numerics", "probes": "probes"}
 
 # name -> what it is (docs/pipeline.md shows these). MLflow logs each name but `gates` (a 0/1
 # metric per gate instead); DVC's metrics.json holds DVC_DIGITS's. `eval_loss` sorts first, so
@@ -25,7 +28,7 @@ HEADLINE = {
     "ttft_p99": "serving time to first token, 99th percentile (s), padded policy",
     "srv_compile": "share of decode time spent compiling under compile-on-first-sight (exact policy)",
     "gates": "serve-check, numerics and probes gates: passed, or failed / missing",
-    **{f"gate_{stage}": f"1 when the {stage} gate passed, 0 when it failed" for stage in VALIDATION_STAGES},
+    **{f"gate_{GATE_NAMES[stage]}": f"1 when the {stage} gate passed, 0 when it failed" for stage in VALIDATION_STAGES},
 }
 # DVC's headline and the digits it keeps: five narrow columns, so that `dvc metrics show` and
 # `dvc exp show --only-changed` fit an 80-column terminal.
@@ -50,7 +53,7 @@ def gates_word(verdicts: dict[str, bool | None]) -> str:
 def _figures(metrics_by_stage: dict[str, dict]) -> dict:
     """Every headline figure by name, as measured (None when its stage has not run)."""
     train = metrics_by_stage.get("train") or {}
-    serve = metrics_by_stage.get("serve") or {}
+    serve = metrics_by_stage.get("serve-check") or {}
     padded, exact = serve.get("padded") or {}, serve.get("exact") or {}
     verdicts = gates(metrics_by_stage)
     return {
@@ -61,7 +64,7 @@ def _figures(metrics_by_stage: dict[str, dict]) -> dict:
         "ttft_p99": padded.get("ttft_p99_s"),
         "srv_compile": exact.get("compile_time_share"),
         "gates": gates_word(verdicts),
-        **{f"gate_{stage}": None if ok is None else float(ok) for stage, ok in verdicts.items()},
+        **{f"gate_{GATE_NAMES[stage]}": None if ok is None else float(ok) for stage, ok in verdicts.items()},
     }
 
 

@@ -1,5 +1,7 @@
 """The corpus stage: the default python-docs corpus -> data/python-docs/ (one document per file),
-so that the tokenize stage depends on a corpus directory DVC tracks, as it does on a user's own."""
+so that the tokenize stage depends on a corpus directory DVC tracks, as it does on a user's own.
+
+Processes: all of it runs in the `laplace corpus` process."""
 
 from __future__ import annotations
 

@@ -1,15 +1,18 @@
-"""The export stage: the final training checkpoint -> artifacts/export/ (safetensors, config, tokenizer)."""
+"""The export stage: the final training checkpoint -> artifacts/export/ (safetensors, config, tokenizer).
+
+Processes: all of it runs in the `laplace export` process."""
 
 from __future__ import annotations
 
 from laplace.config import Config
 from laplace.errors import InputError
-from laplace.model.export import export_model
 from laplace.pipeline.layout import Paths, write_metrics
-from laplace.training import checkpoint as ckpt
 
 
 def run(cfg: Config, paths: Paths) -> dict:
+    from laplace.model.export import export_model  # torch: imported when the stage runs
+    from laplace.training import checkpoint as ckpt
+
     found = ckpt.latest_checkpoint(paths.checkpoints)
     if found is None:
         raise InputError(f"no complete checkpoint under {paths.checkpoints}: run the train stage first")

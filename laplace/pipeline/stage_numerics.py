@@ -1,5 +1,11 @@
-"""The numerics stage: compiled vs eager vs fp64 on prefill, decode widths and a training step,
-in a fresh process started from a copy of the warmup compile cache; a missed gate fails it."""
+"""The numerics stage: compiled vs eager vs fp64 on prefill, decode widths and a training step;
+a missed gate fails it.
+
+Processes: `run` starts this module as a worker (`main`, laplace.evals.numerics.run_numerics)
+in a fresh process started from a copy of the warmup compile cache: the compiled graphs
+checked are the ones warmup compiled, with no state left over from this process. It runs on
+the CPU, with the portable torch GLA core (the oracle); the fla kernel is compared with it by
+tests/test_kernels.py on CUDA."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""The probes stage: MQAR and passkey retrieval and state vs KV memory on the exported model, in a
-fresh process started from a copy of the warmup compile cache (the serving graphs are the ones
-warmup compiled). Retrieval is reported, not gated on: `passed` (the serving and eager paths
-agree, the measured state equals the formula) is one of the champion gates."""
+"""The probes stage: MQAR and passkey retrieval and state vs KV memory on the exported model.
+Retrieval is reported, not gated on: `passed` (the serving and eager paths agree, the measured
+state equals the formula) is one of the champion gates.
+
+Processes: `run` starts this module as a worker (`main`: the probes and their plots) in a fresh
+process started from a copy of the warmup compile cache, so the serving graphs are the ones
+warmup compiled and the memory measured is a fresh process's."""
 
 from __future__ import annotations
 

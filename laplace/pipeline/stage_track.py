@@ -1,6 +1,9 @@
 """The track stage: write the headline figures for DVC (metrics.json), then log this pipeline run
 to MLflow (one run holding every stage) and register the model; it reads only what the other
-stages wrote to disk."""
+stages wrote to disk.
+
+Processes: all of it runs in the `laplace track` process (MLflow's client; the model is logged
+from code, so nothing here is pickled for another process)."""
 
 from __future__ import annotations
 
@@ -14,19 +17,18 @@ from laplace.pipeline import tracking
 from laplace.pipeline.headline import headline
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.provenance import dvc_out_hash, git_info
-from laplace.pipeline.stages import STAGES
 from laplace.pipeline.tracking import read_json
 
 
-def run(cfg: Config, paths: Paths) -> dict:
+def run(cfg: Config, paths: Paths, stages: tuple[str, ...]) -> dict:
     """Write metrics.json, log this pipeline run to MLflow (one run holding every stage) and
-    register the model."""
+    register the model. `stages`: the stages whose figures to gather (the registry passes all)."""
     started = time.time()
     metrics_by_stage = {}
-    for stage in STAGES.values():
-        data = read_json(paths.metrics_file(stage.metrics)) if stage.metrics else None
+    for stage in stages:
+        data = read_json(paths.metrics_file(stage))
         if isinstance(data, dict):
-            metrics_by_stage[stage.metrics] = data
+            metrics_by_stage[stage] = data
     # first, so DVC's comparisons work even while the tracking server is down
     atomic_write_json(paths.headline_file, headline(metrics_by_stage))
     train_rows = read_json(paths.plots_dir / "train_loss.json") or []

@@ -1,6 +1,9 @@
-"""The train stage: in this process, or under torchrun when train.nproc_per_node / nnodes ask for
-more ranks (this module is then torchrun's worker: every rank trains, the first rank of each
-node writes the result for that node's parent)."""
+"""The train stage: training, its plots and figures.
+
+Processes: one rank trains in the `laplace train` process itself. When train.nproc_per_node /
+nnodes ask for more ranks, `run_training` launches torchrun, which starts this module once per
+rank (`main`: torch.distributed needs a process per rank); every rank trains, the first rank
+of each node writes the result for that node's parent, which writes the plots and metrics."""
 
 from __future__ import annotations
 
@@ -11,8 +14,6 @@ from pathlib import Path
 from laplace.config import Config
 from laplace.pipeline.layout import Paths, write_metrics
 from laplace.pipeline.logs import setup_logging
-from laplace.training import distributed
-from laplace.training.loop import check_inputs, train
 
 
 def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
@@ -37,6 +38,9 @@ def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
 def run_training(cfg: Config, paths: Paths, resume: bool = True, stop_at_step: int | None = None):
     """Train in this process, or under torchrun when train.nproc_per_node / nnodes ask for more ranks.
     Returns (metrics, history, checkpoint path)."""
+    from laplace.training import distributed  # torch: imported when the stage runs, not with the registry
+    from laplace.training.loop import check_inputs, train
+
     if not distributed.needs_torchrun(cfg.train):
         result = train(cfg, paths.data_dir, paths.run_dir, resume=resume, stop_at_step=stop_at_step)
         return result.metrics, result.history, result.checkpoint
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     --data-dir D --run-dir R`. Every rank trains; each node's first rank writes the result
     (metrics, history, checkpoint) to --out."""
     from laplace.pipeline.workers import worker_main
+    from laplace.training.loop import train
 
     setup_logging()
 

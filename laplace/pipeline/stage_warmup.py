@@ -1,7 +1,8 @@
 """The warmup stage: compile every serving graph into artifacts/warmup/compile-cache.
 
-Compilation runs in fresh worker processes (a compile cache is per-process state plus a
-directory): the first with an empty cache directory (cold: what a new deployment pays),
+Processes: `run` (in the `laplace warmup` process) starts this module twice as a worker
+(`python -m laplace.pipeline.stage_warmup`, `main`), because a compile cache is per-process
+state plus a directory: the first worker with an empty cache directory (cold: what a new deployment pays),
 the second reusing it (warm: what serve-check pays when it starts from this artifact). On
 CPU the artifact is the whole Inductor cache directory (loading torch.compiler cache
 artifacts alone does not skip the C++ builds); on Trainium the same directory is handed to

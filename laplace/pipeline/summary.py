@@ -71,11 +71,11 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
                 f"{wu['warm_start_seconds_total']:.1f}s warm ({wu['warm_speedup']:.1f}x)"
             ],
         )
-    if sv := info.get("serve"):
+    if sv := info.get("serve-check"):
         exact, padded = sv["exact"], sv["padded"]
         ratio_key = next(k for k in sv if k.startswith("decode_cost_ratio_"))
         add(
-            "serve",
+            "serve-check",
             "serving",
             [
                 f"{sv['headline_workload']}: padded {padded['output_tokens_per_s']:.0f} tokens/s, "

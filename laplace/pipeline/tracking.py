@@ -43,7 +43,7 @@ from pathlib import Path
 
 from laplace.config import Config
 from laplace.pipeline.champion import COMPARABLE_TAGS, champion_decision
-from laplace.pipeline.headline import HEADLINE, gates, mlflow_metrics
+from laplace.pipeline.headline import GATE_NAMES, HEADLINE, gates, mlflow_metrics
 from laplace.pipeline.mlflow_views import (
     EXPERIMENT_KIND,
     HEADLINE_VIEW,
@@ -153,7 +153,10 @@ def log_pipeline_run(
     all_tags = {
         **tags,
         "params_hash": cfg.digest(),
-        **{f"gate.{k}": {True: "passed", False: "failed", None: "missing"}[v] for k, v in gate_results.items()},
+        **{
+            f"gate.{GATE_NAMES[k]}": {True: "passed", False: "failed", None: "missing"}[v]
+            for k, v in gate_results.items()
+        },
         **{
             f"measured.{stage}": m["measured"]["id"]
             for stage, m in metrics_by_stage.items()

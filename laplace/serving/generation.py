@@ -43,11 +43,11 @@ def generate_text(
     from laplace.model.export import load_export
 
     model, tokenizer, config = load_export(model_dir)
-    engine = DecodeEngine.single(model) if engine is None else DecodeEngine.for_policy(model, engine, policy)
+    decoder = DecodeEngine.single(model) if engine is None else DecodeEngine.for_policy(model, engine, policy)
     prompt_ids = tokenizer.encode(prompt).ids
     start = time.perf_counter()
     ids = generate_ids(
-        engine,
+        decoder,
         prompt_ids,
         max_new_tokens,
         temperature,

@@ -1,16 +1,20 @@
-"""The serve-check stage: replay seeded workloads under the exact, padded and eager policies, each
-in its own fresh process so compile caches cannot leak between them:
+"""The serve-check stage: replay seeded workloads under the exact, padded and eager policies.
+
+Processes: `run` starts this module as a worker once per policy (`main`,
+laplace.serving.replay.replay_policy), each in its own fresh process so compile caches cannot
+leak between them:
 
 - exact:  an empty compile cache (a fresh deployment with no warmup);
 - padded: a copy of the warmup stage's compile cache, serving under fail_on_recompile;
 - eager:  no compiler at all.
 
-Then a short live phase (serve_check.live): `laplace serve` (padded, from the warmup cache) on a free
-loopback port, the headline workload sent by the load generator in wall-clock time, SIGTERM.
+Then a short live phase (serve_check.live): `laplace serve` (padded, from the warmup cache) in a
+process of its own (`python -m laplace.pipeline.serve`, a real server) on a free loopback port,
+the headline workload sent by the load generator in wall-clock time, SIGTERM.
 The live figures sit beside the replay's, with how well the replay's virtual clock predicted
 them (live / replay).
 
-The figures go to metrics/serve.json and plots/serve_*.png; a missed gate fails the stage.
+The figures go to metrics/serve-check.json and plots/serve_*.png; a missed gate fails the stage.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from laplace.config import Config
 from laplace.errors import GateFailed
 from laplace.pipeline.layout import Paths, write_metrics
 from laplace.pipeline.workers import compile_env, run_worker, worker_main
-from laplace.serving.engine import POLICIES
 
 
 def run(cfg: Config, paths: Paths) -> dict:
@@ -40,10 +43,10 @@ def run(cfg: Config, paths: Paths) -> dict:
     plots.latency_cdfs(traces, workload, paths.plots_dir / "serve_latency_cdf.png")
     plots.step_timeline(traces, workload, paths.plots_dir / "serve_timeline.png")
     plots.width_histogram(traces, workload, paths.plots_dir / "serve_widths.png")
-    write_metrics(paths, "serve", metrics)
+    write_metrics(paths, "serve-check", metrics)
     if not metrics["passed"]:
         missed = ", ".join(k for k, ok in metrics["gates"].items() if not ok)
-        raise GateFailed(f"serve-check gates missed: {missed} (see {paths.metrics_file('serve')})")
+        raise GateFailed(f"serve-check gates missed: {missed} (see {paths.metrics_file('serve-check')})")
     return metrics
 
 
@@ -74,6 +77,8 @@ def replay_policies(
 
 
 def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
+    from laplace.serving.engine import POLICIES  # torch: imported when the stage runs, not with the registry
+
     headline = headline_workload(cfg)
     metrics: dict = {"headline_workload": headline}
     for policy in POLICIES:
@@ -218,6 +223,7 @@ def headline_workload(cfg: Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from laplace.serving.engine import POLICIES
     from laplace.serving.replay import replay_policy
 
     return worker_main(
