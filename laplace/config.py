@@ -113,7 +113,10 @@ class DataSection:
     max_tokens: int = knob(0, _non_negative, "train tokens, 0 = no cap; else shared evenly among the slices")
     min_chars: int = knob(64, _positive, "shorter documents are skipped and counted")
     max_document_chars: int = knob(
-        1_000_000, _positive, "longer text files are cut at blank lines (or at this size) into documents"
+        1_000_000, _positive, "longer text files and records are cut at blank lines (or at this size) into documents"
+    )
+    split_bytes: int = knob(
+        32_000_000, _positive, "a larger .jsonl or text file is split by byte ranges (at line starts) over slices"
     )
     val_fraction: float = knob(
         0.05, _fraction, doc="share of documents held out for validation (by a seeded hash of the text)"
@@ -151,6 +154,13 @@ class TrainSection:
     steps: int = knob(300, _positive, doc="optimizer steps")
     batch_size: int = knob(8, _positive, "sequences per optimizer step, global across ranks")
     seq_len: int = knob(256, _positive, doc="tokens per training sequence")
+    grad_accum_steps: int = knob(
+        1, _positive, "micro-batches per optimizer step; each rank's share of batch_size is split into this many"
+    )
+    activation_checkpoint: Literal["none", "full", "selective"] = knob(
+        "none",
+        doc="none | full (recompute each block in backward) | selective (keep the projections' outputs)",
+    )
     lr: float = knob(3e-3, _positive, "AdamW learning rate (embeddings, head, norms, biases)")
     schedule: Literal["cosine", "wsd", "constant"] = knob("cosine", doc="cosine | wsd | constant")
     warmup_steps: int = knob(20, _non_negative, doc="linear learning-rate warmup")
@@ -169,6 +179,9 @@ class TrainSection:
     eval_batches: int = knob(8, _positive, doc="validation batches per evaluation")
     checkpoint_every: int = knob(100, _positive, doc="steps between checkpoints (DCP)")
     keep_checkpoints: int = knob(2, _positive, doc="the newest this many checkpoints are kept")
+    async_checkpoint: bool = knob(
+        False, doc="true: DCP async_save, the write runs in the background while training goes on"
+    )
     log_every: int = knob(10, _positive, doc="steps between log lines")
     nproc_per_node: int = knob(
         1, _positive, "> 1: the train stage launches torchrun (gloo on CPU, nccl on CUDA, neuron on Trainium)"

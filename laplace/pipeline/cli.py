@@ -46,7 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: train.nproc_per_node x train.nnodes)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: train.precision")
-    p.add_argument("--hbm-gib", type=float, default=24.0, help="device memory per rank (24: a Trn2 logical core)")
+    p.add_argument(
+        "--device-memory", default="24GiB", help="memory per rank, e.g. 24GiB (a Trn2 logical core), 80GB, 1.5TiB"
+    )
+    p.add_argument("--hbm-gib", type=float, default=None, help=argparse.SUPPRESS)  # the older spelling
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: train.seq_len)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per rank per micro-batch (default: train.batch_size / ranks / train.grad_accum_steps, else 1)",
+    )
+    p.add_argument("--grad-accum", type=int, default=None, help="default: train.grad_accum_steps")
+    p.add_argument(
+        "--activation-checkpoint", choices=["none", "full", "selective"], default=None, help="default: train's"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     for name, stage in stages.STAGES.items():
@@ -139,12 +153,30 @@ def _run(args) -> int:
         return 0
     if args.command == "plan":
         from laplace.errors import ConfigError
-        from laplace.training.plan import as_text, plan
+        from laplace.training.plan import GIB, as_text, parse_bytes, plan
 
         world = args.nproc or cfg.train.nproc_per_node * cfg.train.nnodes
         if world < 1:
             raise ConfigError(f"--nproc must be >= 1, got {world}")
-        result = plan(_model_config(args.preset, cfg), world, args.precision or cfg.train.precision, args.hbm_gib)
+        t = cfg.train
+        accum = args.grad_accum or t.grad_accum_steps
+        micro = args.micro_batch
+        if micro is None:
+            micro = t.batch_size // (world * accum) if t.batch_size % (world * accum) == 0 else 1
+        for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", micro), ("--grad-accum", accum)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        memory = args.hbm_gib if args.hbm_gib is not None else parse_bytes(args.device_memory, "--device-memory") / GIB
+        result = plan(
+            _model_config(args.preset, cfg),
+            world,
+            args.precision or t.precision,
+            memory,
+            seq_len=args.seq_len or t.seq_len,
+            micro_batch=micro,
+            grad_accum_steps=accum,
+            activation_checkpoint=args.activation_checkpoint or t.activation_checkpoint,
+        )
         print(json.dumps(result, indent=2) if args.json else as_text(result, args.preset or cfg.model.preset))
         return 0
     paths = Paths.at(args.root)

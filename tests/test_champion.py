@@ -23,8 +23,7 @@ from laplace.pipeline.params import load_config
 from laplace.pipeline.provenance import source_text
 from laplace.pipeline.stages import STAGES
 
-from project import ROOT
-from test_tracking_outage import write_stage_results
+from project import ROOT, write_stage_results
 
 SERVE = {
     "headline_workload": "poisson",
