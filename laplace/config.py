@@ -257,7 +257,8 @@ class ServerSection:
     """`server:` laplace serve, the live server.
 
     serve-check's replays and live phase run as that server does, on an address and policy of
-    their own: serve-check declares threads, max_new_tokens and shutdown_grace_s, not the rest."""
+    their own: serve-check declares threads, max_new_tokens, shutdown_grace_s and the request limits
+    (max_request_bytes, max_stop_chars), not the rest."""
 
     host: str = knob("127.0.0.1", doc="laplace serve listens here (loopback: only this machine can connect)")
     port: int = knob(8000, lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "laplace serve's port")
@@ -278,6 +279,8 @@ class ServerSection:
     shutdown_grace_s: float = knob(
         10.0, _non_negative, "on SIGTERM: no new requests; in-flight ones get this long to finish"
     )
+    max_request_bytes: int = knob(2 * 2**20, _positive, "a larger request body is refused with 413")
+    max_stop_chars: int = knob(1024, _positive, "the longest stop string a request may give")
 
 
 @dataclass(frozen=True)
