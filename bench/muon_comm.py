@@ -4,9 +4,11 @@ For each world size N (default 2 and 4) one torchrun job builds the trainer's FS
 model (laplace.training.loop.build_model), takes one real forward/backward, then times
 the Muon step on those gradients with `allgather` (every rank orthogonalises every
 matrix) and with `alltoall` (owner ranks, one equal-split all-to-all each way), and
-meters the bytes each rank sends and receives. The analytic figures for Laplace 3B at
-64 ranks come from the same ExchangePlan, next to the article's. Prints a table and one
-JSON object.
+meters the bytes each rank sends and receives, every rank's, against `laplace plan`'s
+prediction for the same model and N (laplace.training.plan, the optimizer's own
+ExchangePlan: `bytes_equal_the_plan`, which tests/test_exchange.py checks). The analytic
+figures for Laplace 3B at 64 ranks come from the same plan, next to the article's. Prints a
+table and one JSON object.
 
     .venv/bin/python bench/muon_comm.py [--worlds 2 4] [--steps 5] [--d-model 512 --layers 4]
 """
@@ -57,11 +59,14 @@ def worker(args) -> None:
                 times.append(time.perf_counter() - start)
             else:
                 opt.meter.reset()
-        traffic = traffic_metrics(opt.meter.gather(device=group.device), args.steps)
+        gathered = opt.meter.gather(device=group.device)
+        traffic = traffic_metrics(gathered, args.steps)
+        every_rank = [sum(v["sent"][r] + v["received"][r] for v in gathered.values()) for r in range(group.world)]
         out[comm] = {
             "step_seconds": statistics.median(times),
             "muon_bytes_per_rank_max": traffic["muon_bytes_per_rank_per_step_max"],
             "muon_bytes_per_rank_mean": traffic["muon_bytes_per_rank_per_step_mean"],
+            "muon_bytes_per_rank_min": min(every_rank) / args.steps,
             "params": model.num_parameters(),
         }
     if group.is_main:
@@ -86,7 +91,7 @@ def main() -> None:
     from laplace.model.config import preset_model_config
     from laplace.model.lm import LaplaceLM
     from laplace.optim.exchange import model_traffic
-    from laplace.training.plan import ARTICLE
+    from laplace.training.plan import ARTICLE, plan
 
     shape = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=4)
     results = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}", "runs": []}
@@ -114,17 +119,21 @@ def main() -> None:
             ]
             subprocess.run(cmd, check=True, capture_output=True)
             r = json.loads(out.read_text())
-        with torch.device("meta"):
-            analytic = model_traffic(LaplaceLM(preset_model_config("tiny", **shape)), n)
+        predicted = plan(preset_model_config("tiny", **shape), n, precision="fp32")["muon_traffic"]
         ag, a2a = r["allgather"]["muon_bytes_per_rank_max"], r["alltoall"]["muon_bytes_per_rank_max"]
+        # every rank's measured bytes (min, mean and max over the ranks) against the plan's
+        measured = [r[c][f"muon_bytes_per_rank_{k}"] for c in ("allgather", "alltoall") for k in ("min", "mean", "max")]
+        expected = [predicted["allgather_bytes_per_rank"]] * 3 + [predicted["alltoall_bytes_per_rank"]] * 3
         results["runs"].append(
             {
                 "world_size": n,
                 "params": r["alltoall"]["params"],
                 "bytes_per_rank_allgather": ag,
                 "bytes_per_rank_alltoall": a2a,
-                "bytes_equal_the_plan": ag == analytic["allgather_bytes_per_rank"]
-                and a2a == analytic["alltoall_bytes_per_rank"],
+                "plan_bytes_per_rank_allgather": predicted["allgather_bytes_per_rank"],
+                "plan_bytes_per_rank_alltoall": predicted["alltoall_bytes_per_rank"],
+                "bytes_equal_the_plan": measured == expected,
+                "plan_newton_schulz_work_max_over_mean": predicted["newton_schulz_work_max_over_mean"],
                 "bytes_ratio": ag / a2a,
                 "ideal_ratio": n / 2,
                 "step_seconds_allgather": r["allgather"]["step_seconds"],

@@ -21,6 +21,15 @@ NCCL on CUDA).
     .venv/bin/python bench/train_step.py [--presets tiny small] [--batch 8 --seq-len 256] [--steps 3] [--device cuda]
     .venv/bin/python bench/train_step.py --distributed [--worlds 1 2] [--presets tiny] [--device cuda]
         [--precision bf16] [--compile]
+    .venv/bin/python bench/train_step.py --recompute [--presets tiny] [--batch 8 --seq-len 256] [--steps 3]
+
+`--recompute` times train.activation_checkpoint none, full and selective side by side in one
+run (the trainer's `apply_activation_checkpointing`, eager, Muon + AdamW), and measures each
+mode's peak memory in one more step under torch's MemTracker (torch.distributed._tools: a
+dispatch mode that follows every tensor's storage, parameters, gradients, activations and
+temporaries apart; outside the timed steps, as it slows them) beside the activations `laplace
+plan` predicts for the same micro-batch. Then it prints the plan's table for Laplace 3B at 8,
+64 and 128 ranks, 2,048 tokens, bf16, 24 GiB.
 """
 
 from __future__ import annotations
@@ -243,6 +252,97 @@ def distributed_main(args) -> None:
     emit({"machine": machine(device), "preset": args.presets[0], "comm": args.comm, "runs": runs})
 
 
+def recompute_main(args) -> None:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from laplace.training.activation_checkpoint import MODES, apply_activation_checkpointing
+    from laplace.training.activations import activation_bytes
+    from laplace.training.plan import GIB, plan
+
+    device, _ = prepare_device(args.device)
+    preset = args.presets[0]
+    cfg = preset_model_config(preset, vocab_size=VOCAB.get(preset, 16384))
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen) for _ in range(args.steps + 2)
+    ]
+    batches = [(b[:, :-1].to(device), b[:, 1:].to(device)) for b in batches]
+    predicted = activation_bytes(cfg, args.batch, args.seq_len, torch.float32)
+    rows, runs = [], {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = LaplaceLM(cfg).to(device)
+        apply_activation_checkpointing(model, mode)
+        optimizer = MuonAdamW(model, 1e-3, AdamWSection(), MuonSection())
+
+        def loss_fn(x, y, model=model):
+            return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+        timed = time_steps(model, optimizer, loss_fn, batches[:-1], args.steps, device)
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer.muon, optimizer.adamw)
+        with tracker:
+            loss_fn(*batches[-1]).backward()
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        kinds = {str(k).split(".")[-1].lower(): v for k, v in peak.items()}
+        runs[mode] = {**timed, "tokens_per_s": args.batch * args.seq_len / timed["step_s"], "peak_bytes": kinds}
+        rows.append(
+            [
+                mode,
+                runs[mode]["tokens_per_s"],
+                timed["fwd_bwd_s"],
+                kinds["total"] / 2**20,
+                kinds["act"] / 2**20,
+                predicted["peak_bytes"][mode] / 2**20,
+                timed["final_loss"],
+            ]
+        )
+    print(f"{device}: activation checkpointing, `{preset}`, batch {args.batch} x {args.seq_len}, fp32 eager")
+    print_table(["mode", "tok/s", "fwd+bwd s", "peak MiB", "activations MiB", "plan's activations MiB", "loss"], rows)
+    tables = {}
+    for world in (8, 64, 128):
+        p = plan(preset_model_config("laplace-3b"), world, "bf16", 24.0, seq_len=2048, micro_batch=1)
+        tables[world] = p
+    print("\nlaplace plan: Laplace 3B, bf16, micro-batch 1 x 2048 tokens, 24 GiB per rank (max over ranks)")
+    plan_rows = []
+    for world, p in tables.items():
+        m = p["modes"]
+        plan_rows.append(
+            [
+                world,
+                p["per_rank_total_max_bytes"] / GIB,
+                *(m[k]["total_bytes"] / GIB for k in MODES),
+                *(m[k]["max_micro_batch"] for k in MODES),
+                p["needs_activation_checkpoint"],
+            ]
+        )
+    print_table(
+        [
+            "ranks",
+            "static GiB",
+            "none GiB",
+            "full GiB",
+            "selective GiB",
+            "max mb none",
+            "max mb full",
+            "max mb sel",
+            "needs",
+        ],
+        plan_rows,
+    )
+    emit(
+        {
+            "machine": machine(device),
+            "preset": preset,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "runs": runs,
+            "plan_activation_bytes": predicted["peak_bytes"],
+            "plan_3b": {w: {"static": p["per_rank_total_max_bytes"], "modes": p["modes"]} for w, p in tables.items()},
+        }
+    )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
@@ -259,12 +359,20 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--compile", action="store_true", help="--distributed only: per-block compile and the compiled Muon update"
     )
+    ap.add_argument(
+        "--recompute", action="store_true", help="activation checkpointing none/full/selective side by side"
+    )
     ap.add_argument("--distributed-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     add_device_argument(ap)
     args = ap.parse_args(argv)
     if args.distributed_worker:
         distributed_worker(args)
+        return
+    if args.recompute:
+        if "--presets" not in (argv or sys.argv):
+            args.presets = ["tiny"]
+        recompute_main(args)
         return
     if args.distributed:
         if "--presets" not in (argv or sys.argv):

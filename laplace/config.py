@@ -123,7 +123,10 @@ class DataSection:
     max_tokens: int = knob(0, _non_negative, "train tokens, 0 = no cap; else shared evenly among the slices")
     min_chars: int = knob(64, _positive, "shorter documents are skipped and counted")
     max_document_chars: int = knob(
-        1_000_000, _positive, "longer text files are cut at blank lines (or at this size) into documents"
+        1_000_000, _positive, "longer text files and records are cut at blank lines (or at this size) into documents"
+    )
+    split_bytes: int = knob(
+        32_000_000, _positive, "a larger .jsonl or text file is split by byte ranges (at line starts) over slices"
     )
     val_fraction: float = knob(
         0.05, _fraction, doc="share of documents held out for validation (by a seeded hash of the text)"
@@ -161,6 +164,13 @@ class TrainSection:
     steps: int = knob(300, _positive, doc="optimizer steps")
     batch_size: int = knob(8, _positive, "sequences per optimizer step, global across ranks")
     seq_len: int = knob(256, _positive, doc="tokens per training sequence")
+    grad_accum_steps: int = knob(
+        1, _positive, "micro-batches per optimizer step; each rank's share of batch_size is split into this many"
+    )
+    activation_checkpoint: Literal["none", "full", "selective"] = knob(
+        "none",
+        doc="none | full (recompute each block in backward) | selective (keep the projections' outputs)",
+    )
     lr: float = knob(3e-3, _positive, "AdamW learning rate (embeddings, head, norms, biases)")
     schedule: Literal["cosine", "wsd", "constant"] = knob("cosine", doc="cosine | wsd | constant")
     warmup_steps: int = knob(20, _non_negative, doc="linear learning-rate warmup")
@@ -179,6 +189,9 @@ class TrainSection:
     eval_batches: int = knob(8, _positive, doc="validation batches per evaluation")
     checkpoint_every: int = knob(100, _positive, doc="steps between checkpoints (DCP)")
     keep_checkpoints: int = knob(2, _positive, doc="the newest this many checkpoints are kept")
+    async_checkpoint: bool = knob(
+        False, doc="true: DCP async_save, the write runs in the background while training goes on"
+    )
     log_every: int = knob(10, _positive, doc="steps between log lines")
     nproc_per_node: int = knob(
         1, _positive, "> 1: the train stage launches torchrun (gloo on CPU, nccl on CUDA, neuron on Trainium)"
@@ -254,7 +267,8 @@ class ServerSection:
     """`server:` laplace serve, the live server.
 
     serve-check's replays and live phase run as that server does, on an address and policy of
-    their own: serve-check declares threads, max_new_tokens and shutdown_grace_s, not the rest."""
+    their own: serve-check declares threads, max_new_tokens, shutdown_grace_s and the request limits
+    (max_request_bytes, max_stop_chars), not the rest."""
 
     host: str = knob("127.0.0.1", doc="laplace serve listens here (loopback: only this machine can connect)")
     port: int = knob(8000, lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "laplace serve's port")
@@ -275,6 +289,8 @@ class ServerSection:
     shutdown_grace_s: float = knob(
         10.0, _non_negative, "on SIGTERM: no new requests; in-flight ones get this long to finish"
     )
+    max_request_bytes: int = knob(2 * 2**20, _positive, "a larger request body is refused with 413")
+    max_stop_chars: int = knob(1024, _positive, "the longest stop string a request may give")
 
 
 @dataclass(frozen=True)
@@ -564,8 +580,22 @@ def config_from_dict(raw: dict) -> Config:
             f"train.batch_size: {t.batch_size} is not divisible by the "
             f"{t.nproc_per_node * t.nnodes} ranks (nproc_per_node x nnodes)"
         )
+    check_widths(cfg.engine.widths, cfg.engine.max_slots)
     check_project_paths(cfg)
     return cfg
+
+
+def check_widths(widths: list[int], max_slots: int, key: str = "engine.widths") -> None:
+    """A decode width ladder as written: strictly increasing, from >= 1 up to exactly max_slots
+    (a wider graph would only pad rows no slot can fill). Empty: powers of two up to max_slots."""
+    if not widths:
+        return
+    ordered = all(a < b for a, b in zip(widths, widths[1:]))
+    if not ordered or widths[0] < 1 or widths[-1] != max_slots:
+        example = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots] + [max_slots]
+        raise ConfigError(
+            f"{key}: must increase strictly from >= 1 to max_slots={max_slots} (e.g. {example}), got {widths}"
+        )
 
 
 def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:

@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from project import TINY_MODEL
+
 # Tests run on 2 cores; keep torch from oversubscribing when pytest itself is the only job.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # fp32 tests compare at 1e-5: TF32 (cuDNN's default for convolutions on CUDA) would give ~1e-3.
@@ -49,14 +51,7 @@ def tiny_artifacts(tmp_path_factory):
         {
             "data": {"max_documents": 300, "num_proc": 1},
             "tokenizer": {"vocab_size": 400},
-            "model": {
-                "preset": "tiny",
-                "d_model": 32,
-                "n_layers": 1,
-                "n_heads": 2,
-                "chunk_size": 16,
-                "sub_chunk_size": 8,
-            },
+            "model": {"preset": "tiny", **TINY_MODEL},
             "train": {
                 "steps": 20,
                 "batch_size": 4,

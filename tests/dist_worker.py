@@ -3,6 +3,13 @@
 step PREFIX     a few training steps of the FSDP2 model with MuonAdamW (both Muon
                 strategies); each rank takes its slice of a global batch. Rank 0 writes the
                 final parameters, the traffic and the spy's report.
+recompute PREFIX [PRECISION COMPILE]
+                the same steps with train.activation_checkpoint none, full and selective; rank 0
+                writes each mode's losses and every step's gradients, gathered whole.
+accumulate PREFIX
+                the same steps as one batch per rank, and as 4 micro-batches of a quarter of it
+                (train.grad_accum_steps through loop.accumulate_gradients); rank 0 writes the
+                losses, the gradients and the number of Muon exchanges.
 train PREFIX CONFIG DATA RUN
                 laplace.training.loop.train on a tokenized project; at the first step it runs
                 (after a resume), rank 0 writes the optimizer state the ranks hold, gathered
@@ -30,7 +37,7 @@ from laplace.config import AdamWSection, MuonSection, TrainSection, config_from_
 from laplace.model.config import preset_model_config
 from laplace.optim.muon_adamw import MuonAdamW
 from laplace.training import distributed
-from laplace.training.loop import build_model, cross_entropy, train
+from laplace.training.loop import accumulate_gradients, build_model, cross_entropy, train
 
 STEPS, VOCAB, GLOBAL_BATCH, SEED = 4, 300, 4, 11
 ADAMW_LR, MUON = 3e-3, MuonSection(lr=0.02)
@@ -50,10 +57,10 @@ def model_config():
     )
 
 
-def batch(step: int):
+def batch(step: int, size: int = GLOBAL_BATCH):
     """The global batch of a step: the same on every rank, each rank trains on its slice."""
     gen = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, 33), generator=gen)
+    tokens = torch.randint(0, VOCAB, (size, 33), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -161,6 +168,68 @@ def step_mode(prefix: str) -> None:
     distributed.leave(group)
 
 
+def _full_gradients(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _run_steps(group, train_section, global_batch: int, micro_batches: int, steps: int = STEPS):
+    """`steps` optimizer steps of the trainer's model and optimizer, each rank on its slice of
+    the global batch in `micro_batches` micro-batches; the losses (mean over ranks), every
+    step's gradients gathered whole, the final parameters, and the Muon exchanges made."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (group.world,))
+    model = build_model(model_config(), mesh, group.device, train_section, SEED)
+    opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MUON)
+    opt.set_lr_scale(1.0)
+    losses, grads = [], []
+    for step in range(steps):
+        x, y = batch(step, global_batch)
+        per_rank = global_batch // group.world
+        x, y = (t[group.rank * per_rank : (group.rank + 1) * per_rank] for t in (x, y))
+        loss = accumulate_gradients(model, x, y, micro_batches)
+        losses.append(float(distributed.all_mean(loss)))
+        grads.append(_full_gradients(model))
+        opt.step(max_grad_norm=CLIP)
+        opt.zero_grad()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    exchanges = opt.meter.totals["muon_to_owner"]["calls"]
+    return losses, grads, full, exchanges
+
+
+def recompute_mode(prefix: str, precision: str = "fp32", compiled: str = "0") -> None:
+    torch.set_num_threads(1)
+    group = distributed.join(torch.device("cpu"))
+    out = {}
+    for mode in ("none", "full", "selective"):
+        t = TrainSection(precision=precision, compile=compiled == "1", activation_checkpoint=mode)
+        losses, grads, _, _ = _run_steps(group, t, GLOBAL_BATCH, 1)
+        if group.is_main:
+            tensors = {f"{step}/{name}": g for step, named in enumerate(grads) for name, g in named.items()}
+            save_file(tensors, f"{prefix}-{mode}.safetensors")
+            out[mode] = losses
+    if group.is_main:
+        Path(f"{prefix}-report.json").write_text(json.dumps(out))
+    distributed.leave(group)
+
+
+def accumulate_mode(prefix: str) -> None:
+    torch.set_num_threads(1)
+    group = distributed.join(torch.device("cpu"))
+    out = {}
+    global_batch = 4 * group.world  # 4 sequences per rank: one batch, or 4 micro-batches of 1
+    for micro in (1, 4):
+        losses, grads, params, exchanges = _run_steps(group, TrainSection(precision="fp32"), global_batch, micro)
+        if group.is_main:
+            tensors = {f"{step}/{name}": g for step, named in enumerate(grads) for name, g in named.items()}
+            tensors |= {f"final/{k}": v.contiguous() for k, v in params.items()}
+            save_file(tensors, f"{prefix}-{micro}.safetensors")
+            out[micro] = {"losses": losses, "exchanges": exchanges}
+    if group.is_main:
+        Path(f"{prefix}-report.json").write_text(json.dumps(out))
+    distributed.leave(group)
+
+
 def train_mode(prefix: str, config: str, data_dir: str, run_dir: str) -> None:
     torch.set_num_threads(1)
     spy = CollectiveSpy(torch.device("cpu"))
@@ -188,4 +257,5 @@ def train_mode(prefix: str, config: str, data_dir: str, run_dir: str) -> None:
 
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
-    {"step": step_mode, "train": train_mode}[mode](*rest)
+    modes = {"step": step_mode, "train": train_mode, "recompute": recompute_mode, "accumulate": accumulate_mode}
+    modes[mode](*rest)

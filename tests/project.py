@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -12,16 +13,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+# The tests' tiny model: the tiny preset cut to one 32-wide layer (the one copy; tests that need
+# more layers or another vocabulary say so with overrides).
+TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "chunk_size": 16, "sub_chunk_size": 8}
+
+
+def tiny_model_config(vocab_size: int, **overrides):
+    """The tests' tiny ModelConfig (TINY_MODEL), with field overrides."""
+    from laplace.model.config import preset_model_config
+
+    return preset_model_config("tiny", vocab_size=vocab_size, **{**TINY_MODEL, **overrides})
+
+
 # A pipeline small enough to run end to end in well under a minute on 2 cores.
 TINY_PARAMS = {
     "data.max_documents": 200,
     "data.num_proc": 1,
     "tokenizer.vocab_size": 300,
-    "model.d_model": 32,
-    "model.n_layers": 1,
-    "model.n_heads": 2,
-    "model.chunk_size": 16,
-    "model.sub_chunk_size": 8,
+    **{f"model.{key}": value for key, value in TINY_MODEL.items()},
     "train.steps": 6,
     "train.batch_size": 2,
     "train.seq_len": 32,
@@ -161,3 +170,23 @@ def wait_until_answers(proc: subprocess.Popen, url: str, timeout_s: float) -> No
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
+
+
+# What the stages before track leave on disk: the spool `laplace track` logs from.
+SPOOL_TRAIN = {"steps": 6, "val_loss": 4.25, "val_loss_initial": 5.75, "val_ppl": 70.1, "tokens_per_s": 1234.5}
+
+
+def write_stage_results(root: Path) -> None:
+    """What the stages before track leave on disk (the spool track logs from), plus params.yaml."""
+    shutil.copy2(ROOT / "params.yaml", root / "params.yaml")
+    results = {
+        "metrics/tokenize.json": {"documents_read": 200, "tokens_train": 41000, "tokens_val": 2100},
+        "metrics/train.json": SPOOL_TRAIN,
+        "metrics/serve-check.json": {"passed": True, "padded": {"compile_events": 0}},
+        "metrics/numerics.json": {"passed": True, "max_abs_logit_diff_fp32": 2e-6},
+        "plots/train_loss.json": [{"step": s, "loss": 6.0 - s / 4, "tokens_per_s": 1000.0 + s} for s in range(1, 7)],
+        "plots/val_loss.json": [{"step": 3, "val_loss": 4.9}, {"step": 6, "val_loss": 4.25}],
+    }
+    for rel, data in results.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(json.dumps(data))

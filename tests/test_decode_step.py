@@ -4,7 +4,7 @@ depend on the batch; on CUDA, CUDA graphs against eager."""
 
 import pytest
 import torch
-from test_serve import model, staggered
+from test_engine import model, staggered
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -46,7 +46,7 @@ from laplace.training import checkpoint as ckpt
 from laplace.training.loop import cross_entropy
 
 from dist_worker import ADAMW_LR, CLIP, MUON, SEED, STEPS, batch, model_config
-from project import BIN, TINY_PARAMS, copy_project, env, free_port, run
+from project import BIN, TINY_MODEL, TINY_PARAMS, copy_project, env, free_port, run
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "dist_worker.py")
@@ -203,11 +203,8 @@ def run_cfg(world: int, steps: int = 8):
             "tokenizer": {"vocab_size": 400},
             "model": {
                 "preset": "tiny",
-                "d_model": 32,
+                **TINY_MODEL,
                 "n_layers": 2,
-                "n_heads": 2,
-                "chunk_size": 16,
-                "sub_chunk_size": 8,
                 "gate_low_rank_dim": 2,  # at 4 ranks, two hold no rows of that matrix: empty shards in DCP
             },
             "train": {
@@ -363,7 +360,8 @@ def test_dry_run_of_laplace_3b_on_64_ranks_fits_a_trn2_core_and_allocates_nothin
         "print(json.dumps({'maxrss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr); "
         "sys.exit(rc)"
     )
-    args = ["plan", "--preset", "laplace-3b", "--nproc", "64", "--precision", "bf16", "--json"]
+    args = ["plan", "--preset", "laplace-3b", "--nproc", "64", "--precision", "bf16"]
+    args += ["--seq-len", "2048", "--device-memory", "24GiB", "--json"]
     out = run([sys.executable, "-c", measure, *args], cwd=HERE.parent)
     plan = json.loads(out.stdout)
     rss = json.loads(out.stderr.strip().splitlines()[-1])["maxrss_kib"] * 1024
@@ -374,7 +372,10 @@ def test_dry_run_of_laplace_3b_on_64_ranks_fits_a_trn2_core_and_allocates_nothin
 
     per_rank = plan["per_rank_bytes"]
     assert 4 * params / 64 <= per_rank["parameters"] <= 1.01 * 4 * params / 64  # rank 0: the ceil-rows shards
-    assert plan["fits"] and plan["left_for_activations_bytes"] > 12 * GIB  # of the 24 GiB of a Trn2 logical core
+    assert plan["left_for_activations_bytes"] > 12 * GIB  # of the 24 GiB of a Trn2 logical core
+    # one 2,048-token sequence does not fit without activation checkpointing; selective does
+    assert plan["micro_batch"] == 1 and plan["seq_len"] == 2048 and not plan["fits"]
+    assert plan["needs_activation_checkpoint"] == "selective" and plan["modes"]["selective"]["fits"]
 
     with torch.device("meta"):
         shapes = [tuple(p.shape) for _, p in route_parameters(LaplaceLM(cfg))["muon"]]
@@ -384,3 +385,61 @@ def test_dry_run_of_laplace_3b_on_64_ranks_fits_a_trn2_core_and_allocates_nothin
     assert traffic["ratio"] > 15  # the article: 10.87 GB -> 0.45 GB, 24x
     text = as_text(plan, "laplace-3b")
     assert "10.870 GB" in text and "0.450 GB" in text and "left for activations" in text
+
+
+# --------------------------------------------------------------------------- recompute and accumulation
+
+
+def _per_step(path: str) -> dict[int, dict[str, torch.Tensor]]:
+    steps: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in load_file(path).items():
+        step, name = key.split("/", 1)
+        steps.setdefault(step, {})[name] = t
+    return steps
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_none_full_selective_give_the_same_losses_and_gradients(tmp_path):
+    """Two gloo ranks, FSDP2 (embedding, blocks and head units), Muon + AdamW, four steps with
+    clipping: recomputing each block in backward (full) or all but its projections (selective)
+    reproduces no checkpointing's losses and every step's gradients. Eager fp32 recomputes
+    the same kernels on the same inputs, so the figures agree to fp32 rounding (in practice
+    bit for bit); the tolerance is fp32's."""
+    prefix = tmp_path / "ac"
+    torchrun(2, [WORKER, "recompute", str(prefix)])
+    report = json.loads(Path(f"{prefix}-report.json").read_text())
+    reference = _per_step(f"{prefix}-none.safetensors")
+    assert len(reference) == STEPS and len(report["none"]) == STEPS
+    for mode in ("full", "selective"):
+        for got, want in zip(report[mode], report["none"]):
+            assert math.isclose(got, want, rel_tol=1e-6), (mode, report)
+        grads = _per_step(f"{prefix}-{mode}.safetensors")
+        assert grads.keys() == reference.keys()
+        for step, named in reference.items():
+            assert named.keys() == grads[step].keys()
+            for name, want in named.items():
+                torch.testing.assert_close(grads[step][name], want, rtol=1e-5, atol=1e-7, msg=f"{mode} {step} {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_accumulating_4_micro_batches_equals_one_batch_4x_the_size(world, tmp_path):
+    """Each rank's 4 sequences as one batch, or as 4 micro-batches of one (FSDP2 syncs gradients
+    on the last only): the same losses and gradients at fp32 tolerance (other summation orders),
+    and the optimizer, so the Muon exchange, runs once per step either way."""
+    prefix = tmp_path / f"accum{world}"
+    torchrun(world, [WORKER, "accumulate", str(prefix)])
+    report = json.loads(Path(f"{prefix}-report.json").read_text())
+    one, four = report["1"], report["4"]
+    assert one["exchanges"] == four["exchanges"] == STEPS
+    for got, want in zip(four["losses"], one["losses"]):
+        assert math.isclose(got, want, rel_tol=5e-5), report
+    whole, accumulated = _per_step(f"{prefix}-1.safetensors"), _per_step(f"{prefix}-4.safetensors")
+    # the first step starts from the same weights: its gradients agree to fp32 rounding; after it,
+    # Muon's bf16 Newton-Schulz turns last-bit differences into bf16-sized ones (see above)
+    for name, want in whole["0"].items():
+        torch.testing.assert_close(accumulated["0"][name], want, rtol=1e-4, atol=1e-6, msg=name)
+    # after four steps: bf16-sized, a few times (5e-2: the gate's 2-column low-rank matrix is the
+    # one Newton-Schulz amplifies most; the others stay within 2e-2)
+    for name, want in whole["final"].items():
+        assert (accumulated["final"][name] - want).norm() <= 5e-2 * want.norm(), name

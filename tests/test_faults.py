@@ -184,14 +184,14 @@ def test_kill_during_a_checkpoint_write_and_a_truncated_checkpoint_are_never_loa
 DISK_FULL_AT_STEP_5 = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like ENOSPC
-from laplace.pipeline import stage_train
-train = stage_train.train
+from laplace.training import loop  # stage_train imports train from it when the stage runs
+train = loop.train
 def fill_the_disk(step, model, optimizer):
     if step == 5:  # after checkpoint 4: no file may grow past 4 KiB any more
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 def train_with_a_full_disk(*args, **kwargs):
     return train(*args, before_step=fill_the_disk, **kwargs)
-stage_train.train = train_with_a_full_disk
+loop.train = train_with_a_full_disk
 from laplace.pipeline.cli import main
 sys.exit(main(["train"]))
 """
@@ -211,3 +211,118 @@ def test_disk_full_while_writing_is_a_clear_error_and_the_previous_checkpoint_su
     assert [s for s, _ in ckpt.list_checkpoints(checkpoints)] == [4, 2]
     assert ckpt.verify_manifest(checkpoints / "step_000004") == (True, "")
     assert not list(checkpoints.glob(".step_*"))  # no half-written staging directory left behind
+
+
+# --------------------------------------------------------------------------- a job that stops
+
+
+def job_processes(pid: int) -> list[int]:
+    """`pid` and everything below it that is still alive (zombies are dead)."""
+    alive = []
+    for p in [pid, *descendants(pid)]:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(p)
+    return alive
+
+
+def still_alive(pids: list[int]) -> list[int]:
+    out = []
+    for p in pids:
+        try:
+            if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(p)
+        except OSError:
+            pass
+    return out
+
+
+def wait_for_ranks(proc: subprocess.Popen, world: int, step: int, timeout: float = 300) -> list[int]:
+    """Read the log until rank 0 reports `step`; returns the job's processes (laplace train, the
+    torchrun agent, every rank)."""
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        if f" step {step}/" in line:
+            break
+        assert time.monotonic() < deadline, "training did not reach the step in time"
+    pids = job_processes(proc.pid)
+    assert len(pids) >= 2 + world, pids  # laplace train, the agent, the ranks
+    return pids
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while still_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return still_alive(pids)
+
+
+LONG = {"train.nproc_per_node": 2, "train.steps": 400, "train.checkpoint_every": 1000, "train.eval_every": 1000}
+
+
+def test_sigkill_of_laplace_train_leaves_no_process_of_the_job(tokenized, tmp_path):
+    root = fresh(tokenized, tmp_path, "sigkill", **LONG)
+    proc = start_training(root)
+    pids = wait_for_ranks(proc, 2, 3)
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: the agent and the ranks must follow
+    proc.wait()
+    # the ranks run in their own sessions; nothing but their death signals reaches them
+    assert gone_within(pids, 10) == [], "processes of the job still alive 10 s after SIGKILL"
+
+
+def test_sigterm_checkpoints_and_stops_every_process_and_a_second_train_is_refused(tokenized, tmp_path):
+    root = fresh(tokenized, tmp_path, "sigterm", **LONG)
+    proc = start_training(root)
+    pids = wait_for_ranks(proc, 2, 3)
+    # a second job on the same project while the first runs: one line, exit status 2
+    second = run(LAPLACE + ["train"], root, check=False)
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 2 and len(lines) == 1, (second.returncode, second.stderr[-2000:])
+    assert lines[0].startswith("laplace train: error: another `laplace train` (pid ") and str(proc.pid) in lines[0]
+    assert still_alive(pids) == pids  # the refused job touched nothing of the running one
+
+    os.kill(proc.pid, signal.SIGTERM)
+    log = "".join(proc.stdout)
+    assert proc.wait() == 128 + signal.SIGTERM, log[-3000:]
+    assert gone_within(pids, 10) == [], "processes of the job still alive 10 s after SIGTERM"
+    # checkpoint_every is 1000: the only checkpoint is the one SIGTERM wrote, at a step boundary
+    saved = ckpt.list_checkpoints(root / "runs/train/checkpoints")
+    assert len(saved) == 1 and 3 <= saved[0][0] < LONG["train.steps"], (saved, log[-3000:])
+    assert ckpt.verify_manifest(saved[0][1])[0]
+    assert log.strip().splitlines()[-1].startswith("laplace train: error: stopped by SIGTERM"), log[-3000:]
+    # and the lock went with the job: the next train starts (and resumes from that step)
+    again = subprocess.Popen(
+        LAPLACE + ["train"], cwd=root, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        resumed = next(line for line in again.stdout if "resumed from" in line or "error" in line)
+        assert f"(step {saved[0][0]}," in resumed, resumed
+    finally:
+        pids = job_processes(again.pid)
+        os.kill(again.pid, signal.SIGKILL)
+        again.wait()
+        assert gone_within(pids, 10) == []
+
+
+def test_sigkill_of_the_parent_of_laplace_train_stops_the_job_too(tokenized, tmp_path):
+    """What `dvc repro` or a Prefect task is to `laplace train`: a parent process. Killed with -9,
+    its child `laplace train` gets SIGTERM (its death signal) and stops the job the graceful way."""
+    root = fresh(tokenized, tmp_path, "parent-killed", **LONG)
+    parent = subprocess.Popen(
+        ["/bin/sh", "-c", f"{LAPLACE[0]} train; exit $?"],  # not `exec`: the shell stays the parent
+        cwd=root,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    pids = wait_for_ranks(parent, 2, 3)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    assert gone_within(pids, 10) == [], "processes of the job still alive 10 s after its parent was killed"
+    saved = ckpt.list_checkpoints(root / "runs/train/checkpoints")
+    assert len(saved) == 1 and saved[0][0] >= 3, saved  # the graceful stop's checkpoint

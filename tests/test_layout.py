@@ -37,7 +37,7 @@ def source_tree(path: Path) -> ast.Module:
 
 
 @functools.cache
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path) -> frozenset[str]:
     """Every laplace module a file imports, anywhere in it (function-level imports included)."""
     tree = source_tree(path)
     found: set[str] = set()
@@ -50,7 +50,7 @@ def imported_modules(path: Path) -> set[str]:
         else:
             continue
         found.update(n for n in names if module_file(n) is not None)
-    return found
+    return frozenset(found)  # cached: shared by every caller
 
 
 def closure(start: set[str]) -> set[Path]:
@@ -353,3 +353,32 @@ def test_imports_point_down_no_circle():
 def test_the_circle_check_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_circles(graph) == [["a", "b", "c"]]
+
+
+# --------------------------------------------------------------------------- tests found by name
+
+# Suites about the whole rather than one module (each says so in its docstring).
+WHOLE_HOUSE_SUITES = {
+    "layout",  # this file: the import graph, dvc.yaml deps and params
+    "readme",  # every README command runs
+    "security",  # secrets, pickles, bound addresses, paths
+    "faults",  # kills and full disks across training processes
+    "load",  # the engine and the server under overload
+    "decode_step",  # the decode step as one graph (engine, lm, sampling together)
+    "pipeline_dvc",  # the pipeline end to end through each front door
+    "pipeline_frame",
+    "pipeline_prefect",
+}
+
+
+def test_a_modules_tests_are_found_from_its_name():
+    """tests/test_<name>.py tests the module, package or stage <name> (test_engine.py:
+    laplace/serving/engine.py, test_data.py: laplace/data/), or is one of WHOLE_HOUSE_SUITES."""
+    names = {p.stem for p in PACKAGE.rglob("*.py")} | {p.name for p in PACKAGE.iterdir() if p.is_dir()}
+    names |= set(STAGES)
+    strays = [
+        p.name
+        for p in sorted((ROOT / "tests").glob("test_*.py"))
+        if p.stem.removeprefix("test_") not in names | WHOLE_HOUSE_SUITES
+    ]
+    assert strays == []

@@ -25,8 +25,7 @@ from laplace.pipeline.params import load_config
 from laplace.pipeline.stages import STAGES
 from laplace.serving.engine import DecodeEngine, Request, width_ladder
 
-from project import descendants, free_port, wait_until_answers
-from test_tracking_outage import write_stage_results
+from project import descendants, free_port, wait_until_answers, write_stage_results
 
 pytestmark = pytest.mark.slow
 

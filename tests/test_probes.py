@@ -39,6 +39,8 @@ from laplace.serving.engine import DecodeEngine, width_ladder
 from laplace.training import checkpoint as ckpt
 from laplace.training.loop import train
 
+from project import tiny_model_config
+
 # The values proposed for params.yaml's probes section (train_mqar reaches ~0.97-1.0 on 4 pairs);
 # once they are the defaults, ProbesSection() alone will do.
 RECOMMENDED = dict(mqar_train_steps=600, mqar_train_vocab=64, mqar_contexts=[64, 256, 1024], mqar_pairs=[4, 8, 16])
@@ -46,13 +48,7 @@ RECOMMENDED = dict(mqar_train_steps=600, mqar_train_vocab=64, mqar_contexts=[64,
 
 def small_model(vocab=32, seed=0, **over):
     torch.manual_seed(seed)
-    cfg = preset_model_config(
-        "tiny",
-        **{
-            **dict(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, chunk_size=16, sub_chunk_size=8, init_std=0.3),
-            **over,
-        },
-    )
+    cfg = tiny_model_config(vocab, **{"n_layers": 2, "init_std": 0.3, **over})
     return LaplaceLM(cfg).eval()  # init_std 0.3: wide logits, no near-ties for argmax
 
 

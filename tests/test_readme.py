@@ -49,7 +49,7 @@ RUN_ELSEWHERE = {
     "laplace serve-check": ("test_pipeline_dvc.py", ['"repro"']),
     "laplace numerics": ("test_pipeline_dvc.py", ['"repro"']),
     "laplace probes": ("test_pipeline_dvc.py", ['"repro"']),
-    "laplace track": ("test_tracking_outage.py", ['"track"']),
+    "laplace track": ("test_tracking.py", ['"track"']),
     "laplace run": ("test_pipeline_frame.py", ['"laplace", "run"']),
 }
 RUN_HERE = ("laplace info", "laplace generate", "laplace summary")
@@ -87,7 +87,7 @@ def test_every_readme_command_is_run_by_a_test():
 @pytest.fixture(scope="module")
 def project(tiny_artifacts, tmp_path_factory):
     """A tiny project after a pipeline run: its export, data, metrics and a champion in MLflow."""
-    from test_compare import prepare_project
+    from test_champion import prepare_project
 
     root = prepare_project(tmp_path_factory.mktemp("readme"), tiny_artifacts)
     out = subprocess.run(
@@ -163,6 +163,8 @@ def test_generate_says_why_when_it_produced_no_text(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(
         generation, "generate_text", lambda *a, **kw: {"prompt": "The function", "completion": "", "new_tokens": 1}
     )
+    (tmp_path / "artifacts" / "export").mkdir(parents=True)
+    (tmp_path / "artifacts" / "export" / "config.json").write_text("{}")  # an export is there (not read)
     assert main(["generate", "--params", str(ROOT / "params.yaml"), "--root", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert out.out == "The function\n"

@@ -22,8 +22,7 @@ from laplace.pipeline.params import load_config, write_params
 from laplace.pipeline.redact import redact, secret_values
 from laplace.pipeline.stages import STAGES
 
-from project import ROOT
-from test_tracking_outage import write_stage_results
+from project import ROOT, write_stage_results
 
 SECRETS = {
     "HF_TOKEN": "hf_FAKEsecretTOKEN0123456789abcdef",

@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 
-from laplace.config import Config, DataSection, TokenizerSection, TrainSection, config_from_dict
+from laplace.config import Config, ConfigError, DataSection, TokenizerSection, TrainSection, config_from_dict
 from laplace.data.tokenize import tokenize_corpus
 from laplace.model.export import ExportError, export_model, load_export
 from laplace.serving.generation import generate_ids
 from laplace.serving.sampling import sample_next, stream_key
 from laplace.training import checkpoint as ckpt
-from laplace.training.loop import TrainingDiverged, lr_scale, train
+from laplace.training.loop import TrainingDiverged, check_inputs, lr_scale, train
 
 
 def small_config(**train_over) -> Config:
@@ -55,10 +55,14 @@ def data_dir(tmp_path_factory):
     return out
 
 
-def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path):
-    cfg = small_config()
-    full = train(cfg, data_dir, tmp_path / "full", progress=False)
+@pytest.mark.parametrize("async_checkpoint", [False, True])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(data_dir, tmp_path, async_checkpoint):
+    """With train.async_checkpoint the saves run in DCP's background thread while training goes on:
+    the checkpoints and the resumed run are the same, bit for bit."""
+    full = train(small_config(), data_dir, tmp_path / "full", progress=False)
+    cfg = small_config(async_checkpoint=async_checkpoint)
     first = train(cfg, data_dir, tmp_path / "split", stop_at_step=7, progress=False)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "split/checkpoints")] == [7, 5]
     assert first.metrics["steps"] == 7
     second = train(cfg, data_dir, tmp_path / "split", progress=False)
     assert second.metrics["resumed_from_step"] == 7
@@ -203,3 +207,43 @@ def test_compiled_training_matches_eager(data_dir, tmp_path):
     a = [h["loss"] for h in eager.history if "loss" in h]
     b = [h["loss"] for h in compiled.history if "loss" in h]
     assert max(abs(x - y) / x for x, y in zip(a, b)) < 1e-4
+
+
+@pytest.mark.slow
+def test_the_loop_with_checkpointing_and_accumulation_resumes_the_plain_run_and_trains_it_the_same(data_dir, tmp_path):
+    """train() end to end: a plain run stopped at step 2 resumes with train.activation_checkpoint:
+    selective and train.grad_accum_steps: 4 (neither is in the run fingerprint), and its steps 3
+    and 4 have the uninterrupted plain run's losses at fp32 tolerance (other summation orders in
+    the accumulated gradient, amplified by Muon's bf16 Newton-Schulz). A micro-batch count that
+    does not divide each rank's share of the batch is rejected with one line naming the knob."""
+    plain = train(small_config(steps=4), data_dir, tmp_path / "plain", progress=False)
+    train(small_config(steps=4), data_dir, tmp_path / "mixed", stop_at_step=2, progress=False)
+    cfg = small_config(steps=4, activation_checkpoint="selective", grad_accum_steps=4)
+    mixed = train(cfg, data_dir, tmp_path / "mixed", progress=False)
+    assert mixed.metrics["resumed_from_step"] == 2
+    want = {h["step"]: h["loss"] for h in plain.history if "loss" in h}
+    got = {h["step"]: h["loss"] for h in mixed.history if "loss" in h}
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-4)
+    with pytest.raises(ConfigError, match="train.grad_accum_steps 3 does not divide each rank's 4 sequences"):
+        check_inputs(small_config(grad_accum_steps=3), data_dir, 1)
+
+
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(data_dir, tmp_path):
+    """One process: SIGTERM at step 3 (checkpoint_every 5) finishes that step, saves it, and raises
+    TrainingStopped (exit 143 at the CLI); the rerun resumes from it."""
+    import os
+    import signal
+
+    from laplace.training.lifecycle import TrainingStopped
+
+    def terminate_at_3(step, model, optimizer):
+        if step == 2:  # the third step
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(TrainingStopped, match="stopped by SIGTERM after step 3; checkpoint step_000003 kept"):
+        train(small_config(), data_dir, tmp_path / "run", before_step=terminate_at_3, progress=False)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run/checkpoints")] == [3]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the loop's only while it runs
+    resumed = train(small_config(), data_dir, tmp_path / "run", progress=False)
+    assert resumed.metrics["resumed_from_step"] == 3

@@ -1,4 +1,4 @@
-"""Muon over FSDP2's row shards, AdamW on the other shards, and the traffic Muon costs.
+"""Muon over FSDP2's row shards, and the meter of the bytes it moves.
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`) leaves every parameter, gradient and
 optimizer state as a DTensor sharded by rows over a 1-D mesh: rank r holds rows
@@ -7,14 +7,13 @@ hold fewer rows, or none). AdamW is element-wise and steps those shards directly
 (`torch.optim.AdamW`, fused on CUDA, foreach elsewhere). Muon's momentum and update are element-wise too, but
 Newton-Schulz needs whole matrices. `ShardedMuon` gets them one of two ways (`muon.comm`):
 
-- `alltoall`, the article's design with Dion's batching: the matrices of one shape are
-  cut into batches of W, and each matrix of a batch has its own owner rank. Every rank
-  pads its row shard of every matrix to c rows, so it sends exactly as many values to
-  each rank as it receives from each: one `all_to_all_single` with equal splits carries
-  every batch, in bf16 (Newton-Schulz casts to bf16 first anyway). Each owner
-  orthogonalises its whole matrices; a second `all_to_all_single` returns every rank its
-  rows. Only a shape's last batch is padded, with empty slots nobody orthogonalises;
-  the owners of those last batches rotate across shapes, so no rank collects them all.
+- `alltoall`, the article's design: each matrix has one owner rank, chosen by bytes so the
+  owners' loads are close (laplace.optim.exchange.ExchangePlan). Every rank pads its row
+  shard of every matrix to c rows and every rank-to-owner segment to the busiest owner's
+  length, so it sends exactly as many values to each rank as it receives from each: one
+  `all_to_all_single` with equal splits carries every matrix, in bf16 (Newton-Schulz casts
+  to bf16 first anyway). Each owner orthogonalises its whole matrices; a second
+  `all_to_all_single` returns every rank its rows.
 - `allgather`, the baseline: one `all_gather_single` gives every rank every matrix,
   and every rank orthogonalises all of them.
 
@@ -257,29 +256,23 @@ class ShardedMuon(torch.optim.Optimizer):
         device = directions[0].device
         # 1st all-to-all: send[owner] holds my padded row shard of each matrix that rank owns
         send = torch.zeros(W, plan.segment, dtype=EXCHANGE_DTYPE, device=device)
-        for b in plan.batches:
-            for m, owner in zip(b.members, b.owners):
-                d = directions[m]
-                send[owner, b.offset : b.offset + d.numel()] = d.reshape(-1)
+        for s in plan.slots:
+            d = directions[s.index]
+            send[s.owner, s.offset : s.offset + d.numel()] = d.reshape(-1)
         received = self._exchange("muon_to_owner", send)
         # received[r] holds rank r's row shard of each matrix I own: stack them, orthogonalise
         back = torch.zeros_like(send)
         owned = plan.owned_by(me)
         fulls = [
-            received[:, b.offset : b.offset + b.chunk].reshape(W * b.rows, b.shape[1])[: b.shape[0]] for b, _ in owned
+            received[:, s.offset : s.offset + s.chunk].reshape(W * s.rows, s.shape[1])[: s.shape[0]] for s in owned
         ]
-        for (b, _), full, ortho in zip(owned, fulls, self._orthogonalise(fulls, [settings[m] for _, m in owned])):
-            padded = full.new_zeros(W * b.rows, b.shape[1])
-            padded[: b.shape[0]] = ortho
-            back[:, b.offset : b.offset + b.chunk] = padded.view(W, b.chunk)  # rank r's rows go to rank r
+        for s, full, ortho in zip(owned, fulls, self._orthogonalise(fulls, [settings[s.index] for s in owned])):
+            padded = full.new_zeros(W * s.rows, s.shape[1])
+            padded[: s.shape[0]] = ortho
+            back[:, s.offset : s.offset + s.chunk] = padded.view(W, s.chunk)  # rank r's rows go to rank r
         # 2nd all-to-all: the way back mirrors the way there; returned[owner] holds my rows
         returned = self._exchange("muon_from_owner", back)
-        out: list[Tensor] = [None] * len(directions)  # type: ignore[list-item]
-        for b in plan.batches:
-            for m, owner in zip(b.members, b.owners):
-                d = directions[m]
-                out[m] = returned[owner, b.offset : b.offset + d.numel()].view_as(d)
-        return out
+        return [returned[s.owner, s.offset : s.offset + d.numel()].view_as(d) for s, d in zip(plan.slots, directions)]
 
     def _via_allgather(self, shapes, directions: list[Tensor], settings) -> list[Tensor]:
         W, me = self.world, self.rank

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import textwrap
 from pathlib import Path
 
 from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
@@ -29,6 +31,50 @@ def model_facts(preset: str | None, cfg) -> dict:
     return {"preset": preset or cfg.model.preset, **facts(_model_config(preset, cfg))}
 
 
+def stage_description(name: str, dvc_yaml: Path | None = None) -> str:
+    """A stage's --help text: what it does (its module's docstring), the params it reads and what
+    it writes, both as dvc.yaml declares them (so the help cannot drift from the pipeline)."""
+    import inspect
+
+    from laplace.pipeline.params import parse_yaml
+
+    stage = stages.STAGES[name]
+    here = Path(__file__).parent
+    doc = inspect.cleandoc(stage.module.__doc__ or "") or stage.help
+    text = [" ".join(doc.split("\n\n")[0].split())]
+    dvc_yaml = dvc_yaml or here.parents[1] / "dvc.yaml"
+    try:
+        entry = (parse_yaml(dvc_yaml.read_text(encoding="utf-8")) or {})["stages"][name]
+    except (OSError, KeyError, TypeError):
+        return textwrap.fill(text[0], 79)
+
+    def names(items) -> list[str]:
+        out = []
+        for item in items or []:
+            if isinstance(item, dict):  # `path: {options}`, or `params.yaml:` (every param)
+                out += ["every param" if key == "params.yaml" else key for key in item]
+            else:
+                out.append(str(item))
+        return out
+
+    reads = names(entry.get("params"))
+    writes = names(entry.get("outs")) + names(entry.get("metrics")) + names(entry.get("plots"))
+    text.append(f"params read (params.yaml): {', '.join(reads) if reads else 'none'}")
+    text.append(f"writes: {', '.join(writes)}")
+    return "\n\n".join(textwrap.fill(t, 79, subsequent_indent="  " if i else "") for i, t in enumerate(text))
+
+
+def _with_stage_description(parser: argparse.ArgumentParser, name: str):
+    """format_help that fills the description only when help is asked for (it reads files)."""
+    plain = parser.format_help
+
+    def format_help() -> str:
+        parser.description = stage_description(name)
+        return plain()
+
+    return format_help
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="laplace", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,11 +92,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: train.nproc_per_node x train.nnodes)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: train.precision")
-    p.add_argument("--hbm-gib", type=float, default=24.0, help="device memory per rank (24: a Trn2 logical core)")
+    p.add_argument(
+        "--device-memory", default="24GiB", help="memory per rank, e.g. 24GiB (a Trn2 logical core), 80GB, 1.5TiB"
+    )
+    p.add_argument("--hbm-gib", type=float, default=None, help=argparse.SUPPRESS)  # the older spelling
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: train.seq_len)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per rank per micro-batch (default: train.batch_size / ranks / train.grad_accum_steps, else 1)",
+    )
+    p.add_argument("--grad-accum", type=int, default=None, help="default: train.grad_accum_steps")
+    p.add_argument(
+        "--activation-checkpoint", choices=["none", "full", "selective"], default=None, help="default: train's"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     for name, stage in stages.STAGES.items():
-        p = sub.add_parser(name, help=f"stage: {stage.help}")
+        p = sub.add_parser(name, help=f"stage: {stage.help}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.format_help = _with_stage_description(p, name)
         add_config_arguments(p)
         p.add_argument("--json", action="store_true", help="print the stage's figures as one JSON object")
         if name == "train":
@@ -144,6 +205,10 @@ def _print_info(facts: dict, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    # no usage reports from MLflow (track, serve --model models:/...), as DVC's are off in DVC's runs
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    if not sys.stderr.isatty():  # MLflow's artifact progress bars: a line per redraw in a log
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     try:
         return _run(args)
     except InputError as exc:  # bad params or data, a missed gate: exit 2, never retried
@@ -204,12 +269,30 @@ def _run(args) -> int:
         return 0
     if args.command == "plan":
         from laplace.errors import ConfigError
-        from laplace.training.plan import as_text, plan
+        from laplace.training.plan import GIB, as_text, parse_bytes, plan
 
         world = args.nproc or cfg.train.nproc_per_node * cfg.train.nnodes
         if world < 1:
             raise ConfigError(f"--nproc must be >= 1, got {world}")
-        result = plan(_model_config(args.preset, cfg), world, args.precision or cfg.train.precision, args.hbm_gib)
+        t = cfg.train
+        accum = args.grad_accum or t.grad_accum_steps
+        micro = args.micro_batch
+        if micro is None:
+            micro = t.batch_size // (world * accum) if t.batch_size % (world * accum) == 0 else 1
+        for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", micro), ("--grad-accum", accum)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        memory = args.hbm_gib if args.hbm_gib is not None else parse_bytes(args.device_memory, "--device-memory") / GIB
+        result = plan(
+            _model_config(args.preset, cfg),
+            world,
+            args.precision or t.precision,
+            memory,
+            seq_len=args.seq_len or t.seq_len,
+            micro_batch=micro,
+            grad_accum_steps=accum,
+            activation_checkpoint=args.activation_checkpoint or t.activation_checkpoint,
+        )
         print(json.dumps(result, indent=2) if args.json else as_text(result, args.preset or cfg.model.preset))
         return 0
     paths = Paths.at(args.root)
@@ -222,14 +305,23 @@ def _run(args) -> int:
         return serve.run(cfg, paths, args)
 
     if args.command == "summary":
-        print(summary.as_text(summary.read(paths), paths.root))
+        info = summary.read(paths)
+        if not any(info.values()):
+            raise InputError(f"no pipeline run in {paths.root} yet (no metrics/*.json): run `laplace run` first")
+        print(summary.as_text(info, paths.root))
     elif args.command == "generate":
         from laplace.serving.generation import generate_text
 
+        model_dir = Path(args.model) if args.model else paths.export_dir
+        if not args.model and not (model_dir / "config.json").exists():
+            raise InputError(
+                f"no exported model in {model_dir} yet: run `laplace run` (the whole pipeline), or "
+                "`laplace train` then `laplace export`; or pass --model DIR"
+            )
         g = cfg.generate
         max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens
         result = generate_text(
-            Path(args.model) if args.model else paths.export_dir,
+            model_dir,
             args.prompt if args.prompt is not None else g.prompt,
             max_new_tokens,
             args.temperature if args.temperature is not None else g.temperature,

@@ -16,11 +16,13 @@ does it; no project code) and `set_state_dict` hands the optimizers their real s
 Only tensors are stored: the optimizers' hyperparameters come from the params of the
 run, which the fingerprint in trainer.json pins.
 
-Every rank writes into one hidden staging directory; rank 0 then writes trainer.json
-and the manifest, fsyncs and renames the directory into place. The newest checkpoint
-whose manifest and checksums verify wins; a damaged one is skipped with a warning
-naming the file. Nothing is unpickled: DCP's safetensors storage keeps its metadata in
-the safetensors headers.
+Every rank writes into one hidden staging directory and hashes its own shard files; rank 0
+then writes trainer.json and the manifest, fsyncs and renames the directory into place
+(`Checkpointer`; with `train.async_checkpoint` the write runs in the background and the
+rename waits for it). Resuming, rank 0 proposes the newest checkpoint by step number and
+every rank verifies its share of the files: the newest that verifies everywhere wins, a
+damaged one is skipped with a warning naming the file. Nothing is unpickled: DCP's
+safetensors storage keeps its metadata in the safetensors headers.
 """
 
 from __future__ import annotations
@@ -163,56 +165,156 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+def _own_shards(staging: Path, rank: int) -> list[Path]:
+    """The files DCP's safetensors writer wrote for `rank` (shard-0000{rank+1}-...)."""
+    return sorted(staging.glob(f"shard-{rank + 1:05d}-*"))
+
+
+def _digests_file(staging: Path, rank: int) -> Path:
+    return staging / f".digests-rank{rank:05d}.json"
+
+
+def _hash_own_shards(staging: Path, rank: int) -> None:
+    """Each rank hashes the files it wrote, all ranks at once (not rank 0 every file), and leaves
+    the entries beside them for rank 0's manifest."""
+    entries = {p.name: manifest.describe(p) for p in _own_shards(staging, rank)}
+    atomic_write_json(_digests_file(staging, rank), entries)
+
+
+@dataclass
+class _Pending:
+    step: int
+    staging: Path
+    final: Path
+    trainer: dict[str, Any]
+    done: Any  # a concurrent.futures.Future of the rank's DCP write and hashing (async), or None
+
+
+class Checkpointer:
+    """Collective: every rank calls it. Writes checkpoints atomically under `root`: ranks write
+    into a hidden staging directory, each hashes its own shard files, rank 0 writes trainer.json
+    and the manifest (from the ranks' digests), fsyncs and renames the directory into place.
+
+    `asynchronous`: DCP's async_save stages the state in host memory and writes it in a
+    background thread, so training goes on; the rename happens in `finish`, which the next save,
+    the end of training and a stop call (nothing half written is ever in place). Its
+    collectives run on a gloo group of their own, as DCP asks, apart from the training's.
+
+    A failed write (a full disk, a write error on any rank) removes the staging directory,
+    leaves every earlier checkpoint as it was and raises a one-line CheckpointError on every rank."""
+
+    def __init__(self, root: Path, keep: int, device: torch.device, asynchronous: bool = False):
+        self.root, self.keep, self.device, self.asynchronous = Path(root), keep, device, asynchronous
+        self._pending: _Pending | None = None
+        self._group = None  # the async writes' process group
+        self._hasher = None  # one background thread: the DCP write, then the hashing
+
+    def save(self, step: int, model, optimizers, trainer: dict[str, Any]) -> Path:
+        """Write checkpoint `step`; returns its final path (in place once `finish` returns, which
+        this call does itself unless asynchronous)."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        self.finish()  # one write at a time: the previous one is renamed into place first
+        final = self.root / f"step_{step:06d}"
+        staging = self.root / f".step_{step:06d}.partial"
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # a killed writer's leftovers
+            staging.mkdir(parents=True)
+        dist.barrier()
+        pending = _Pending(step, staging, final, json.loads(json.dumps(trainer)), None)  # a copy: history grows
+        error = ""
+        try:
+            tensors, _ = _state(model, optimizers)
+            writer = HuggingFaceStorageWriter(str(staging), save_distributed=True)
+            if self.asynchronous:
+                from concurrent.futures import ThreadPoolExecutor
+
+                if self._group is None:
+                    self._group = dist.new_group(backend="gloo")
+                    self._hasher = ThreadPoolExecutor(1, thread_name_prefix="laplace-checkpoint")
+                written = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
+                pending.done = self._hasher.submit(lambda: (written.result(), _hash_own_shards(staging, rank)))
+            else:
+                dcp.save(tensors, storage_writer=writer)
+                _hash_own_shards(staging, rank)
+        except (Exception, _checkpoint_exception()) as exc:  # DCP gathers every rank's failure
+            error = _root_cause(exc)
+        self._pending = pending
+        if error or not self.asynchronous:
+            self.finish(error)
+        return final
+
+    def finish(self, error: str = "") -> Path | None:
+        """Collective: wait for the pending write, then put it in place. Returns its path (None
+        when nothing was pending)."""
+        import torch.distributed as dist
+
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        if pending.done is not None and not error:
+            try:
+                pending.done.result()
+            except (Exception, _checkpoint_exception()) as exc:
+                error = _root_cause(exc)
+        dist.barrier()  # every rank's shards and digests are on disk
+        rank = dist.get_rank()
+        if rank == 0 and not error:
+            try:
+                known: dict[str, dict] = {}
+                for r in range(dist.get_world_size()):
+                    known.update(json.loads(_digests_file(pending.staging, r).read_text()))
+                    _digests_file(pending.staging, r).unlink()
+                info = {**pending.trainer, "step": pending.step, "world_size": dist.get_world_size()}
+                atomic_write_json(pending.staging / "trainer.json", info)
+                manifest.write_manifest(pending.staging, KIND, known=known, step=pending.step)
+                replace_dir(pending.staging, pending.final)
+            except (OSError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        failed = _broadcast_int(1 if error else 0, self.device)  # rank 0's finalisation decides for everyone
+        if failed:
+            if rank == 0:
+                shutil.rmtree(pending.staging, ignore_errors=True)
+            previous = list_checkpoints(self.root)
+            kept = f"the previous checkpoint {previous[0][1].name} is intact" if previous else "no earlier checkpoint"
+            raise CheckpointError(
+                f"could not write checkpoint {pending.final.name} in {self.root}: {error or 'failed on rank 0'}; {kept}"
+            )
+        if rank == 0:
+            prune_checkpoints(self.root, self.keep)
+        dist.barrier()
+        return pending.final
+
+    def close(self) -> None:
+        """Finish what is pending (collective) and stop the background thread."""
+        try:
+            self.finish()
+        finally:
+            if self._hasher is not None:
+                self._hasher.shutdown(wait=True)
+                self._hasher = None
+
+
+def _checkpoint_exception():
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    return CheckpointException
+
+
+def _broadcast_int(value: int, device: torch.device) -> int:
+    from laplace.training.distributed import broadcast_int
+
+    return broadcast_int(value, device)
+
+
 def save_sharded(
     root: Path, step: int, model, optimizers, trainer: dict[str, Any], keep: int, device: torch.device
 ) -> Path:
-    """Collective: every rank calls it. Writes checkpoint `step` atomically under `root`.
-
-    A failed write (a full disk, a write error on any rank) removes the staging directory,
-    leaves every earlier checkpoint as it was and raises a one-line CheckpointError on
-    every rank."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
-    from laplace.training.distributed import broadcast_int
-
-    root = Path(root)
-    final = root / f"step_{step:06d}"
-    staging = root / f".step_{step:06d}.partial"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # a killed writer's leftovers
-        staging.mkdir(parents=True)
-    dist.barrier()
-    error = ""
-    try:
-        tensors, _ = _state(model, optimizers)
-        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(staging), save_distributed=True))
-    except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure: all ranks land here
-        error = _root_cause(exc)
-    dist.barrier()
-    if rank == 0 and not error:
-        try:
-            atomic_write_json(staging / "trainer.json", {**trainer, "step": step, "world_size": dist.get_world_size()})
-            manifest.write_manifest(staging, KIND, step=step)
-            replace_dir(staging, final)
-        except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    failed = broadcast_int(1 if error else 0, device)  # rank 0's finalisation decides for everyone
-    if failed:
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        previous = list_checkpoints(root)
-        kept = f"the previous checkpoint {previous[0][1].name} is intact" if previous else "no earlier checkpoint"
-        raise CheckpointError(
-            f"could not write checkpoint {final.name} in {root}: {error or 'failed on rank 0'}; {kept}"
-        )
-    if rank == 0:
-        prune_checkpoints(root, keep)
-    dist.barrier()
-    return final
+    """Collective: write checkpoint `step` under `root` now (Checkpointer, synchronous)."""
+    return Checkpointer(root, keep, device).save(step, model, optimizers, trainer)
 
 
 def load_sharded(path: Path, model, optimizers) -> dict[str, Any]:
@@ -239,21 +341,36 @@ def load_sharded(path: Path, model, optimizers) -> dict[str, Any]:
     return json.loads((Path(path) / "trainer.json").read_text())
 
 
+def _verify_share(path: Path, rank: int, world: int) -> str:
+    """This rank's part of a checkpoint's verification: the manifest, and the sizes and sha256 of
+    every world-th file from `rank` on ("" when they match). Ranks hash in parallel."""
+    listed, reason = manifest.read_manifest(path, KIND)
+    if listed is None:
+        return reason
+    for name in sorted(listed["files"])[rank::world]:
+        if reason := manifest.verify_file(path, name, listed["files"][name]):
+            return reason
+    return ""
+
+
 def latest_verified(root: Path, device: torch.device) -> Path | None:
-    """Rank 0 picks the newest checkpoint that verifies (damaged ones skipped with a warning);
-    every rank gets the same answer."""
+    """Collective: the newest checkpoint that every rank sees and verifies. Rank 0 lists the
+    checkpoints and proposes them newest first by step number (broadcast), so a rank whose own
+    listing of shared storage is stale or holds another directory still opens the same step;
+    every rank hashes its share of the files; a damaged one is skipped with a warning."""
     import torch.distributed as dist
 
-    from laplace.training.distributed import broadcast_int
+    from laplace.training.distributed import all_min_int, broadcast_int
 
-    choice = -1
-    found = list_checkpoints(root)
-    if dist.get_rank() == 0:
-        for i, (_, path) in enumerate(found):
-            ok, reason = verify_manifest(path)
-            if ok:
-                choice = i
-                break
-            log.warning("skipping damaged checkpoint %s: %s", path, reason)
-    choice = broadcast_int(choice, device)
-    return None if choice < 0 else found[choice][1]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    candidates = [step for step, _ in list_checkpoints(root)] if rank == 0 else []
+    while True:  # rank 0 drives: its next candidate, or -1 when none is left
+        step = broadcast_int(candidates.pop(0) if candidates else -1, device)
+        if step < 0:
+            return None
+        path = Path(root) / f"step_{step:06d}"
+        reason = _verify_share(path, rank, world)
+        if all_min_int(0 if reason else 1, device):
+            return path
+        if reason:
+            log.warning("skipping damaged checkpoint %s (rank %d): %s", path, rank, reason)

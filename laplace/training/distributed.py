@@ -15,6 +15,7 @@ line instead of one rank exiting while the others wait in a collective.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import secrets
@@ -178,9 +179,15 @@ def check_shared_storage(data_dir: Path, run_dir: Path, group: Group) -> None:
 
 
 def shard_model(model: torch.nn.Module, mesh, precision: str) -> None:
-    """FSDP2: each block, then the root (embeddings, final norm, head), sharded by rows over
-    `mesh`. bf16: parameters gathered and computed in bf16, gradients reduced in fp32, fp32
-    master weights in the shards; fp32: everything fp32."""
+    """FSDP2 over `mesh`, by rows, in torchtitan's units: the embedding, each block, the final norm
+    with the head, then the root (which then holds no parameters of its own). Tied embeddings
+    put the embedding, norm and head in one unit (one parameter, one all-gather). The head's
+    unit stays gathered after its forward (its backward follows at once: resharding would only
+    gather it again); every other unit is freed after its forward and gathered again for its
+    backward. Each unit prefetches the next one's all-gather, forward and backward, so the
+    embedding and head are gathered only while they run, not through the whole step.
+    bf16: parameters gathered and computed in bf16, gradients reduced in fp32, fp32 master
+    weights in the shards; fp32: everything fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (
@@ -188,9 +195,25 @@ def shard_model(model: torch.nn.Module, mesh, precision: str) -> None:
         if precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy)
+    blocks = list(model.blocks)
+    if model.cfg.tie_embeddings:  # one parameter: gathered once, kept through forward and backward
+        shard([model.embed, model.norm, model.lm_head], reshard_after_forward=False)
+        forward, backward = [model.embed, *blocks], blocks[::-1]
+    else:
+        shard(model.embed)
+        shard([model.norm, model.lm_head], reshard_after_forward=False)
+        forward, backward = [model.embed, *blocks, model.lm_head], [model.lm_head, *blocks[::-1], model.embed]
+    for block in blocks:
+        shard(block)
+    shard(model)
+    # explicit prefetch, as torchtitan sets it: each unit issues the next one's all-gather
+    for order, prefetch in (
+        (forward, "set_modules_to_forward_prefetch"),
+        (backward, "set_modules_to_backward_prefetch"),
+    ):
+        for unit, following in zip(order, order[1:]):
+            getattr(unit, prefetch)([following])
 
 
 def needs_torchrun(t: TrainSection) -> bool:
@@ -199,11 +222,12 @@ def needs_torchrun(t: TrainSection) -> bool:
 
 def torchrun_launcher(t: TrainSection) -> list[str]:
     """`torchrun ...` from the train section (standalone unless a rendezvous endpoint is set); the
-    module and its arguments follow."""
+    module and its arguments follow. The agent is laplace.training.launch: torchrun, tied to its
+    parent's life."""
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "laplace.training.launch",
         f"--nproc-per-node={t.nproc_per_node}",
         f"--max-restarts={t.max_restarts}",
     ]

@@ -36,7 +36,8 @@ from laplace.errors import ConfigError, DataError, InputError
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import compile_backend, compile_static, keep_cpu_allocations, resolve_device
 from laplace.training import checkpoint as ckpt
-from laplace.training import distributed
+from laplace.training import distributed, lifecycle
+from laplace.training.activation_checkpoint import apply_activation_checkpointing
 from laplace.training.schedule import lr_scale
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,23 @@ class TrainingDiverged(InputError):
 
 
 # Train knobs that change what is logged or saved, never the weights.
-_BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints"}
+_BOOKKEEPING = {"eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints", "async_checkpoint"}
 # Where and how the run executes: the same weights come out (up to rounding) on any of these,
 # so a checkpoint resumes across world sizes, node counts, devices and compile settings.
-_LAUNCH = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts", "device", "compile"}
+# Activation checkpointing and gradient accumulation are of this kind too: they change how much
+# is held at once, not the step's arithmetic (the same global batch, the same mean loss).
+_LAUNCH = {
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "max_restarts",
+    "device",
+    "compile",
+    "activation_checkpoint",
+    "grad_accum_steps",
+}
 
 
 def run_fingerprint(cfg: Config, model_cfg, manifest: dict) -> str:
@@ -106,6 +120,23 @@ def evaluate(model, batches, group: distributed.Group) -> float:
     return float(distributed.all_mean(total / max(1, len(batches))))
 
 
+def accumulate_gradients(model, x: torch.Tensor, y: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """Forward and backward of this rank's rows `x`, `y` in `micro_batches` equal slices; returns
+    the mean loss (detached). Each slice's loss is scaled by 1/micro_batches, so the summed
+    gradients are those of the whole slice's mean loss. FSDP2 reduce-scatters only after the
+    last slice (set_requires_gradient_sync): until then each rank adds into its unsharded
+    gradients, which stay allocated in the reduce dtype (laplace plan counts them); the
+    optimizer, and so the Muon exchange, then steps once."""
+    total = torch.zeros((), device=x.device)
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        if micro_batches > 1:
+            model.set_requires_gradient_sync(i == micro_batches - 1)
+        loss = cross_entropy(model(xs), ys) / micro_batches
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 @dataclass
 class TrainResult:
     metrics: dict
@@ -130,6 +161,11 @@ def check_inputs(cfg: Config, data_dir: Path, world: int):
         check_init_tokenizer(cfg.model.init, manifest)
     if t.batch_size % world:
         raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by the world size {world}")
+    if (t.batch_size // world) % t.grad_accum_steps:
+        raise ConfigError(
+            f"train.grad_accum_steps {t.grad_accum_steps} does not divide each rank's {t.batch_size // world} "
+            f"sequences (train.batch_size {t.batch_size} over {world} ranks)"
+        )
     for split in SPLITS:
         tokens = open_split(data_dir, split, verify=False)
         if len(tokens) < t.seq_len + 1:
@@ -186,14 +222,16 @@ def open_data(data_dir: Path, group: distributed.Group):
 
 
 def build_model(model_cfg, mesh, device: torch.device, t, seed: int, init: str = "") -> LaplaceLM:
-    """The model on meta, compiled per block if asked (one static graph shared by every block),
-    sharded with FSDP2 over `mesh`, then materialised on `device` and initialised there: each
+    """The model on meta, each block activation-checkpointed as train.activation_checkpoint says,
+    then compiled if asked (one static graph shared by every block), sharded with FSDP2 over
+    `mesh` (torchtitan's order), then materialised on `device` and initialised there: each
     rank allocates and initialises only its own rows (LaplaceLM.reset_parameters gives the
     weights a single process would get from the same seed). With `init` (model.init) the rows
     are then read from that export instead."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = LaplaceLM(model_cfg)
+    apply_activation_checkpointing(model, t.activation_checkpoint)
     if t.compile:
         for block in model.blocks:
             compile_static(block, compile_backend(device))
@@ -253,22 +291,23 @@ def train(
         # slower than eager when the cores were shared (bench/RESULTS.md), and eager is not launch-bound.
         backend = compile_backend(group.device) if t.compile and group.device.type == "cuda" else None
         optimizer = MuonAdamW(model, t.lr, cfg.adamw, cfg.muon, compile_backend=backend)
-        return _loop(
-            cfg,
-            model,
-            optimizer,
-            group,
-            manifest,
-            model_cfg,
-            train_tokens,
-            val_batches,
-            Path(run_dir),
-            resume,
-            stop_at_step,
-            on_log,
-            before_step,
-            progress,
-        )
+        with lifecycle.stop_on_sigterm():
+            return _loop(
+                cfg,
+                model,
+                optimizer,
+                group,
+                manifest,
+                model_cfg,
+                train_tokens,
+                val_batches,
+                Path(run_dir),
+                resume,
+                stop_at_step,
+                on_log,
+                before_step,
+                progress,
+            )
     finally:
         distributed.leave(group)
 
@@ -332,9 +371,16 @@ def _loop(
                 group.world,
             )
 
+    saver = ckpt.Checkpointer(ckpt_root, t.keep_checkpoints, device, asynchronous=t.async_checkpoint)
+    save_seconds = None  # the last save's duration: does one fit in what is left of a SIGTERM's grace?
+
     def save(step: int) -> Path:
+        nonlocal save_seconds
+        start = time.perf_counter()
         trainer = {"history": history, "model_config": model_cfg.architecture(), "fingerprint": fingerprint}
-        return ckpt.save_sharded(ckpt_root, step, model, optimizer.optimizers, trainer, t.keep_checkpoints, device)
+        path = saver.save(step, model, optimizer.optimizers, trainer)
+        save_seconds = time.perf_counter() - start
+        return path
 
     if start_step == 0 and not history:
         history.append({"step": 0, "val_loss": evaluate(model, val_batches, group)})
@@ -362,13 +408,12 @@ def _loop(
         scale = lr_scale(step, t)
         optimizer.set_lr_scale(scale)
         x, y = sample_batch(train_tokens, step, t.batch_size, t.seq_len, cfg.seed, group.rank, group.world)
-        loss = cross_entropy(model(x.to(device)), y.to(device))
+        loss = accumulate_gradients(model, x.to(device), y.to(device), t.grad_accum_steps)
         mean_loss = distributed.all_mean(loss)  # every rank sees the same value, so every rank stops together
         if not torch.isfinite(mean_loss):
             raise TrainingDiverged(
                 f"loss is {mean_loss.item()} at step {step + 1}; last good checkpoint kept in {ckpt_root}"
             )
-        loss.backward()
         grad_norm = optimizer.step(max_grad_norm=t.grad_clip)
         optimizer.zero_grad()
         done = step + 1
@@ -408,11 +453,20 @@ def _loop(
                 )
                 if on_log:
                     on_log(row)
+        stopping = lifecycle.stop_requested(device)  # collective: every rank stops after the same step
         if done % t.checkpoint_every == 0 or done == t.steps or (stop_at_step is not None and done >= stop_at_step):
+            if not stopping or lifecycle.time_to_save(save_seconds, device):
+                last_path = save(done)
+        elif stopping and lifecycle.time_to_save(save_seconds, device):
             last_path = save(done)
+        if stopping:
+            saver.close()  # an async write is put in place before the job ends
+            kept = f"checkpoint {last_path.name} kept" if last_path is not None else "no checkpoint written"
+            raise lifecycle.TrainingStopped(f"stopped by SIGTERM after step {done}; {kept}; rerun to resume")
         if stop_at_step is not None and done >= stop_at_step:
             break
     bar.close()
+    saver.close()
 
     run_seconds = time.perf_counter() - run_start
     traffic = traffic_metrics(optimizer.meter.gather(device=device), steps_run) if steps_run else {}

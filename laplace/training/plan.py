@@ -3,16 +3,22 @@
 The model is built on the meta device and sharded by FSDP2 (the trainer's own
 `shard_model`) over torch's `fake` process group of the planned size, as torchtitan's
 dry-run mode does: this process plays rank 0, every collective is a no-op, and the
-DTensor shards have their real shapes. Rank 0 holds the largest shards (torch.chunk
-gives the first ranks ceil(rows/W) rows), so its bytes are the per-rank maximum. The
-Muon exchange is laid out by the optimizer's own `ExchangePlan`.
+DTensor shards have their real shapes. Every other rank's shards follow from the same
+rule (torch.chunk: ceil(rows/W) rows each, the last ranks fewer), checked against rank
+0's; the Muon exchange is laid out by the optimizer's own `ExchangePlan` (laplace.optim.exchange,
+arithmetic only), so each rank's Newton-Schulz workspace comes from the matrices it owns. Figures
+are given for every rank: the maximum (what must fit) and the mean.
 
 What is counted per rank: the fp32 master parameters and gradients (sharded), the AdamW
 moments and Muon momentum (sharded), the Muon exchange buffers and the Newton-Schulz
 workspace of the largest matrix the rank orthogonalises, and FSDP2's transient peak
 (the root's parameters and gradients unsharded through the backward, two blocks'
-gathered parameters and one block's unsharded gradients). Activations are not: what
-is left of the device memory is their budget.
+gathered parameters and one block's unsharded gradients, in shard_model's units), the
+unsharded gradient accumulators that gradient accumulation holds between micro-batches,
+and the activations of one micro-batch at train.seq_len under each activation-
+checkpointing mode (laplace.training.activations: measured with fake tensors and
+saved-tensor hooks). It says the largest micro-batch that fits the device memory per mode
+and the least recompute that fits.
 """
 
 from __future__ import annotations
@@ -25,10 +31,39 @@ from laplace.model.config import ModelConfig
 from laplace.model.lm import LaplaceLM
 from laplace.optim.exchange import EXCHANGE_BYTES, ExchangePlan, muon_traffic
 from laplace.optim.muon import route_parameters
+from laplace.training.activation_checkpoint import MODES
+from laplace.training.activations import activation_bytes
 
 GIB = 1024**3
 # The article's Muon traffic per rank per optimizer step, Laplace 3B on 64 ranks.
 ARTICLE = {"world_size": 64, "allgather_bytes": 10.87e9, "alltoall_bytes": 0.45e9}
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str, name: str = "size") -> int:
+    """'24GiB', '80GB', '1.5 TiB', '512' (bytes) -> bytes; a ConfigError naming `name` otherwise."""
+    import re
+
+    from laplace.errors import ConfigError
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(f"{name}: expected a size such as 24GiB or 80GB, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _newton_schulz_workspace(rows: int, cols: int, world: int, itemsize: int) -> int:
@@ -39,8 +74,49 @@ def _newton_schulz_workspace(rows: int, cols: int, world: int, itemsize: int) ->
     return itemsize * (rows * cols + stacked + 2 * m * n + 2 * m * m)
 
 
-def plan(model_cfg: ModelConfig, world: int, precision: str = "bf16", hbm_gib: float = 24.0) -> dict:
-    """Per-rank bytes and per-step Muon traffic of training `model_cfg` on `world` ranks."""
+def _rows(rows: int, world: int, rank: int) -> int:
+    """FSDP2's shard of `rows` on `rank` (torch.chunk: ceil(rows / world) each, the last ranks fewer or none)."""
+    per = -(-rows // world)
+    return max(0, min(per, rows - rank * per))
+
+
+def _local_values(shapes, world: int) -> list[int]:
+    """Every rank's number of values of the parameters of these shapes, sharded by rows."""
+    return [sum(_rows(s[0], world, r) * math.prod(s[1:]) for s in shapes) for r in range(world)]
+
+
+def _fsdp_transient(model, param_item: int) -> int:
+    """Gathered parameters and unsharded gradients at FSDP2's busiest moment (laplace.training.
+    distributed.shard_model's units): a unit gathered in the param dtype, its gradients unsharded
+    in the param dtype and an fp32 copy for the reduction (bf16), plus the next unit prefetched."""
+    size = lambda *mods: sum(p.numel() for m in mods for p in m.parameters())  # noqa: E731
+    block = size(model.blocks[0])
+    grads = param_item + (4 if param_item != 4 else 0)
+    if model.cfg.tie_embeddings:  # one unit, gathered through the whole step
+        unit = size(model.embed, model.norm)
+        return unit * param_item + max(unit * grads + block * param_item, 2 * block * param_item + block * grads)
+    head, embed = size(model.norm, model.lm_head), size(model.embed)
+    return max(
+        head * (param_item + grads) + block * param_item,  # the head's backward, the last block prefetched
+        2 * block * param_item + block * grads,  # a block's backward, the one before it prefetched
+        embed * (param_item + grads),  # the embedding's backward, last
+    )
+
+
+def plan(
+    model_cfg: ModelConfig,
+    world: int,
+    precision: str = "bf16",
+    hbm_gib: float = 24.0,
+    *,
+    seq_len: int = 2048,
+    micro_batch: int = 1,
+    grad_accum_steps: int = 1,
+    activation_checkpoint: str = "none",
+) -> dict:
+    """Per-rank bytes (every rank's: max and mean) and per-step Muon traffic of training
+    `model_cfg` on `world` ranks with micro-batches of `micro_batch` x `seq_len` tokens,
+    and the activations of each activation-checkpointing mode."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -61,7 +137,7 @@ def plan(model_cfg: ModelConfig, world: int, precision: str = "bf16", hbm_gib: f
 
         muon = [p for _, p in routes["muon"]]
         adamw = [p for r in ("adamw_decay", "adamw_no_decay") for _, p in routes[r]]
-        sharded_values = sum(local(p) for p in muon + adamw)
+        rank0_values = sum(local(p) for p in muon + adamw)
         assert all(isinstance(p, DTensor) for p in muon + adamw), "FSDP2 left a parameter unsharded"
     finally:
         dist.destroy_process_group()
@@ -70,37 +146,73 @@ def plan(model_cfg: ModelConfig, world: int, precision: str = "bf16", hbm_gib: f
     exchange = ExchangePlan(shapes, world)
     ex_item = EXCHANGE_BYTES
     param_item = 2 if precision == "bf16" else 4
-    owned = exchange.owned_by(0)
-    block = sum(p.numel() for p in model.blocks[0].parameters())
-    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
-    per_rank = {
-        "parameters": 4 * sharded_values,
-        "gradients": 4 * sharded_values,
-        "adamw_moments": 2 * 4 * sum(local(p) for p in adamw),
-        "muon_momentum": 4 * sum(local(p) for p in muon),
+    values = _local_values([tuple(p.shape) for p in muon + adamw], world)
+    assert values[0] == rank0_values, "the shard arithmetic disagrees with FSDP2's rank 0"
+    adamw_values = _local_values([tuple(p.shape) for p in adamw], world)
+    muon_values = _local_values(shapes, world)
+    workspace = [
+        max((_newton_schulz_workspace(*s.shape, world, ex_item) for s in exchange.owned_by(r)), default=0)
+        for r in range(world)
+    ]
+    n_params = model.num_parameters()
+    ranks = {
+        "parameters": [4 * v for v in values],
+        "gradients": [4 * v for v in values],
+        "adamw_moments": [2 * 4 * v for v in adamw_values],
+        "muon_momentum": [4 * v for v in muon_values],
         # send, received, back, returned: [W, segment] each
-        "muon_exchange_buffers": 4 * world * exchange.segment * ex_item,
-        "newton_schulz_workspace": max(
-            (_newton_schulz_workspace(*b.shape, world, ex_item) for b, _ in owned), default=0
-        ),
-        # gathered in the param dtype; gradients unsharded in the param dtype plus their fp32 reduce copy
-        "fsdp_transient_peak": root * (param_item + param_item + 4) + 2 * block * param_item + block * (param_item + 4),
+        "muon_exchange_buffers": [4 * world * exchange.segment * ex_item] * world,
+        "newton_schulz_workspace": workspace,
+        "fsdp_transient_peak": [_fsdp_transient(model, param_item)] * world,
+        # grad_accum_steps > 1: FSDP2 reduce-scatters on the last micro-batch only, so until then every
+        # parameter's gradient is held unsharded, in the reduce dtype (fp32)
+        "unsharded_gradient_accumulators": [4 * n_params if grad_accum_steps > 1 else 0] * world,
     }
-    total = sum(per_rank.values())
+    totals = [sum(column) for column in zip(*ranks.values())]
+    busiest = max(range(world), key=totals.__getitem__)
+    per_rank = {k: v[0] for k, v in ranks.items()}
     hbm = int(hbm_gib * GIB)
     traffic = muon_traffic(shapes, world, ex_item)
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    one = activation_bytes(model_cfg, 1, seq_len, dtype)  # every figure is linear in the micro-batch
+    static = max(totals)
+    modes = {}
+    for mode in MODES:
+        per_sequence = one["peak_bytes"][mode] + one["logits_gradient_bytes"]
+        acts = micro_batch * per_sequence
+        modes[mode] = {
+            "activation_bytes_per_sequence": per_sequence,
+            "activation_bytes": acts,
+            "total_bytes": static + acts,
+            "fits": static + acts <= hbm,
+            "max_micro_batch": max(0, (hbm - static) // per_sequence),
+        }
+    # the least recompute that fits: none, then selective (recomputes the cheap ops), then full
+    needs = next((m for m in ("none", "selective", "full") if modes[m]["fits"]), None)
     return {
         "world_size": world,
         "precision": precision,
-        "params": model.num_parameters(),
+        "params": n_params,
         "muon_params": sum(math.prod(s) for s in shapes),
         "muon_matrices": len(shapes),
-        "muon_matrices_owned_by_rank0": len(owned),
         "per_rank_bytes": per_rank,
-        "per_rank_total_bytes": total,
+        "per_rank_max_bytes": {k: max(v) for k, v in ranks.items()},
+        "per_rank_mean_bytes": {k: sum(v) / world for k, v in ranks.items()},
+        "per_rank_total_bytes": totals[0],
+        "per_rank_total_max_bytes": static,
+        "per_rank_total_mean_bytes": sum(totals) / world,
+        "busiest_rank": busiest,
         "device_memory_bytes": hbm,
-        "left_for_activations_bytes": hbm - total,
-        "fits": total < hbm,
+        "left_for_activations_bytes": hbm - static,
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "grad_accum_steps": grad_accum_steps,
+        "activations": one,
+        "activation_checkpoint": activation_checkpoint,
+        "modes": modes,
+        "needs_activation_checkpoint": needs,
+        "fits": modes[activation_checkpoint]["fits"],
         "muon_traffic": traffic,
         "article": ARTICLE if world == ARTICLE["world_size"] else None,
     }
@@ -117,6 +229,7 @@ def as_text(p: dict, name: str) -> str:
         "muon_exchange_buffers": "Muon all-to-all buffers (bf16)",
         "newton_schulz_workspace": "Newton-Schulz workspace",
         "fsdp_transient_peak": "FSDP2 gathered params + grads",
+        "unsharded_gradient_accumulators": "grad accumulators (unsharded)",
     }
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"  # noqa: E731
     t = p["muon_traffic"]
@@ -125,13 +238,31 @@ def as_text(p: dict, name: str) -> str:
         f"{name} on {ranks}, {p['precision']}: FSDP2 over torch's fake process group "
         "(rank 0, the largest shards; nothing allocated)",
         f"  {count(p['params'])} parameters, {count(p['muon_params'])} of them in {p['muon_matrices']} "
-        f"Muon matrices ({p['muon_matrices_owned_by_rank0']} orthogonalised by rank 0)",
-        "  per rank",
-        *(f"    {labels[k]:<34}{gib(v)}" for k, v in p["per_rank_bytes"].items()),
-        f"    {'total':<34}{gib(p['per_rank_total_bytes'])}",
+        f"Muon matrices (owners by bytes: {t['owned_matrices_per_rank_max']} per rank at most, "
+        f"{t['owned_matrices_per_rank_mean']:.2f} on average)",
+        f"  per rank, max over the {ranks} (mean)",
+        *(
+            f"    {labels[k]:<34}{gib(v)}  ({gib(p['per_rank_mean_bytes'][k]).strip()})"
+            for k, v in p["per_rank_max_bytes"].items()
+        ),
+        f"    {'total before activations':<34}{gib(p['per_rank_total_max_bytes'])}  "
+        f"({gib(p['per_rank_total_mean_bytes']).strip()}; busiest: rank {p['busiest_rank']})",
         f"    {'device memory':<34}{gib(p['device_memory_bytes'])}",
-        f"    {'left for activations':<34}{gib(p['left_for_activations_bytes'])}"
-        + ("" if p["fits"] else "   (does NOT fit)"),
+        f"    {'left for activations':<34}{gib(p['left_for_activations_bytes'])}",
+        f"  activations of one micro-batch of {p['micro_batch']} x {p['seq_len']} tokens "
+        f"(grad_accum_steps {p['grad_accum_steps']})",
+        f"    {'train.activation_checkpoint':<28}{'activations':>12}{'total':>12}  fits  largest micro-batch",
+        *(
+            f"    {mode + (' (set)' if mode == p['activation_checkpoint'] else ''):<28}"
+            f"{gib(m['activation_bytes'])}{gib(m['total_bytes'])}  {'yes ' if m['fits'] else 'NO  '}"
+            f"  {m['max_micro_batch']} x {p['seq_len']}"
+            for mode, m in p["modes"].items()
+        ),
+        (
+            f"    needs train.activation_checkpoint: {p['needs_activation_checkpoint']}"
+            if p["needs_activation_checkpoint"]
+            else "    does NOT fit in any mode: more ranks, a shorter train.seq_len or a smaller micro-batch"
+        ),
         f"  Muon traffic per rank per optimizer step ({t['bytes_per_value']}-byte values)",
         f"    {'':<34}{'ours':>11}" + (f"{'article':>14}" if p["article"] else ""),
         f"    {'allgather (every matrix everywhere)':<34}{gb(t['allgather_bytes_per_rank'])}"
@@ -139,8 +270,18 @@ def as_text(p: dict, name: str) -> str:
         f"    {'alltoall (owner ranks)':<34}{gb(t['alltoall_bytes_per_rank'])}"
         + (f"  {gb(p['article']['alltoall_bytes'])}" if p["article"] else ""),
         f"    {'  of which padding':<34}{gb(t['alltoall_bytes_per_rank'] - t['alltoall_unpadded_bytes_per_rank'])}",
+        f"    {'  every rank (max / mean)':<34}{gb(t['alltoall_bytes_per_rank_max'])} / "
+        f"{t['alltoall_bytes_per_rank_mean'] / 1e9:.3f} GB (equal splits)",
     ]
     if t["ratio"]:
         article_ratio = p["article"]["allgather_bytes"] / p["article"]["alltoall_bytes"] if p["article"] else None
         lines.append(f"    {'ratio':<34}{t['ratio']:10.1f}x" + (f"  {article_ratio:11.1f}x" if article_ratio else ""))
+    lines += [
+        f"  Newton-Schulz per rank per step (max / mean over the {p['world_size']} ranks)",
+        f"    {'FLOPs':<34}{t['newton_schulz_flops_per_rank_max'] / 1e12:8.2f} / "
+        f"{t['newton_schulz_flops_per_rank_mean'] / 1e12:.2f} TFLOP"
+        + (f"   max/mean {t['newton_schulz_work_max_over_mean']:.3f}" if t["newton_schulz_work_max_over_mean"] else ""),
+        f"    {'Muon values owned':<34}{count(t['owned_values_per_rank_max']):>11} / "
+        f"{count(t['owned_values_per_rank_mean'])}",
+    ]
     return "\n".join(lines)

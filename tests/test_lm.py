@@ -111,10 +111,14 @@ def test_laplace_3b_reproduces_the_article_figures():
     assert kv_cache_bytes(cfg, 8192) == facts["kv_cache_bytes_8192"]
 
 
-def test_tiny_has_a_few_million_parameters():
+def test_tiny_has_5_540_864_parameters():
+    """The README's 5.5M parameters (at the default 4,096-token vocabulary), exactly: the
+    embedding and the untied head 4096 x 256 each, four blocks of 860,864, the final norm."""
     with torch.device("meta"):
-        n = LaplaceLM(preset_model_config("tiny", vocab_size=4096)).num_parameters()
-    assert 2e6 < n < 10e6
+        model = LaplaceLM(preset_model_config("tiny", vocab_size=4096))
+    per_block = {sum(p.numel() for p in block.parameters()) for block in model.blocks}
+    assert per_block == {860_864}
+    assert model.num_parameters() == 5_540_864 == 2 * 4096 * 256 + 4 * 860_864 + 256
 
 
 def test_model_forward_compiles_to_one_graph(device):

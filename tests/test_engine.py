@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from laplace.config import ServeCheckSection
-from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import configure_compiler
 from laplace.serving.engine import DecodeEngine, Rejected, Request, StepRecord, fit, prefill_pieces, width_ladder
@@ -18,14 +17,14 @@ from laplace.serving.generation import generate_ids
 from laplace.serving.replay import replay, summarize
 from laplace.serving.workload import arrival_times, build_requests
 
+from project import tiny_model_config
+
 VOCAB = 97
 
 
 def model(seed=0):
     torch.manual_seed(seed)
-    cfg = preset_model_config(
-        "tiny", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, chunk_size=16, sub_chunk_size=8, init_std=0.3
-    )  # wide logits: no near-ties for greedy
+    cfg = tiny_model_config(VOCAB, n_layers=2, init_std=0.3)  # wide logits: no near-ties for greedy
     return LaplaceLM(cfg).eval()
 
 
@@ -333,7 +332,7 @@ def byte_level_tokenizer():
 
 
 def test_incremental_text_equals_the_whole_decode_and_holds_back_stop_strings():
-    from laplace.serving.server import IncrementalText
+    from laplace.serving.detokenizer import IncrementalText
 
     tok = byte_level_tokenizer()
     text = "The value of wörld ☃ is naïve café — the key."
