@@ -8,12 +8,15 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
+# no usage reports from DVC, MLflow or the Prefect server (the tests turn them off the same way)
 export DVC_NO_ANALYTICS := 1
+export MLFLOW_DISABLE_TELEMETRY := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 export PREFECT_HOME ?= $(abspath .prefect)
 
-.PHONY: setup run test test-fast lint format params clean prefect-server prefect-worker prefect-deploy mlflow-ui
+.PHONY: setup run test test-fast lint format params clean prefect-server prefect-worker prefect-ready mlflow-ui
 
 setup: $(VENV)/.installed
 
@@ -22,7 +25,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# the CPU wheel of torch first, so the resolver never pulls a CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# setuptools' "Editable installation." notice is a warning box in every make run's output: not shown
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
 run: setup
@@ -49,10 +53,17 @@ params: setup
 prefect-server: setup
 	$(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
+PREFECT_API := http://127.0.0.1:$(PREFECT_PORT)/api
+# Waits (up to 5 minutes) for the server, so it may be started right after prefect-server.
 prefect-worker: setup
-	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect work-pool create laplace --type process --overwrite
-	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect --no-prompt deploy --all
-	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect worker start --pool laplace
+	@for i in $$(seq 150); do $(BIN)/python -c "import urllib.request as u; u.urlopen('$(PREFECT_API)/health', timeout=2)" 2>/dev/null && exit 0; sleep 2; done; echo "no Prefect server at $(PREFECT_API): run make prefect-server first" >&2; exit 1
+	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect work-pool create laplace --type process --overwrite
+	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect --no-prompt deploy --all
+	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect worker start --pool laplace
+
+# Waits (up to 5 minutes) until prefect-worker has created the deployments.
+prefect-ready: setup
+	@for i in $$(seq 100); do PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect deployment inspect 'laplace-pipeline/tiny' >/dev/null 2>&1 && exit 0; sleep 3; done; echo "no deployment laplace-pipeline/tiny at $(PREFECT_API): is make prefect-worker running?" >&2; exit 1
 
 # MLflow UI on the project's store (artifacts are served from mlartifacts/).
 mlflow-ui: setup

@@ -69,7 +69,7 @@ def launched(cfg, paths: Paths, requests, compile_cache: Path | None, stream: bo
         out["server_exit_status"] = server.stop()
     out["startup_s"] = counters.get("laplace_startup_seconds")
     out["warmup_graphs"] = counters.get("laplace_warmup_graphs")
-    out["warmup_graphs_from_cache"] = counters.get("laplace_warmup_graphs_from_cache")
+    out["warmup_graphs_from_cache"] = counters.get("laplace_warmup_graphs_loaded_from_cache")
     out["compile_events"] = counters.get("laplace_compile_events_total")
     out["counters"] = {k: v for k, v in counters.items() if "prefix_cache" in k}
     return out

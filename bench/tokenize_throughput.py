@@ -1,10 +1,14 @@
 """Tokenization throughput and memory: laplace's streaming sharded pipeline vs nanoGPT's FineWeb
 approach, side by side on the same text, the same tokenizer and the same number of processes.
 
-    python bench/tokenize_throughput.py --sizes-mb 100 1000 --workers 2
+    python bench/tokenize_throughput.py --sizes-mb 100 500 1000 --workers 2
+    python bench/tokenize_throughput.py --sizes-mb 100 500 1000 --workers 2 --files 4 --record-mb 8
 
 The text is JSON Lines files of real English (the python-docs corpus, each copy of a document
-numbered so none repeats exactly) until each size is reached. Both sides use one tokenizer.json
+numbered so none repeats exactly) until each size is reached. `--files 4 --record-mb 8`: few
+files of large records (each record the documents joined up to about 8 MB, so one file holds a
+quarter of the corpus), the corpus that used to serialise laplace on one worker per file and
+set its memory by the largest record. Both sides use one tokenizer.json
 (trained once, not timed) and `workers` processes:
 
 * laplace: `tokenize_corpus` (survey + encode passes, fixed-size shards, manifests).
@@ -33,19 +37,23 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_corpus(directory: Path, size_bytes: int, files: int = 32) -> int:
+def make_corpus(directory: Path, size_bytes: int, files: int = 32, record_bytes: int = 0) -> int:
     from laplace.data.pydocs import python_docs_documents
 
     docs = python_docs_documents()
     directory.mkdir(parents=True, exist_ok=True)
     handles = [open(directory / f"part-{i:03d}.jsonl", "w", encoding="utf-8") for i in range(files)]
-    written, n = 0, 0
+    written, n, records = 0, 0, 0
     while written < size_bytes:
-        text = f"Copy {n // len(docs)}. " + docs[n % len(docs)]
-        line = json.dumps({"text": text}) + "\n"
-        handles[n % files].write(line)
-        written += len(text.encode("utf-8"))
-        n += 1
+        parts, size = [], 0
+        while size < max(record_bytes, 1) and written + size < size_bytes:
+            text = f"Copy {n // len(docs)}. " + docs[n % len(docs)]
+            parts.append(text)
+            size += len(text.encode("utf-8"))
+            n += 1
+        handles[records % files].write(json.dumps({"text": "\n\n".join(parts)}) + "\n")
+        written += size
+        records += 1
     for h in handles:
         h.close()
     return n
@@ -110,8 +118,10 @@ def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: i
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
+    p.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 500, 1000])
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--files", type=int, default=32, help="JSON Lines files the corpus is spread over")
+    p.add_argument("--record-mb", type=float, default=0, help="join documents into records of about this size")
     p.add_argument("--scratch", default="/tmp/laplace-bench-tokenize")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tokenize.json"))
     args = p.parse_args()
@@ -125,11 +135,18 @@ def main() -> None:
 
         train_tokenizer(python_docs_documents(), 4096, 2).save(str(tokenizer_path))
 
-    results = {"workers": args.workers, "cpu": os.cpu_count(), "runs": {}}
+    results = {
+        "workers": args.workers,
+        "cpu": os.cpu_count(),
+        "files": args.files,
+        "record_mb": args.record_mb,
+        "load_average_at_start": os.getloadavg(),
+        "runs": {},
+    }
     for size in args.sizes_mb:
-        corpus = scratch / f"corpus-{size}mb"
+        corpus = scratch / f"corpus-{size}mb-{args.files}f-{args.record_mb:g}mb"
         if not corpus.exists():
-            make_corpus(corpus, size * 1_000_000)
+            make_corpus(corpus, size * 1_000_000, args.files, int(args.record_mb * 1_000_000))
         row = {}
         for which in ("laplace", "nanogpt"):
             out = scratch / f"out-{which}-{size}mb"
@@ -138,7 +155,10 @@ def main() -> None:
             print(size, which, json.dumps(row[which]), flush=True)
         row["ratio_tokens_per_s"] = row["laplace"]["tokens_per_s"] / row["nanogpt"]["tokens_per_s"]
         row["ratio_peak_rss"] = row["laplace"]["peak_rss_mb"] / row["nanogpt"]["peak_rss_mb"]
+        row["load_average_after"] = os.getloadavg()
         results["runs"][f"{size}MB"] = row
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")  # each row kept as it is measured
 
     # 100B tokens on 64 cores, from the largest run's per-core rate and per-worker memory.
     largest = results["runs"][f"{max(args.sizes_mb)}MB"]["laplace"]

@@ -44,7 +44,7 @@ def retry_transient(task, task_run, state) -> bool:
 def run_stage(stage: str, root: str, flow_run_id: str) -> dict:
     logger = get_run_logger()
     env = {"LAPLACE_LAUNCHER": "prefect", "LAPLACE_PREFECT_FLOW_RUN_ID": flow_run_id}
-    status, tail = repro.repro(Path(root), stage, on_line=logger.info, env_extra=env)
+    status, tail = repro.repro(Path(root), stage, on_line=repro.WithoutGitHints(logger.info), env_extra=env)
     if status != 0:
         child = repro.stage_exit_status(status, tail)
         last = next((line for line in reversed(tail.splitlines()) if "error" in line.lower()), tail[-300:])
@@ -95,6 +95,7 @@ def pipeline(preset: str = "tiny", overrides: dict[str, Any] | None = None, root
             description="open with `mlflow ui` on the project's store (README)",
         )
     status, tail = repro.run_streaming(repro.dvc_command("status"), root_path, repro.subprocess_env(), logger.info)
+    logger.info("dvc.lock, params.yaml, metrics.json and plots/ record this run: commit them with git to keep it")
     return {
         "params_hash": cfg.digest(),
         "dvc_status_clean": status == 0 and "up to date" in tail,

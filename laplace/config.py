@@ -17,10 +17,11 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from laplace.errors import ConfigError
-from laplace.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig, preset_model_config
+from laplace.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig, preset_model_config, validate_model_config
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "config_from_dict", "default_params", "knob", "knob_docs"]
 
@@ -68,7 +69,16 @@ def _model_section() -> type:
             "preset",
             str,
             knob("tiny", doc=" | ".join(PRESETS) + "; the keys below override the preset (empty = the preset's)"),
-        )
+        ),
+        (
+            "init",
+            str,
+            knob(
+                "",
+                doc="an export or `laplace import` directory to fine-tune from (its architecture and weights; "
+                "the keys below must then agree with it or stay empty); empty: a random init",
+            ),
+        ),
     ]
     for f in dataclasses.fields(ModelConfig):
         doc = f.metadata.get("doc", "")
@@ -113,7 +123,10 @@ class DataSection:
     max_tokens: int = knob(0, _non_negative, "train tokens, 0 = no cap; else shared evenly among the slices")
     min_chars: int = knob(64, _positive, "shorter documents are skipped and counted")
     max_document_chars: int = knob(
-        1_000_000, _positive, "longer text files are cut at blank lines (or at this size) into documents"
+        1_000_000, _positive, "longer text files and records are cut at blank lines (or at this size) into documents"
+    )
+    split_bytes: int = knob(
+        32_000_000, _positive, "a larger .jsonl or text file is split by byte ranges (at line starts) over slices"
     )
     val_fraction: float = knob(
         0.05, _fraction, doc="share of documents held out for validation (by a seeded hash of the text)"
@@ -260,7 +273,8 @@ class ServerSection:
     """`server:` laplace serve, the live server.
 
     serve-check's replays and live phase run as that server does, on an address and policy of
-    their own: serve-check declares threads, max_new_tokens and shutdown_grace_s, not the rest."""
+    their own: serve-check declares threads, max_new_tokens, shutdown_grace_s and the request limits
+    (max_request_bytes, max_stop_chars), not the rest."""
 
     host: str = knob("127.0.0.1", doc="laplace serve listens here (loopback: only this machine can connect)")
     port: int = knob(8000, lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "laplace serve's port")
@@ -281,6 +295,8 @@ class ServerSection:
     shutdown_grace_s: float = knob(
         10.0, _non_negative, "on SIGTERM: no new requests; in-flight ones get this long to finish"
     )
+    max_request_bytes: int = knob(2 * 2**20, _positive, "a larger request body is refused with 413")
+    max_stop_chars: int = knob(1024, _positive, "the longest stop string a request may give")
 
 
 @dataclass(frozen=True)
@@ -346,6 +362,11 @@ class ProbesSection:
     passkey_contexts: list[int] = knob([256, 1024, 4096], doc="passkey prompt lengths")
     passkey_depths: list[float] = knob([0.1, 0.5, 0.9], doc="where the passkey sits, as a fraction of the context")
     passkey_samples: int = knob(2, _positive, doc="prompts per (context, depth) cell")
+    recall_contexts: list[int] = knob(
+        [256, 1024, 4096],
+        doc="NIAH (single key, multi-key, multi-value) prompt lengths: up to the training length and beyond",
+    )
+    recall_samples: int = knob(4, _positive, doc="NIAH prompts per (task, length); they decode together")
     memory_contexts: list[int] = knob([1024, 4096, 16384, 32768], doc="decode memory measured after these")
     kv_contexts: list[int] = knob(
         [2048, 8192, 32768], doc="contexts at which a transformer's KV-cache bytes are reported beside the GLA state"
@@ -392,6 +413,11 @@ class TrackingSection:
             " windows and tokenizer"
         ),
     )
+    champion_recall_tolerance: float = knob(
+        0.05,
+        _unit_interval,
+        "nor if its recall (probes' recall suite) at any length both measured falls below the champion's by more",
+    )
     register: bool = knob(True, doc="register the exported model (alias candidate; champion when it earns it)")
     retry_seconds: float = knob(
         60.0,
@@ -435,6 +461,8 @@ class Config:
         """The resolved architecture: preset, then params overrides, then the tokenizer's vocab size."""
         overrides = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(ModelSection)}
         preset = overrides.pop("preset")
+        if overrides.pop("init"):
+            return init_model_config(self.model)
         if overrides["vocab_size"] is None and not PRESETS.get(preset, {}).get("vocab_size"):
             overrides["vocab_size"] = vocab_size or self.tokenizer.vocab_size
         return preset_model_config(preset, **overrides)
@@ -561,8 +589,22 @@ def config_from_dict(raw: dict) -> Config:
             f"train.batch_size: {t.batch_size} is not divisible by the "
             f"{t.nproc_per_node * t.nnodes} ranks (nproc_per_node x nnodes)"
         )
+    check_widths(cfg.engine.widths, cfg.engine.max_slots)
     check_project_paths(cfg)
     return cfg
+
+
+def check_widths(widths: list[int], max_slots: int, key: str = "engine.widths") -> None:
+    """A decode width ladder as written: strictly increasing, from >= 1 up to exactly max_slots
+    (a wider graph would only pad rows no slot can fill). Empty: powers of two up to max_slots."""
+    if not widths:
+        return
+    ordered = all(a < b for a, b in zip(widths, widths[1:]))
+    if not ordered or widths[0] < 1 or widths[-1] != max_slots:
+        example = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots] + [max_slots]
+        raise ConfigError(
+            f"{key}: must increase strictly from >= 1 to max_slots={max_slots} (e.g. {example}), got {widths}"
+        )
 
 
 def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:
@@ -570,8 +612,33 @@ def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:
     id or a local directory; hub ids never contain a '..' component, so the check is safe for both."""
     return [("data.path", cfg.data.path)] + [
         ("tokenizer.path", cfg.tokenizer.path),
+        ("model.init", cfg.model.init),
         ("data.hub_path", cfg.data.hub_path),
     ]
+
+
+def init_model_config(model: ModelSection) -> ModelConfig:
+    """The architecture of model.init's export (the weights decide it); a model.* override that
+    disagrees with it is a ConfigError naming the key (model.kernel is the process's choice)."""
+    # config.json read here, not through laplace.model.export: every stage reads this module
+    path = Path(model.init) / "config.json"
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+        assert isinstance(found, dict) and isinstance(found.get("model"), dict)
+    except (OSError, ValueError, AssertionError):
+        raise ConfigError(
+            f"model.init: {path} is missing or not an export's config (run `laplace import` first)"
+        ) from None
+    arch = dict(found["model"])
+    for name, value in dataclasses.asdict(model).items():
+        if name in ("preset", "init", "kernel") or value is None:
+            continue
+        if arch.get(name) != value:
+            raise ConfigError(
+                f"model.{name}: {value!r} disagrees with model.init {model.init} ({arch.get(name)!r}); "
+                "leave it empty to take the init's"
+            )
+    return validate_model_config(ModelConfig(**{**arch, "kernel": model.kernel}), "model.init")
 
 
 def check_project_paths(cfg: Config) -> None:

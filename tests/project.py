@@ -61,6 +61,8 @@ TINY_PARAMS = {
     "probes.passkey_contexts": [128, 256],  # the needle and question alone take ~80 tokens at vocab 300
     "probes.passkey_depths": [0.5],
     "probes.passkey_samples": 1,
+    "probes.recall_contexts": [512],  # 4 needles and the question take ~250 tokens at vocab 300
+    "probes.recall_samples": 1,
     "probes.memory_contexts": [128, 512],
     "probes.mqar_train_steps": 10,
     "probes.mqar_train_d_model": 32,

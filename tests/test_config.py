@@ -4,19 +4,19 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import yaml
 
 from laplace.config import Config, ModelConfig, ModelSection, default_params, knob_docs
 from laplace.errors import ConfigError
 from laplace.pipeline.cli import main
-from laplace.pipeline.params import load_config, parse_override, render_params
+from laplace.pipeline.params import load_config, parse_override, parse_yaml, render_params, write_params
 from laplace.pipeline.params import main as params_main
+from laplace.pipeline.stages import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_params_yaml_mirrors_the_defaults_in_code():
-    assert yaml.safe_load((ROOT / "params.yaml").read_text()) == default_params()
+    assert parse_yaml((ROOT / "params.yaml").read_text()) == default_params()  # read as DVC reads it
 
 
 def test_every_knob_has_one_doc_and_params_yaml_comments_are_written_from_it(tmp_path):
@@ -34,8 +34,9 @@ def test_every_knob_has_one_doc_and_params_yaml_comments_are_written_from_it(tmp
 
 
 def test_the_model_section_is_every_modelconfig_field():
-    """A ModelConfig field is a knob without a second copy: norm_eps included."""
-    assert [f.name for f in dataclasses.fields(ModelSection)] == ["preset"] + [
+    """A ModelConfig field is a knob without a second copy: norm_eps included (beside the preset and
+    model.init, the export to fine-tune from)."""
+    assert [f.name for f in dataclasses.fields(ModelSection)] == ["preset", "init"] + [
         f.name for f in dataclasses.fields(ModelConfig)
     ]
     cfg = load_config(ROOT / "params.yaml", ["model.norm_eps=1.0e-5", "model.kernel=torch"])
@@ -112,3 +113,55 @@ def test_a_yaml_error_names_the_line_to_fix(tmp_path, text, line):
     params.write_text(text)
     with pytest.raises(ConfigError, match=rf"params\.yaml: line {line} is not valid YAML"):
         load_config(params)
+
+
+def test_1e3_is_a_number_through_set_and_params_yaml_as_dvc_reads_it(tmp_path, capsys):
+    """YAML 1.2 (ruamel, DVC's reader): `1e-3` is 0.001 in an override and in params.yaml."""
+    from dvc.utils.serialize import load_yaml
+
+    assert load_config(ROOT / "params.yaml", ["train.lr=1e-3"]).train.lr == 0.001
+    params = tmp_path / "params.yaml"
+    params.write_text("train:\n  lr: 1e-3\nmuon:\n  eps: 1e-7\n")
+    cfg = load_config(params)
+    assert cfg.train.lr == 0.001 and cfg.muon.eps == 1e-7
+    assert load_yaml(params)["train"]["lr"] == cfg.train.lr  # what dvc params/exp show read
+    assert main(["info", "--params", str(params), "--set", "adamw.eps=1e-9"]) == 0
+    write_params(params, ["train.lr=2e-3"])  # laplace run --set: written as the number
+    assert load_yaml(params)["train"]["lr"] == 0.002 == load_config(params).train.lr
+
+
+def test_an_unsorted_or_too_wide_width_ladder_is_one_line(capsys):
+    assert main(["info", "--params", str(ROOT / "params.yaml"), "--set", "engine.widths=[3,1,20]"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "laplace info: error: engine.widths: must increase strictly from >= 1 to max_slots=8 "
+        "(e.g. [1, 2, 4, 8]), got [3, 1, 20]"
+    )
+    assert load_config(ROOT / "params.yaml", ["engine.widths=[1,3,8]"]).engine.widths == [1, 3, 8]
+
+
+def test_summary_and_generate_before_any_run_say_what_to_run(tmp_path, capsys):
+    assert main(["summary", "--params", str(ROOT / "params.yaml"), "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == f"laplace summary: error: no pipeline run in {tmp_path} yet (no metrics/*.json): run `laplace run` first"
+    )
+    assert main(["generate", "--params", str(ROOT / "params.yaml"), "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"laplace generate: error: no exported model in {tmp_path / 'artifacts' / 'export'} yet")
+    assert "`laplace run`" in err and "\n" not in err
+
+
+def test_every_stage_help_says_what_it_does_reads_and_writes(capsys):
+    dvc = parse_yaml((ROOT / "dvc.yaml").read_text())["stages"]
+    for name in STAGES:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        doc = STAGES[name].module.__doc__
+        assert " ".join(doc.split()[:8]) in text, (name, text)  # what the stage does
+        reads = text.split("params read (params.yaml): ")[1].split(" writes: ")[0]
+        for param in dvc[name].get("params", []):
+            assert (param if isinstance(param, str) else "every param") in reads, (name, reads)
+        for out in dvc[name].get("outs", []):
+            assert (out if isinstance(out, str) else next(iter(out))) in text.split(" writes: ")[1], (name, text)

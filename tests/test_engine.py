@@ -332,7 +332,7 @@ def byte_level_tokenizer():
 
 
 def test_incremental_text_equals_the_whole_decode_and_holds_back_stop_strings():
-    from laplace.serving.server import IncrementalText
+    from laplace.serving.detokenizer import IncrementalText
 
     tok = byte_level_tokenizer()
     text = "The value of wörld ☃ is naïve café — the key."

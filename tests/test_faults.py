@@ -184,14 +184,14 @@ def test_kill_during_a_checkpoint_write_and_a_truncated_checkpoint_are_never_loa
 DISK_FULL_AT_STEP_5 = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like ENOSPC
-from laplace.pipeline import stage_train
-train = stage_train.train
+from laplace.training import loop  # stage_train imports train from it when the stage runs
+train = loop.train
 def fill_the_disk(step, model, optimizer):
     if step == 5:  # after checkpoint 4: no file may grow past 4 KiB any more
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 def train_with_a_full_disk(*args, **kwargs):
     return train(*args, before_step=fill_the_disk, **kwargs)
-stage_train.train = train_with_a_full_disk
+loop.train = train_with_a_full_disk
 from laplace.pipeline.cli import main
 sys.exit(main(["train"]))
 """

@@ -129,6 +129,45 @@ def test_bad_params_stop_dvc_repro_and_laplace_run_before_any_work(tmp_path):
     assert not (repo / "runs").exists()
 
 
+def test_coinciding_plot_series_are_drawn_once_and_named_together():
+    from laplace.pipeline.plots import series_rows
+
+    rows = series_rows(
+        {"depth 0.1": {128: 0.0, 256: 0.0}, "depth 0.5": {128: 0.0, 256: 0.0}, "depth 0.9": {128: 0.5, 256: 0.0}},
+        x="context",
+        y="accuracy",
+        chance=1 / 90_000,
+    )
+    assert {r["series"] for r in rows} == {"depth 0.1 = depth 0.5 = chance", "depth 0.9"}
+    assert [r["order"] for r in rows] == [0, 0, 1, 1] and len(rows) == 4
+
+
+def test_the_flow_drops_dvcs_git_hint_after_each_stage():
+    from laplace.pipeline.repro import WithoutGitHints
+
+    seen = []
+    hint = ["To track the changes with git, run:", "\tgit add dvc.lock", "To enable auto staging, run:"]
+    drop = WithoutGitHints(seen.append)
+    for line in ["Running stage 'train':", *hint, "\tdvc config core.autostage true", "done"]:
+        drop(line)
+    assert seen == ["Running stage 'train':", "done"]
+
+
+def test_the_headline_view_puts_the_figures_and_the_varied_params_first():
+    import json
+
+    from laplace.pipeline.mlflow_views import headline_view, varied_params
+
+    shown = varied_params({"train.lr": "0.001", "seed": "1"}, [{"train.lr": "0.003", "seed": "1"}])
+    assert shown == ["train.lr"]
+    assert varied_params({"train.lr": "0.001"}, []) == ["train.lr", "train.steps", "model.preset"]
+    state = json.loads(json.loads(headline_view(None, shown))["state"])
+    first = ["metrics.`eval_loss`", "metrics.`train_loss`", "metrics.`tps`", "metrics.`ttft_p99`", "params.`train.lr`"]
+    assert state["columnOrder"][:5] == first and state["selectedColumns"][:5] == first
+    assert all(state["columnWidths"][c] <= 92 for c in first)  # they fit beside MLflow's side panel at 1,440 px
+    assert not any("gate_" in c for c in state["selectedColumns"])
+
+
 # One knob of each section that the serve: split and the model section touched, and exactly the
 # stages that read it (track logs every knob, so it reads them all).
 KNOB_READERS = {

@@ -373,6 +373,13 @@ def test_default_mqar_training_recalls_few_pairs_and_degrades_with_more():
     assert hardest < easiest - 0.1, acc
     # what was learned, not how fast: the loss left the plateau at ln(32 values) = 3.47
     assert result["final_loss"] < 0.5 * math.log(32), result["final_loss"]
+    # the recall suite's MQAR, through a serving engine at the ladder widths, sees it recall
+    from laplace.config import Config
+    from laplace.evals.probes import _trained_recall
+
+    recall = _trained_recall(result["trained_model"], Config(), probes, progress=False)
+    assert recall["recall_trained_mqar_verdict"][min(probes.mqar_contexts)] == "recall above chance: mqar", recall
+    assert recall["recall_trained_mqar_summary"].startswith("recall above chance at")
 
 
 @pytest.mark.slow
@@ -406,6 +413,8 @@ def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
                 "passkey_contexts": [64, 200],
                 "passkey_depths": [0.5],
                 "passkey_samples": 1,
+                "recall_contexts": [320, 640],  # the training length is 32: both beyond it
+                "recall_samples": 1,
                 "memory_contexts": [128, 1024],
                 "kv_contexts": [2048, 8192],
                 "mqar_train_steps": 3,
@@ -431,6 +440,13 @@ def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
     assert set(metrics["mqar_trained_accuracy"]) == {"32", "128"}
     assert set(metrics["mqar_trained_accuracy"]["32"]) == {"2", "4"}
     assert set(metrics["passkey_accuracy"]) == {"64", "200"}
+    # the recall suite: every task at its lengths, and a plain verdict per length (a 2-step model recalls nothing)
+    assert set(metrics["recall"]) == {"niah_single", "niah_multikey", "niah_multivalue", "passkey", "mqar"}
+    assert set(metrics["recall"]["niah_multikey"]) == {"320", "640"}
+    assert set(metrics["recall_verdict"]) == {"32", "64", "128", "200", "320", "640"}
+    assert all(v == "recall: none above chance" for v in metrics["recall_verdict"].values()), metrics["recall"]
+    assert metrics["recall_summary"] == "recall: none above chance at any length"
+    assert set(metrics["recall_trained_mqar"]) == {"32", "128"}  # the probe-trained GLA, through an engine
     assert set(metrics["decode_rss_bytes"]) == {"128", "1024"} and metrics["decode_rss_flat_ratio"] >= 1.0
     assert set(metrics["kv_bytes"]) == {"2048", "8192"}
     for key in (

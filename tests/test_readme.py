@@ -163,6 +163,8 @@ def test_generate_says_why_when_it_produced_no_text(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(
         generation, "generate_text", lambda *a, **kw: {"prompt": "The function", "completion": "", "new_tokens": 1}
     )
+    (tmp_path / "artifacts" / "export").mkdir(parents=True)
+    (tmp_path / "artifacts" / "export" / "config.json").write_text("{}")  # an export is there (not read)
     assert main(["generate", "--params", str(ROOT / "params.yaml"), "--root", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert out.out == "The function\n"

@@ -79,11 +79,10 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
         counters = scrape(server.url)
         assert server.stop() == 0
     log = "\n".join(server.lines)
-    assert counters["laplace_warmup_graphs"] == counters["laplace_warmup_graphs_from_cache"] == 3, log
+    assert counters["laplace_warmup_graphs"] == counters["laplace_warmup_graphs_loaded_from_cache"] == 3, log
     assert counters["laplace_compile_events_total"] == 0
-    assert counters["laplace_startup_seconds"] > 0
     assert "loaded from cache 3/3, compiled 0" in log and "was built under other settings" not in log
-    assert "ready " in log and "s after start" in log
+    assert "3/3 graphs loaded from the compile cache, 0 compiled" in log  # the server's ready line
 
     # greedy through the compiled engine and its prefix cache = the eager engine without a cache
     eager = DecodeEngine.for_policy(model, cfg.engine, "eager")

@@ -1,25 +1,41 @@
-"""The tokenize stage's worker pool: spawned processes that die with the stage.
+"""The tokenize stage's worker processes: an executor that notices a dead worker, and children
+that die with the stage.
 
-Ours (multiprocessing, not datasets.map) so that the workers die with the stage: they get
-SIGKILL when the stage process dies (PR_SET_PDEATHSIG) and are terminated when it fails or
-gets SIGTERM.
+concurrent.futures.ProcessPoolExecutor, not multiprocessing.Pool: a Pool worker killed mid-task
+(the OOM killer's SIGKILL) is silently replaced and its task never returns, so the stage hangs;
+the executor marks itself broken (BrokenProcessPool) and we fail the stage at once, naming the
+slice the dead worker held (each job leaves a tag file `<tags>/<pid>` while it runs). Workers get
+SIGKILL when the stage process dies (PR_SET_PDEATHSIG) and are killed when it fails or gets
+SIGTERM: nothing is left running.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import ctypes
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+from laplace.errors import Failure
+
+
+class WorkerDied(Failure):
+    """A worker process died (killed, out of memory) while it held a job: a crash, retried."""
 
 
 def die_with_parent(parent: int) -> None:
-    """Pool initializer: exit when the stage process dies, whatever kills it (SIGKILL included)."""
+    """Worker initializer: exit when the stage process dies, whatever kills it (SIGKILL included)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it kills us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -30,7 +46,8 @@ def die_with_parent(parent: int) -> None:
 @contextlib.contextmanager
 def sigterm_unwinds():
     """SIGTERM raises SystemExit in the main thread, so `finally` blocks stop the workers and tidy up."""
-    if multiprocessing.current_process().name != "MainProcess" or not _is_main_thread():
+    main = multiprocessing.current_process().name == "MainProcess"
+    if not main or threading.current_thread() is not threading.main_thread():
         yield
         return
 
@@ -44,23 +61,118 @@ def sigterm_unwinds():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _is_main_thread() -> bool:
-    import threading
+def _tagged(fn: Callable, job, name: str, tags: str):
+    """Run one job in a worker, leaving `<tags>/<pid>` (the job's name) while it runs."""
+    tag = Path(tags) / str(os.getpid())
+    tag.write_text(name)
+    try:
+        return fn(job)
+    finally:
+        tag.unlink(missing_ok=True)
 
-    return threading.current_thread() is threading.main_thread()
+
+def _died(pid: int, code: int | None) -> str:
+    if code is None:
+        return f"worker {pid}"
+    if code < 0:
+        return f"worker {pid} (killed by {signal.Signals(-code).name})"
+    return f"worker {pid} (exit status {code})"
+
+
+class Workers:
+    """Jobs on `num_proc` spawned worker processes (or in this process when num_proc is 1, where
+    a crash is a crash of the stage itself), and `call` for one job in a child of its own."""
+
+    def __init__(self, num_proc: int, tags: Path):
+        self.num_proc, self.tags = num_proc, Path(tags)
+        self._executors: list[cf.ProcessPoolExecutor] = []
+        self._seen: dict = {}  # pid -> multiprocessing.Process, every worker started
+        shutil.rmtree(self.tags, ignore_errors=True)  # a killed run's tags name processes long gone
+        self.tags.mkdir(parents=True)
+
+    def _executor(self, workers: int) -> cf.ProcessPoolExecutor:
+        executor = cf.ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=die_with_parent,
+            initargs=(os.getpid(),),
+        )
+        self._executors.append(executor)
+        return executor
+
+    def map_unordered(self, fn: Callable, jobs: Iterable, name: Callable[[object], str]) -> Iterator:
+        """fn(job) for every job, yielded as each finishes; a WorkerDied naming the job a dead worker held."""
+        jobs = list(jobs)
+        if self.num_proc <= 1 or len(jobs) <= 1:
+            yield from map(fn, jobs)
+            return
+        executor = self._executor(min(self.num_proc, len(jobs)))
+        futures = {executor.submit(_tagged, fn, j, name(j), str(self.tags)): j for j in jobs}
+        yield from self._results(executor, futures)
+        self._close(executor)
+
+    def call(self, fn: Callable, job, name: str):
+        """fn(job) in a child process of its own: SIGTERM (and a kill of the child) stops it at once."""
+        executor = self._executor(1)
+        futures = {executor.submit(_tagged, fn, job, name, str(self.tags)): job}
+        (result,) = self._results(executor, futures)
+        self._close(executor)
+        return result
+
+    def _results(self, executor: cf.ProcessPoolExecutor, futures: dict) -> Iterator:
+        # the executor knows its processes by a private attribute, which it clears once broken:
+        # keep the Process objects now (every worker is started by the submits) to name the dead
+        self._seen.update(getattr(executor, "_processes", None) or {})
+        pending = set(futures)
+        while pending:
+            # a timeout so that the main thread wakes for signals (SIGTERM -> SystemExit) regularly
+            done, pending = cf.wait(pending, timeout=1.0, return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                try:
+                    result = future.result()
+                except BrokenProcessPool:
+                    self._seen.update(getattr(executor, "_processes", None) or {})
+                    raise self._death() from None
+                yield result
+
+    def _death(self) -> WorkerDied:
+        for process in self._seen.values():
+            with contextlib.suppress(Exception):
+                process.join(5)  # the executor terminates the survivors of a broken pool
+        dead = [(pid, p.exitcode) for pid, p in self._seen.items() if p.exitcode not in (None, 0)]
+        # the one that died first, not those the executor then terminated (SIGTERM)
+        dead.sort(key=lambda item: item[1] == -signal.SIGTERM)
+        tags = {pid: self.tags / str(pid) for pid, _ in dead}
+        held = [(pid, code, tags[pid].read_text()) for pid, code in dead if tags[pid].is_file()]
+        if held:
+            pid, code, job = held[0]
+            return WorkerDied(f"tokenize {_died(pid, code)} died while it held {job}; rerun to resume")
+        who = ", ".join(_died(pid, code) for pid, code in dead) or "a worker"
+        return WorkerDied(f"tokenize {who} died; rerun to resume")
+
+    def _close(self, executor: cf.ProcessPoolExecutor) -> None:
+        executor.shutdown(wait=True)
+        self._executors.remove(executor)
+
+    def kill(self) -> None:
+        """Kill every worker now and reap it (on a failure, SIGTERM or KeyboardInterrupt)."""
+        for executor in self._executors:
+            processes = list((getattr(executor, "_processes", None) or {}).values())
+            for process in processes:
+                with contextlib.suppress(Exception):
+                    process.kill()
+            executor.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                with contextlib.suppress(Exception):
+                    process.join(5)
+        self._executors.clear()
 
 
 @contextlib.contextmanager
-def process_pool(num_proc: int) -> Iterator[Callable]:
-    """map_unordered(fn, jobs): in num_proc spawned workers, or in this process when num_proc is 1."""
-    if num_proc <= 1:
-        yield lambda fn, jobs: map(fn, jobs)
-        return
-    pool = multiprocessing.get_context("spawn").Pool(num_proc, initializer=die_with_parent, initargs=(os.getpid(),))
+def process_pool(num_proc: int, tags: Path) -> Iterator[Workers]:
+    """Workers for the stage; every one is killed and reaped on the way out, however it is left."""
+    workers = Workers(num_proc, tags)
     try:
-        yield lambda fn, jobs: pool.imap_unordered(fn, jobs)
-        pool.close()
-        pool.join()
+        yield workers
     finally:
-        pool.terminate()  # no-op after a clean join; kills the workers on any failure or SIGTERM
-        pool.join()
+        workers.kill()

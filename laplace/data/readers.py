@@ -15,18 +15,21 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from laplace.config import DataSection
 from laplace.data.pydocs import python_docs_documents
-from laplace.errors import DataError, one_line
+from laplace.errors import DataError, Failure, one_line
 
 log = logging.getLogger(__name__)
 
-# One record per line or a JSON array (.json), Apache Parquet; every other file is read as text.
-RECORD_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+# One record per line (also gzipped) or a JSON array (.json), Apache Parquet; every other file is text.
+RECORD_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+GZIP_SUFFIXES = {".jsonl.gz": "jsonl-gz", ".ndjson.gz": "jsonl-gz"}
+SPLITTABLE = ("text", "jsonl")  # kinds read by byte ranges (a large file is several units)
 _BLOCK = 1 << 20  # bytes read at a time when hashing or validating a file
 _RECORD_BATCH = 1024  # Parquet / dataset rows read at a time
 
@@ -46,8 +49,10 @@ class Unit:
     name: str  # stable and unique: the path relative to data.path, or "rows-00003", "shard-00012"
     kind: str  # text | jsonl | json | parquet | saved | hub | python-docs
     location: str  # the file, the dataset directory, the hub path, or the python-docs index
-    part: int = 0  # saved / hub: which of `parts`
+    part: int = 0  # saved / hub / a large file: which of `parts`
     parts: int = 1
+    start: int = 0  # a file's byte range [start, stop), each end moved to the next line start
+    stop: int = -1  # -1: to the end
 
 
 @dataclass
@@ -97,25 +102,76 @@ def corpus_units(data: DataSection) -> list[Unit]:
         raise DataError(f"data.path: {root} does not exist (a corpus directory or file)")
     if root.is_dir() and is_saved_dataset(root):
         return [Unit(f"rows-{i:05d}", "saved", str(root), i, data.slices) for i in range(data.slices)]
-    if root.is_file():
-        files = [(root.name, root)]
-    else:
-        files = []
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for name in filenames:
-                if not name.startswith("."):  # .gitignore, .DS_Store, editor swap files
-                    path = Path(dirpath, name)
-                    files.append((path.relative_to(root).as_posix(), path))
-        files.sort()
+    files = [(root.name, root)] if root.is_file() else sorted(_walk(root))
+    files = [(name, path) for name, path in files if _regular(path)]
     if not files:
         raise DataError(f"data.path: {root} holds no files")
-    return [Unit(name, RECORD_SUFFIXES.get(path.suffix.lower(), "text"), str(path)) for name, path in files]
+    units = []
+    for name, path in files:
+        kind = file_kind(path)
+        size = path.stat().st_size
+        parts = min(data.slices, -(-size // data.split_bytes)) if kind in SPLITTABLE else 1
+        if parts <= 1:
+            units.append(Unit(name, kind, str(path)))
+            continue
+        for part in range(parts):  # the ranges depend on the size and the knobs only, never num_proc
+            start, stop = size * part // parts, size * (part + 1) // parts
+            units.append(Unit(f"{name}#{part:04d}", kind, str(path), part, parts, start, stop))
+    return units
+
+
+def file_kind(path: Path) -> str:
+    name = path.name.lower()
+    for suffix, kind in GZIP_SUFFIXES.items():
+        if name.endswith(suffix):
+            return kind
+    return RECORD_SUFFIXES.get(path.suffix.lower(), "text")
+
+
+def _walk(root: Path) -> Iterator[tuple[str, Path]]:
+    """(relative name, path) of every file under root, symlinks followed once: a directory link that
+    leads back to a directory above it is a loop, an error naming it (os.walk would go round it)."""
+
+    def visit(directory: Path, ancestors: frozenset) -> Iterator[tuple[str, Path]]:
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as exc:
+            log.warning("skipped %s: unreadable directory (%s)", directory, one_line(exc))
+            return
+        for entry in entries:
+            if entry.name.startswith("."):  # .gitignore, .DS_Store, editor swap files, .dvc
+                continue
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=True):
+                real = os.path.realpath(path)
+                if real in ancestors:
+                    raise DataError(f"data.path: {path} is a symlink loop (it leads back to {real})")
+                yield from visit(path, ancestors | {real})
+            else:
+                yield path.relative_to(root).as_posix(), path
+
+    yield from visit(root, frozenset({os.path.realpath(root)}))
+
+
+def _regular(path: Path) -> bool:
+    """A regular file (after links); a FIFO, socket or device is skipped with a warning (reading a
+    FIFO would block the stage), and so is a dangling link."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        log.warning("skipped %s: %s", path, one_line(exc))
+        return False
+    if not stat.S_ISREG(mode):
+        log.warning("skipped %s: not a regular file (a FIFO, socket or device)", path)
+        return False
+    return True
 
 
 def slice_of(unit: Unit, slices: int) -> int:
     if unit.kind in ("saved", "hub"):
         return unit.part % slices
+    if unit.parts > 1:  # a large file's parts go to consecutive slices: every worker gets some
+        return (stable_hash(unit.name.rsplit("#", 1)[0]) + unit.part) % slices
     return stable_hash(unit.name) % slices
 
 
@@ -178,7 +234,30 @@ def _load_hub(data: DataSection):
                 return datasets.load_dataset(data.hub_path, None, split=data.hub_split, streaming=True)
             except Exception:
                 pass
+        _raise_if_network(exc, f"could not load {_hub_where(data)}")
         raise DataError(f"data.hub_path: could not load {_hub_where(data)}: {one_line(exc)}") from exc
+
+
+class HubUnreachable(Failure):
+    """The hub (or the network to it) failed: not the input's fault, so a crash the flow retries."""
+
+
+# transport errors of the clients under `datasets` (requests, urllib3, httpx, aiohttp), by name so
+# that none of them has to be imported here
+_NETWORK_ERRORS = {
+    "ConnectError", "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout", "RemoteProtocolError",
+    "Timeout", "ReadTimeoutError", "MaxRetryError", "NewConnectionError", "ProtocolError", "ClientConnectorError",
+    "ServerDisconnectedError", "OfflineModeIsEnabled",
+}  # fmt: skip
+
+
+def _raise_if_network(exc: BaseException, what: str) -> None:
+    seen = exc
+    while seen is not None:
+        names = {k.__name__ for k in type(seen).__mro__}
+        if isinstance(seen, (ConnectionError, TimeoutError)) or names & _NETWORK_ERRORS:
+            raise HubUnreachable(f"data.hub_path: {what}: the hub is unreachable ({one_line(seen)}); retry") from exc
+        seen = seen.__cause__ or seen.__context__
 
 
 def _hub_units(data: DataSection) -> list[Unit]:
@@ -187,8 +266,23 @@ def _hub_units(data: DataSection) -> list[Unit]:
     return [Unit(f"shard-{i:05d}", "hub", data.hub_path, i, parts) for i in range(parts)]
 
 
-def _checked_record(value, where: str, field_name: str) -> str | None:
-    if value is None or isinstance(value, str):
+def _valid_text(value) -> bool:
+    """False for a string that is not valid Unicode text (a lone surrogate, as JSON's "\\ud800" gives)."""
+    if not isinstance(value, str) or value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _checked_record(value, where: str, field_name: str) -> str | None | BadInput:
+    if value is None:
+        return value
+    if isinstance(value, str):
+        if not _valid_text(value):
+            return BadInput(where, "not valid Unicode text (a lone surrogate such as \\ud800)")
         return value
     raise DataError(f"{where}: field {field_name!r} holds {type(value).__name__}, not text (data.text_field)")
 
@@ -204,6 +298,7 @@ def _hub_texts(unit: Unit, data: DataSection) -> Iterator[str | None]:
     except DataError:
         raise
     except Exception as exc:
+        _raise_if_network(exc, f"reading {where} failed")
         raise DataError(f"data.hub_path: reading {where} failed: {one_line(exc)}") from exc
 
 
@@ -229,21 +324,52 @@ def _saved_texts(unit: Unit, data: DataSection) -> Iterator[str | None]:
 # --------------------------------------------------------------------------- files
 
 
-def file_problem(path: Path) -> str:
-    """ "" for a UTF-8 text file, else why not (binary or undecodable, with the byte offset)."""
+def _line_start(f, pos: int, size: int) -> int:
+    """The first line start at or after byte `pos` (0 and the end are their own)."""
+    if pos <= 0 or pos >= size:
+        return max(0, min(pos, size))
+    f.seek(pos - 1)
+    offset = pos - 1
+    while block := f.read(_BLOCK):
+        if (newline := block.find(b"\n")) >= 0:
+            return offset + newline + 1
+        offset += len(block)
+    return size
+
+
+def byte_range(unit: Unit, f) -> tuple[int, int]:
+    """The unit's bytes in its file: [start, stop) moved to line starts, so that a line belongs to
+    exactly one of a file's parts (the part where it starts)."""
+    size = os.fstat(f.fileno()).st_size
+    if unit.parts <= 1:
+        return 0, size
+    stop = size if unit.stop < 0 else unit.stop
+    return _line_start(f, unit.start, size), _line_start(f, stop, size)
+
+
+def _range_blocks(unit: Unit) -> Iterator[bytes]:
+    with open(unit.location, "rb") as f:
+        start, stop = byte_range(unit, f)
+        f.seek(start)
+        while start < stop and (block := f.read(min(_BLOCK, stop - start))):
+            start += len(block)
+            yield block
+
+
+def file_problem(unit: Unit) -> str:
+    """ "" for UTF-8 text, else why not (binary or undecodable, with the byte offset in the file)."""
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    offset = 0
+    offset = unit.start if unit.parts > 1 else 0  # approximate for a part: its nominal start
     try:
-        with open(path, "rb") as f:
-            while block := f.read(_BLOCK):
-                if (nul := block.find(b"\0")) >= 0:
-                    return f"binary (a NUL byte at offset {offset + nul})"
-                try:
-                    decoder.decode(block)
-                except UnicodeDecodeError as exc:
-                    return f"not valid UTF-8 (byte {offset + exc.start})"
-                offset += len(block)
-            decoder.decode(b"", final=True)
+        for block in _range_blocks(unit):
+            if (nul := block.find(b"\0")) >= 0:
+                return f"binary (a NUL byte at offset {offset + nul})"
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as exc:
+                return f"not valid UTF-8 (byte {offset + exc.start})"
+            offset += len(block)
+        decoder.decode(b"", final=True)
     except UnicodeDecodeError as exc:
         return f"not valid UTF-8 (truncated character at byte {offset + exc.start})"
     except OSError as exc:
@@ -251,62 +377,168 @@ def file_problem(path: Path) -> str:
     return ""
 
 
-def file_digest(path: Path) -> str:
+def file_digest(unit: Unit) -> str:
+    """The digest of the unit's bytes (its range of the file): a change elsewhere leaves it alone."""
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            h.update(block)
+    for block in _range_blocks(unit):
+        h.update(block)
     return h.hexdigest()
 
 
-def _text_documents(path: Path, max_chars: int) -> Iterator[str]:
-    """A text file as documents: whole when it is short, else cut at blank lines into pieces of
-    at most max_chars (a paragraph longer than that at line ends, a line longer than that anywhere)."""
-    if path.stat().st_size <= max_chars:  # bytes >= characters
-        yield path.read_bytes().decode("utf-8")  # no newline translation: the bytes as they are
-        return
+def _lines(unit: Unit, limit: int) -> Iterator[bytes]:
+    """The unit's lines as bytes, each at most `limit` bytes (a longer line comes in pieces)."""
+    with open(unit.location, "rb") as f:
+        start, stop = byte_range(unit, f)
+        f.seek(start)
+        while start < stop and (line := f.readline(min(limit, stop - start))):
+            start += len(line)
+            yield line
+
+
+def _cut(lines: Iterator[str], max_chars: int) -> Iterator[str]:
+    """Lines of at most max_chars as documents of at most max_chars, cut at blank lines (a
+    paragraph longer than that at line ends)."""
     pending: list[str] = []
     size = 0
-    with open(path, encoding="utf-8", errors="strict", newline="") as f:
-        while line := f.readline(max_chars):
-            blank = not line.strip()
-            if size + len(line) > max_chars or (blank and size >= max_chars // 2):
-                if pending:
-                    yield "".join(pending)
-                pending, size = [], 0
-            pending.append(line)
-            size += len(line)
+    for line in lines:
+        blank = not line.strip()
+        if size + len(line) > max_chars or (blank and size >= max_chars // 2):
+            if pending:
+                yield "".join(pending)
+            pending, size = [], 0
+        pending.append(line)
+        size += len(line)
     if pending:
         yield "".join(pending)
 
 
-def _jsonl_texts(path: Path, text_field: str) -> Iterator[str | None | BadInput]:
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+def _text_documents(unit: Unit, max_chars: int) -> Iterator[str]:
+    """A text file (or a part of one) as documents: whole when it is short, else cut at blank lines
+    into pieces of at most max_chars (a paragraph longer than that at line ends, a line longer than
+    that anywhere). No newline translation: the bytes as they are."""
+    with open(unit.location, "rb") as f:
+        start, stop = byte_range(unit, f)
+        if stop - start <= max_chars:  # bytes >= characters
+            f.seek(start)
+            yield f.read(stop - start).decode("utf-8")
+            return
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+
+    def lines() -> Iterator[str]:
+        for raw in _lines(unit, max_chars):  # bytes >= characters: each piece is short enough
+            if text := decoder.decode(raw):
+                yield text
+        if tail := decoder.decode(b"", final=True):
+            yield tail
+
+    yield from _cut(lines(), max_chars)
+
+
+def _string_lines(text: str, max_chars: int) -> Iterator[str]:
+    """text's lines, a line longer than max_chars cut at its last space within the limit (else at it)."""
+    pos, n = 0, len(text)
+    while pos < n:
+        newline = text.find("\n", pos, pos + max_chars)
+        if newline >= 0:
+            end = newline + 1
+        elif n - pos <= max_chars:
+            end = n
+        else:
+            end = pos + max_chars
+            space = text.rfind(" ", pos + max_chars // 2, end)
+            end = space + 1 if space > pos else end
+        yield text[pos:end]
+        pos = end
+
+
+def record_pieces(text: str, max_chars: int) -> Iterator[str]:
+    """A record's text as documents of at most max_chars, cut as text files are (so a 200 MB record
+    is encoded a bounded piece at a time, never whole)."""
+    if len(text) <= max_chars:
+        yield text
+    else:
+        yield from _cut(_string_lines(text, max_chars), max_chars)
+
+
+def _read_line(f, limit: int = 1 << 24) -> bytearray:
+    """One line, grown in place (BufferedReader.readline joins the pieces of a long line: 2x its size)."""
+    line = bytearray()
+    while piece := f.readline(limit):
+        line += piece
+        if piece.endswith(b"\n"):
+            break
+    return line
+
+
+class _Where:
+    """file:line of a record in a part of a file: the lines before the part are counted only when
+    a record needs naming (rare), not for every part."""
+
+    def __init__(self, unit: Unit, start: int):
+        self.unit, self.start, self._before = unit, start, None
+
+    def __call__(self, number: int) -> str:
+        if self._before is None:
+            self._before = 0
+            if self.start:
+                with open(self.unit.location, "rb") as f:
+                    left = self.start
+                    while left and (block := f.read(min(_BLOCK, left))):
+                        self._before += block.count(b"\n")
+                        left -= len(block)
+        return f"{self.unit.location}:{self._before + number}"
+
+
+def _jsonl_texts(unit: Unit, text_field: str) -> Iterator[str | None | BadInput]:
+    if unit.kind == "jsonl-gz":
+        import gzip
+
+        opened, start, stop = gzip.open(unit.location, "rb"), 0, None
+    else:
+        opened = open(unit.location, "rb")
+        start, stop = byte_range(unit, opened)
+        opened.seek(start)
+    where = _Where(unit, start)
+    number, pos = 0, start
+    with opened as f:
+        while stop is None or pos < stop:
+            raw = _read_line(f)
+            if not raw:
+                break
+            pos += len(raw)
+            number += 1
             if not raw.strip():
                 continue
-            where = f"{path}:{number}"
             try:
-                record = json.loads(raw)  # bytes: decoded as strict UTF-8
+                line = raw.decode("utf-8")  # strict; then the bytes are let go (a record may be huge)
+                raw = None
+                record = json.loads(line)
+                line = None
             except UnicodeDecodeError as exc:
-                yield BadInput(where, f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+                yield BadInput(where(number), f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
                 continue
             except ValueError as exc:
-                yield BadInput(where, f"not a JSON record ({one_line(exc)})")
+                yield BadInput(where(number), f"not a JSON record ({one_line(exc)})")
                 continue
             if not isinstance(record, dict):
-                yield BadInput(where, f"a JSON {type(record).__name__}, not an object")
+                yield BadInput(where(number), f"a JSON {type(record).__name__}, not an object")
                 continue
             if text_field not in record:
-                raise DataError(f"{where}: no field {text_field!r} (data.text_field; fields: {', '.join(record)})")
-            yield _checked_record(record[text_field], where, text_field)
+                fields = ", ".join(record)
+                raise DataError(f"{where(number)}: no field {text_field!r} (data.text_field; fields: {fields})")
+            value = record.pop(text_field)
+            record = None
+            if isinstance(value, str) and _valid_text(value):
+                yield value
+            else:
+                yield _checked_record(value, where(number), text_field)
 
 
 def _json_texts(path: Path, text_field: str) -> Iterator[str | None | BadInput]:
     with open(path, "rb") as f:
         head = f.read(64).lstrip()
     if not head.startswith(b"["):
-        yield from _jsonl_texts(path, text_field)
+        yield from _jsonl_texts(Unit(path.name, "jsonl", str(path)), text_field)
         return
     try:  # a JSON array is parsed whole: keep large corpora in JSON Lines or Parquet
         records = json.loads(path.read_bytes())
@@ -349,35 +581,44 @@ def unit_fingerprint(unit: Unit, data: DataSection) -> tuple[str, str]:
     if unit.kind == "saved":
         state = json.loads((Path(unit.location) / "state.json").read_text()) if unit.location else {}
         return f"{state.get('_fingerprint', unit.location)}|{unit.part}/{unit.parts}", ""
-    path = Path(unit.location)
     try:
-        digest = file_digest(path)
+        digest = file_digest(unit)
     except OSError as exc:
         return "unreadable", f"unreadable ({one_line(exc)})"
-    return digest, file_problem(path) if unit.kind == "text" else ""
+    return digest, file_problem(unit) if unit.kind == "text" else ""
 
 
-def unit_texts(unit: Unit, data: DataSection, problem: str = "") -> Iterator[str | None | BadInput]:
-    """The documents of one unit, in order: text, None (a null record) or BadInput (skipped)."""
-    if unit.kind == "python-docs":
-        yield python_docs_documents()[int(unit.location)]
-    elif unit.kind == "hub":
+def _records(unit: Unit, data: DataSection) -> Iterator[str | None | BadInput]:
+    if unit.kind == "hub":
         yield from _hub_texts(unit, data)
     elif unit.kind == "saved":
         yield from _saved_texts(unit, data)
-    elif unit.kind == "text":
-        if problem:
-            yield BadInput(unit.location, problem)
-        else:
-            yield from _text_documents(Path(unit.location), data.max_document_chars)
-    elif unit.kind == "jsonl":
-        yield from _jsonl_texts(Path(unit.location), data.text_field)
+    elif unit.kind in ("jsonl", "jsonl-gz"):
+        yield from _jsonl_texts(unit, data.text_field)
     elif unit.kind == "json":
         yield from _json_texts(Path(unit.location), data.text_field)
     elif unit.kind == "parquet":
         yield from _parquet_texts(Path(unit.location), data.text_field)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+def unit_texts(unit: Unit, data: DataSection, problem: str = "") -> Iterator[str | None | BadInput]:
+    """The documents of one unit, in order: text, None (a null record) or BadInput (skipped).
+    A record longer than data.max_document_chars comes as several documents (record_pieces)."""
+    if unit.kind == "python-docs":
+        yield python_docs_documents()[int(unit.location)]
+    elif unit.kind == "text":
+        if problem:
+            yield BadInput(unit.location, problem)
+        else:
+            yield from _text_documents(unit, data.max_document_chars)
+    else:
+        for record in _records(unit, data):
+            if isinstance(record, str) and len(record) > data.max_document_chars:
+                yield from record_pieces(record, data.max_document_chars)
+            else:
+                yield record
 
 
 def slice_documents(

@@ -19,6 +19,7 @@ laplace.data.pool, the shard writer in laplace.data.shards.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import heapq
@@ -28,16 +29,15 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from laplace import manifest
 from laplace.config import DataSection, TokenizerSection
-from laplace.data.pool import process_pool, sigterm_unwinds
+from laplace.data.pool import Workers, process_pool, sigterm_unwinds
 from laplace.data.readers import (
     SliceStats,
     Unit,
@@ -49,14 +49,26 @@ from laplace.data.readers import (
     write_python_docs,
 )
 from laplace.data.shards import KIND, SPLITS, TOKENS, ShardWriter
-from laplace.data.tokenizer import EOS_TOKEN, TOKENIZER_NAME, load_tokenizer, tokenizer_sha256, train_reaching
+from laplace.data.tokenizer import (
+    EOS_TOKEN,
+    TOKENIZER_NAME,
+    document_end_id,
+    load_tokenizer,
+    tokenizer_sha256,
+    train_reaching,
+)
 from laplace.errors import DataError
-from laplace.fileio import atomic_write_bytes, atomic_write_json, replace_dir
+from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsync_file
+from laplace.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when the bytes a slice produces change for the same input and settings
-_ENCODE_BATCH_CHARS = 1 << 20  # documents are encoded in batches of about this much text
+FORMAT = 3  # bump when the bytes a slice produces change for the same input and settings
+_ENCODE_BATCH_CHARS = 1 << 18  # documents are encoded in batches of about this much text (memory: ~300 B per char)
+# The encoder holds ~300 bytes per character of one input while it pre-tokenizes it: a longer
+# document is encoded as pieces of at most this many characters (cut where the byte-level
+# pre-tokenizer cuts anyway, so the ids are the same) and its ids joined.
+_ENCODE_PIECE_CHARS = 1 << 18
 _LISTED_BAD = 100  # bad files named in the manifest (all are logged)
 
 
@@ -89,6 +101,7 @@ class _SurveyJob:
     seed: int
     quota: int
     sample_bytes: int  # 0: no sample needed (tokenizer.path)
+    sample_file: str = ""  # where the slice's sample goes, sorted by keyed hash (JSON lines [hash, text])
 
 
 @dataclass
@@ -96,7 +109,7 @@ class _Survey:
     slice: int
     fingerprints: dict[str, str]
     problems: dict[str, str]
-    sample: list[tuple[int, str]] = field(default_factory=list)  # (keyed hash, text), smallest hashes
+    sample_file: str = ""  # the slice's share of the sample (see _SurveyJob), read back streaming
 
 
 def _bounded_sample(texts: Iterator[str], seed: int, budget: int) -> list[tuple[int, str]]:
@@ -127,7 +140,15 @@ def _survey(job: _SurveyJob) -> _Survey:
     if job.sample_bytes:
         docs = slice_documents(job.units, problems, data, job.quota, SliceStats())
         train = (t for t in docs if _val_score(t, job.seed) >= data.val_fraction)
-        survey.sample = _bounded_sample(train, job.seed, job.sample_bytes)
+        # held here, in the worker, bounded by the budget; the stage only ever streams the files
+        sample = _bounded_sample(train, job.seed, job.sample_bytes)
+        path = Path(job.sample_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+            for key, text in sample:
+                f.write(json.dumps([key, text], ensure_ascii=False) + "\n")
+        os.replace(f"{path}.tmp", path)
+        survey.sample_file = str(path)
     return survey
 
 
@@ -150,17 +171,50 @@ class _EncodeJob:
     staging: str
 
 
-def _encode(job: _EncodeJob) -> tuple[dict, int]:
+def _encoder_pieces(text: str, limit: int) -> Iterator[str]:
+    """text in pieces of at most `limit` characters (about), each cut just before a space that
+    follows a non-space and precedes one: a byte-level (GPT-2) pre-tokenizer starts a new
+    pre-token there, so encoding the pieces gives the ids of the whole. Without such a space
+    within the window (no spaces at all), at the limit."""
+    pos, n = 0, len(text)
+    while n - pos > limit:
+        end = pos + limit
+        cut = text.rfind(" ", pos + limit // 2, end)
+        while cut > pos and (text[cut - 1].isspace() or cut + 1 >= n or text[cut + 1].isspace()):
+            cut = text.rfind(" ", pos + limit // 2, cut)
+        end = cut if cut > pos else end
+        yield text[pos:end]
+        pos = end
+    yield text[pos:]
+
+
+def _finished_record(path: Path, staging: Path, key: str) -> dict | None:
+    """A slice's record from an interrupted run, when it was made with `key` and every shard it
+    lists is there with its size (else None: the slice is encoded again, adopting what is valid)."""
+    try:
+        record = json.loads(path.read_text())
+        if record.get("key") != key:
+            return None
+        for shards in record["shards"].values():
+            for shard in shards:
+                tokens = staging / shard["path"] / TOKENS
+                if tokens.stat().st_size != shard["bytes"] or not (tokens.parent / manifest.MANIFEST).is_file():
+                    return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record
+
+
+def encode_slice(job: _EncodeJob) -> tuple[dict, int]:
     """Encode one slice: its record (what the manifest keeps) and how many of its shards were
     adopted from an interrupted run (a figure of this run, not of the slice)."""
     from tokenizers import Tokenizer
 
     data = job.data
     record_path = Path(job.staging) / "slices" / f"{job.slice:05d}.json"
-    if record_path.is_file():
-        record = json.loads(record_path.read_text())
-        if record.get("key") == job.key:  # the slice finished in an interrupted run: all of it is kept
-            return record, sum(len(shards) for shards in record["shards"].values())
+    record = _finished_record(record_path, Path(job.staging), job.key)
+    if record is not None:  # the slice finished in an interrupted run: all of it is kept
+        return record, sum(len(shards) for shards in record["shards"].values())
     tokenizer = Tokenizer.from_str(job.tokenizer_json)
     tokenizer.encode_special_tokens = True
     dtype = np.dtype(job.dtype)
@@ -172,9 +226,12 @@ def _encode(job: _EncodeJob) -> tuple[dict, int]:
     batch: list[tuple[str, int, int, str]] = []  # (split, doc index, tokens to skip, text)
 
     def flush() -> None:
-        encodings = tokenizer.encode_batch_fast([text for *_, text in batch], add_special_tokens=False)
-        for (split, index, skip, _), encoding in zip(batch, encodings):
-            ids = np.fromiter((*encoding.ids, job.eos_id), dtype=dtype, count=len(encoding.ids) + 1)
+        pieces = [list(_encoder_pieces(text, _ENCODE_PIECE_CHARS)) for *_, text in batch]
+        encodings = iter(tokenizer.encode_batch_fast([p for ps in pieces for p in ps], add_special_tokens=False))
+        for (split, index, skip, _), parts in zip(batch, pieces):
+            done = [next(encodings).ids for _ in parts]
+            count = sum(map(len, done)) + 1
+            ids = np.fromiter((*(i for d in done for i in d), job.eos_id), dtype=dtype, count=count)
             writers[split].write(ids, index, skip)
         batch.clear()
 
@@ -263,6 +320,7 @@ def _settings(data: DataSection, tok_cfg: TokenizerSection, seed: int) -> dict:
         "seed": seed,
         "min_chars": data.min_chars,
         "max_document_chars": data.max_document_chars,
+        "split_bytes": data.split_bytes,
         "val_fraction": data.val_fraction,
         "on_bad_file": data.on_bad_file,
         "text_field": data.text_field,
@@ -294,20 +352,61 @@ def _describe_source(data: DataSection, units: list[Unit]) -> str:
     return f"files: {data.path} ({len(units)} files)"
 
 
-def _sample_tokenizer(surveys: list[_Survey], budget: int) -> list[tuple[int, str]]:
-    """The global sample: the smallest keyed hashes over all slices, at most `budget` bytes."""
-    merged = sorted(item for s in surveys for item in s.sample)
-    chosen, size = [], 0
-    for key, text in merged:
-        size += len(text.encode("utf-8"))
-        if size > budget:
-            break
-        chosen.append((key, text))
-    return chosen
+def _read_sample(path: str) -> Iterator[tuple[int, str]]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            key, text = json.loads(line)
+            yield key, text
+
+
+def _merge_samples(surveys: list[_Survey], budget: int, out: Path) -> tuple[str, int, int]:
+    """The global sample, streamed: the smallest keyed hashes over all slices (a k-way merge of the
+    slices' sorted files), at most `budget` bytes, written to `out` as JSON lines of text. The stage
+    holds one document per slice, never the sample. Returns (sha256 of the sample, documents, bytes)."""
+    streams = [_read_sample(s.sample_file) for s in surveys if s.sample_file]
+    digest = hashlib.sha256()
+    count = size = 0
+    with open(f"{out}.tmp", "w", encoding="utf-8") as f:
+        for key, text in heapq.merge(*streams):
+            size += len(text.encode("utf-8"))
+            if size > budget:
+                size -= len(text.encode("utf-8"))
+                break
+            line = json.dumps([key, text], ensure_ascii=False)
+            digest.update(line.encode("utf-8") + b"\n")
+            f.write(json.dumps(text, ensure_ascii=False) + "\n")
+            count += 1
+    os.replace(f"{out}.tmp", out)
+    return digest.hexdigest(), count, size
+
+
+@dataclass
+class _TrainJob:
+    sample: str
+    vocab_size: int
+    min_frequency: int
+    note: str
+
+
+def _train(job: _TrainJob) -> str:
+    """In a child process of its own (SIGTERM stops it at once): the BPE trained on the sample file."""
+
+    def texts() -> Iterator[str]:
+        with open(job.sample, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)
+
+    return train_reaching(texts(), job.vocab_size, job.min_frequency, job.note).to_str(pretty=True)
 
 
 def _tokenizer_bytes(
-    tok_cfg: TokenizerSection, surveys: list[_Survey], settings: dict, previous: dict, out_dir: Path, staging: Path
+    tok_cfg: TokenizerSection,
+    surveys: list[_Survey],
+    settings: dict,
+    previous: dict,
+    out_dir: Path,
+    staging: Path,
+    workers: Workers,
 ) -> tuple[bytes, str]:
     """tokenizer.json's bytes and the key of what made it: reused when the key is unchanged."""
     if tok_cfg.path:
@@ -315,23 +414,23 @@ def _tokenizer_bytes(
         load_tokenizer(source)  # validate before copying
         raw = source.read_bytes()
         return raw, hashlib.sha256(raw).hexdigest()
-    sample = _sample_tokenizer(surveys, tok_cfg.sample_bytes)
-    key = _digest([settings["tokenizer"], settings["seed"], hashlib.sha256(repr(sample).encode()).hexdigest()])
+    sample_file = staging / "sample.jsonl"
+    sample_sha, count, size = _merge_samples(surveys, tok_cfg.sample_bytes, sample_file)
+    key = _digest([settings["tokenizer"], settings["seed"], sample_sha])
     if previous.get("tokenizer_key") == key and (out_dir / TOKENIZER_NAME).is_file():
         return (out_dir / TOKENIZER_NAME).read_bytes(), key
     staged = staging / TOKENIZER_NAME
     if staged.is_file() and (staging / "tokenizer.key").is_file() and (staging / "tokenizer.key").read_text() == key:
         return staged.read_bytes(), key
-    if not sample:
+    if not count:
         raise DataError(
             "corpus has no usable text: no train document of at least "
             f"data.min_chars={settings['min_chars']} characters that is valid UTF-8"
         )
-    size = sum(len(t.encode("utf-8")) for _, t in sample)
-    log.info("training the tokenizer on a sample of %d documents (%.1f MB)", len(sample), size / 1e6)
-    note = f"the sample ({len(sample)} documents, {size:,} bytes; tokenizer.sample_bytes={tok_cfg.sample_bytes:,})"
-    trained = train_reaching((t for _, t in sample), tok_cfg.vocab_size, tok_cfg.min_frequency, note)
-    raw = trained.to_str(pretty=True).encode("utf-8")
+    log.info("training the tokenizer on a sample of %d documents (%.1f MB)", count, size / 1e6)
+    note = f"the sample ({count} documents, {size:,} bytes; tokenizer.sample_bytes={tok_cfg.sample_bytes:,})"
+    job = _TrainJob(str(sample_file), tok_cfg.vocab_size, tok_cfg.min_frequency, note)
+    raw = workers.call(_train, job, "tokenizer training").encode("utf-8")
     atomic_write_bytes(staged, raw)
     atomic_write_bytes(staging / "tokenizer.key", key.encode())
     return raw, key
@@ -350,35 +449,51 @@ def _reusable(previous: dict, out_dir: Path, index: int, key: str) -> dict | Non
     return record
 
 
-def tokenize_corpus(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, seed: int) -> dict:
+MapSlices = Callable[[Callable, list], Iterable]
+
+
+def tokenize_corpus(
+    data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, seed: int, map_slices: MapSlices | None = None
+) -> dict:
     """The tokenize stage: corpus -> out_dir/{tokenizer.json, train/*, val/*, manifest.json}.
 
     Documents with len(text.strip()) < data.min_chars are skipped and counted; bad files are
     skipped and named (data.on_bad_file). A document goes to validation when a keyed hash of
     (seed, text) falls below data.val_fraction. The same input and settings give byte-identical
     files whatever data.num_proc. Returns flat metrics (counts, seconds, tokens_per_s).
+
+    map_slices(encode_slice, jobs) -> results, in any order: runs the encode jobs somewhere else
+    (a Dask cluster through Prefect, Ray, ...; every worker must see the staging directory). Each
+    job is independent and resumable and writes its own result record. Default: the local pool.
     """
     out_dir = Path(out_dir)
     staging = staging_dir(out_dir)
+    _recover(out_dir)
     staging.mkdir(parents=True, exist_ok=True)
     try:
         with sigterm_unwinds(), _datasets_cache_in(staging / "hf-cache"):
-            metrics = _tokenize(data, tok_cfg, out_dir, staging, seed)
+            metrics = _tokenize(data, tok_cfg, out_dir, staging, seed, map_slices)
     except (SystemExit, KeyboardInterrupt):
         finished = sum(1 for split in SPLITS for _ in staging.glob(f"{split}/*/manifest.json"))
-        log.warning(
-            "tokenize interrupted: %s left as it was; %d finished shards kept in %s for the next run to resume from",
-            out_dir, finished, staging,
-        )  # fmt: skip
+        if finished:
+            log.warning(
+                "tokenize interrupted: %s left as it was; %d finished shards kept in %s for the next run to resume",
+                out_dir, finished, staging,
+            )  # fmt: skip
+        else:
+            log.warning("tokenize interrupted: %s left as it was; no finished shard to resume from", out_dir)
         raise
     finally:
         _remove_temporaries(staging)
-        shutil.rmtree(out_dir.parent / f".{out_dir.name}.next", ignore_errors=True)
+        shutil.rmtree(_next_dir(out_dir), ignore_errors=True)  # never the live output (see _swap)
+    _assembly_step("removing the staging directory")
     shutil.rmtree(staging, ignore_errors=True)
     return metrics
 
 
-def _tokenize(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, staging: Path, seed: int) -> dict:
+def _tokenize(
+    data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, staging: Path, seed: int, map_slices: MapSlices | None
+) -> dict:
     started = time.perf_counter()
     if data.source == "python-docs" and not Path(data.path).exists():
         # Outside DVC (no corpus stage ran): the same files the corpus stage writes, generated once
@@ -394,19 +509,21 @@ def _tokenize(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, stagi
     previous = _previous(out_dir)
     workers = max(1, min(data.num_proc, len(busy)))
 
-    with process_pool(workers) as map_unordered:
+    with process_pool(workers, staging / "workers") as pool:
+        sample_bytes = 0 if tok_cfg.path else tok_cfg.sample_bytes
         jobs = [
-            _SurveyJob(i, slices[i], data, seed, docs_quota[i], 0 if tok_cfg.path else tok_cfg.sample_bytes)
+            _SurveyJob(i, slices[i], data, seed, docs_quota[i], sample_bytes, str(staging / f"samples/{i:05d}.jsonl"))
             for i in busy
         ]
         surveys = []
-        for survey in tqdm(map_unordered(_survey, jobs), total=len(jobs), desc="survey slices", unit="slice"):
+        survey_of = pool.map_unordered(_survey, jobs, lambda j: f"slice {j.slice:05d} (survey)")
+        for survey in progress_bar(survey_of, total=len(jobs), desc="survey slices", unit="slice"):
             surveys.append(survey)
         surveys.sort(key=lambda s: s.slice)
-        raw_tokenizer, tokenizer_key = _tokenizer_bytes(tok_cfg, surveys, settings, previous, out_dir, staging)
+        raw_tokenizer, tokenizer_key = _tokenizer_bytes(tok_cfg, surveys, settings, previous, out_dir, staging, pool)
 
         tokenizer = _tokenizer_from(raw_tokenizer, tok_cfg.path or str(staging / TOKENIZER_NAME))
-        eos_id = tokenizer.token_to_id(EOS_TOKEN)
+        eos_id = document_end_id(tokenizer, tok_cfg.path or None)
         vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
         tok_sha = tokenizer_sha256(tokenizer)
@@ -437,15 +554,19 @@ def _tokenize(data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, stagi
                     tokenizer_json, eos_id, dtype.name, key, str(staging),
                 )
             )  # fmt: skip
-        progress = tqdm(total=len(busy), initial=len(reused), desc="tokenize slices", unit="slice")
+        progress = progress_bar(total=len(busy), initial=len(reused), desc="tokenize slices", unit="slice")
         tokens_done = shards_resumed = 0
         with progress:
-            for record, resumed in map_unordered(_encode, encode_jobs):
+            if map_slices is None:
+                done = pool.map_unordered(encode_slice, encode_jobs, lambda j: f"slice {j.slice:05d} (encode)")
+            else:
+                done = map_slices(encode_slice, encode_jobs)
+            for record, resumed in done:
                 shards_resumed += resumed
                 records[record["slice"]] = record
                 tokens_done += sum(s["tokens"] for shards in record["shards"].values() for s in shards)
                 rate = tokens_done / max(time.perf_counter() - started, 1e-9)
-                progress.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:.3g}")
+                progress.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:.3g}", refresh=False)
                 progress.update(1)
 
     bad = [line for i in busy for line in records[i]["stats"]["bad"]]
@@ -526,9 +647,62 @@ def _tokenizer_from(raw: bytes, where: str):
     except Exception as exc:
         raise DataError(f"{where}: not a valid tokenizer.json ({exc})") from exc
     tokenizer.encode_special_tokens = True
-    if tokenizer.token_to_id(EOS_TOKEN) is None:
-        raise DataError(f"{where}: tokenizer has no {EOS_TOKEN!r} token")
+    if document_end_id(tokenizer, where) is None:
+        raise DataError(
+            f"{where}: tokenizer has no {EOS_TOKEN!r} token, and no config.json or tokenizer_config.json beside it "
+            "names its end-of-sequence token"
+        )
     return tokenizer
+
+
+def _assembly_step(name: str) -> None:
+    """Called at each step of the assembly (a no-op): the crash tests kill the stage here."""
+
+
+def _next_dir(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.next"
+
+
+def _old_dir(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.old"
+
+
+def _recover(out_dir: Path) -> None:
+    """Undo what a run killed during the assembly left: a half-built (or swapped-out) `.next`, and
+    the previous output parked as `.old` when the swap is two renames (see _swap)."""
+    old = _old_dir(out_dir)
+    if old.is_dir() and not out_dir.exists():
+        os.replace(old, out_dir)  # killed between the two renames: the previous output comes back
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(_next_dir(out_dir), ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _swap(nxt: Path, out_dir: Path) -> None:
+    """Put `nxt` in place of `out_dir` in one step: renameat2(RENAME_EXCHANGE) swaps the two names
+    atomically (Linux 3.15+, most local filesystems), so a kill leaves either output. Elsewhere two
+    renames, with the previous output parked as `.old` for _recover to put back."""
+    for p in nxt.rglob("*"):
+        if p.is_file():
+            fsync_file(p)
+    fsync_dir(nxt)
+    if out_dir.exists() and sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        at_fdcwd = -100
+        if libc.renameat2(at_fdcwd, os.fsencode(nxt), at_fdcwd, os.fsencode(out_dir), _RENAME_EXCHANGE) == 0:
+            fsync_dir(out_dir.parent)
+            _assembly_step("swapped")
+            shutil.rmtree(nxt, ignore_errors=True)  # now the previous output
+            return
+    if out_dir.exists():
+        os.replace(out_dir, _old_dir(out_dir))
+        _assembly_step("parked")
+    os.replace(nxt, out_dir)
+    fsync_dir(out_dir.parent)
+    _assembly_step("swapped")
+    shutil.rmtree(_old_dir(out_dir), ignore_errors=True)
 
 
 def _assemble(
@@ -542,12 +716,15 @@ def _assemble(
 ) -> None:
     """Build the new output beside the old one and swap it in; the manifest is written last.
 
-    Shards of reused slices are hard links to the old files (the same inode: neither rewritten nor
-    rehashed by DVC); new ones are moved from the staging directory.
+    Every shard is a hard link: to the old output's file for a reused slice (the same inode:
+    neither rewritten nor rehashed by DVC), to the staged file for a new one. Nothing is moved out
+    of the staging directory until the new output is in place, so a kill at any step leaves the old
+    output or the new one, and the staging directory to resume from (tests kill at each step).
     """
-    nxt = out_dir.parent / f".{out_dir.name}.next"
+    nxt = _next_dir(out_dir)
     shutil.rmtree(nxt, ignore_errors=True)
     nxt.mkdir(parents=True)
+    _assembly_step("started")
     known: dict[str, dict] = {}
     names: list[str] = []
     order: dict[str, list[dict]] = {s: [] for s in SPLITS}
@@ -558,10 +735,8 @@ def _assemble(
                 target = nxt / shard["path"]
                 target.mkdir(parents=True)
                 for name in (TOKENS, manifest.MANIFEST):
-                    if i in reused:
-                        os.link(source / name, target / name)
-                    else:
-                        os.replace(source / name, target / name)
+                    os.link(source / name, target / name)
+                _assembly_step("linked a shard")
                 names += [f"{shard['path']}/{TOKENS}", f"{shard['path']}/{manifest.MANIFEST}"]
                 known[f"{shard['path']}/{TOKENS}"] = {"bytes": shard["bytes"], "sha256": shard["sha256"]}
                 order[split].append({"path": shard["path"], "tokens": shard["tokens"]})
@@ -571,6 +746,7 @@ def _assemble(
     else:
         atomic_write_bytes(nxt / TOKENIZER_NAME, raw_tokenizer)
     names.append(TOKENIZER_NAME)
+    _assembly_step("wrote the tokenizer")
     manifest.write_manifest(
         nxt,
         KIND,
@@ -580,4 +756,5 @@ def _assemble(
         slices={f"{i:05d}": records[i] for i in busy},
         **fields,
     )
-    replace_dir(nxt, out_dir)
+    _assembly_step("wrote the manifest")
+    _swap(nxt, out_dir)

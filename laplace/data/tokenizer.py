@@ -71,3 +71,30 @@ def tokenizer_sha256(tok: Tokenizer) -> str:
     """sha256 of the tokenizer's canonical JSON (sorted keys), independent of file formatting."""
     canonical = json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def document_end_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int | None:
+    """The id that ends each document in the token stream: <|endoftext|> for a tokenizer Laplace
+    trained; for a given one (tokenizer.path) without it, the end-of-sequence token its model
+    declares beside it: a Laplace export's config.json `eos_id`, an HF checkpoint's config.json
+    `eos_token_id` or tokenizer_config.json `eos_token` (Llama's </s>). None when nothing says."""
+    found = tokenizer.token_to_id(EOS_TOKEN)
+    if found is not None or path is None:
+        return found
+    folder = Path(path).parent
+    for name, key in (("config.json", "eos_id"), ("config.json", "eos_token_id"), ("tokenizer_config.json", None)):
+        try:
+            meta = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if key is not None:
+            value = meta.get(key)
+            value = value[0] if isinstance(value, list) and value else value
+            if isinstance(value, int) and tokenizer.id_to_token(value) is not None:
+                return value
+            continue
+        token = meta.get("eos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+            return tokenizer.token_to_id(token)
+    return None

@@ -297,6 +297,7 @@ def train_mqar(probes: ProbesSection, seed: int, progress: bool = True) -> dict:
         "eval_seconds": time.perf_counter() - start - train_seconds,
         "final_loss": float(np.mean(losses[-20:])),  # the last steps' mean: one batch is noisy
         "chance": mqar_chance(V),
+        "trained_model": model,  # for the recall suite through the serving engine (popped before JSON)
         "train_seq_len": L,
         "train_pairs": top,
         "model": cfg.to_dict(),

@@ -37,14 +37,22 @@ PASSKEY_QUESTION = " What is the pass key? The pass key is"
 
 
 def passkey_prompt(
-    tokenizer, haystack: np.ndarray, context: int, depth: float, key: int, rng: np.random.Generator
+    tokenizer,
+    haystack: np.ndarray,
+    context: int,
+    depth: float,
+    key: int,
+    rng: np.random.Generator,
+    bos_id: int | None = None,
 ) -> list[int]:
     """About `context` tokens: real text with the needle sentence inserted at `depth` (a
     fraction of the filler), then the question. The filler is a random window of the haystack
-    (repeated if the haystack is shorter)."""
-    needle = tokenizer.encode(PASSKEY_NEEDLE.format(key=key)).ids
-    question = tokenizer.encode(PASSKEY_QUESTION).ids
-    filler_len = context - len(needle) - len(question)
+    (repeated if the haystack is shorter). Fragments are encoded without special tokens (a
+    Llama tokenizer would put BOS in front of each); the model's BOS, if it has one, starts the prompt."""
+    needle = tokenizer.encode(PASSKEY_NEEDLE.format(key=key), add_special_tokens=False).ids
+    question = tokenizer.encode(PASSKEY_QUESTION, add_special_tokens=False).ids
+    head = [] if bos_id is None else [bos_id]
+    filler_len = context - len(head) - len(needle) - len(question)
     if filler_len < 0:
         raise ConfigError(
             f"probes.passkey_contexts: passkey context {context} is shorter than the needle and question "
@@ -53,7 +61,7 @@ def passkey_prompt(
     start = int(rng.integers(0, max(1, len(haystack) - filler_len)))
     filler = np.resize(np.asarray(haystack[start : start + filler_len], dtype=np.int64), filler_len).tolist()
     at = int(round(depth * filler_len))
-    return filler[:at] + needle + filler[at:] + question
+    return head + filler[:at] + needle + filler[at:] + question
 
 
 def passkey_found(text: str, key: int) -> bool:
@@ -71,6 +79,7 @@ def passkey_probe(
     seed: int,
     new_tokens: int = 8,
     progress: bool = True,
+    bos_id: int | None = None,
 ) -> dict:
     """Greedy passkey retrieval through the engine: found when the 5 digits appear in the
     first `new_tokens` generated tokens. Each prompt gets a pool slot, is prefilled through the
@@ -85,7 +94,7 @@ def passkey_probe(
     cells = [(c, d, s) for c in contexts for d in depths for s in range(samples)]
     for ctx, depth, _ in progress_bar(cells, desc="passkey", unit="prompt", enabled=progress):
         key = int(rng.integers(10000, 100000))
-        prompt = passkey_prompt(tokenizer, haystack, ctx, depth, key, rng)
+        prompt = passkey_prompt(tokenizer, haystack, ctx, depth, key, rng, bos_id)
         with engine.leased([-1]) as (slot,):
             output = greedy_continue(engine, engine.prefill(slot, prompt), slot, new_tokens)
         text = tokenizer.decode(output)

@@ -18,6 +18,7 @@ from laplace.config import Config
 from laplace.evals.memory import memory_report
 from laplace.evals.mqar import mqar_both_paths, mqar_chance, train_mqar
 from laplace.evals.passkey import passkey_probe
+from laplace.evals.recall import DIGITS, niah_suite, overall_verdict, verdicts
 from laplace.serving.engine import DecodeEngine
 
 
@@ -28,6 +29,33 @@ def _str_keys(obj):
     if isinstance(obj, list):
         return [_str_keys(v) for v in obj]
     return obj
+
+
+def _trained_recall(model, cfg: Config, p, progress: bool) -> dict:
+    """The recall suite's MQAR on the probe-trained GLA, through a serving engine at the padded
+    ladder widths (eager: a second set of compiled graphs would cost more than it shows), at its
+    easiest pair count per length: the suite is seen to measure something on a model that can recall."""
+    from laplace.serving.engine import width_ladder
+
+    e = cfg.engine
+    engine = DecodeEngine(
+        model,
+        max_slots=e.max_slots,
+        ladder=width_ladder(e.max_slots, e.widths),
+        prefill_buckets=e.prefill_buckets,
+        max_prompt_tokens=2**62,
+        compile_scope=None,
+    )
+    q = min(p.mqar_pairs)
+    both = mqar_both_paths(model, engine, p.mqar_contexts, [q], p.mqar_samples, p.seed + 2, progress)
+    grid = {c: both["serving"].get(c, both["eager"][c])[q] for c in both["eager"]}
+    chance = mqar_chance(model.cfg.vocab_size)
+    by_length = verdicts({"mqar": grid}, {"mqar": chance}, {"mqar": p.mqar_samples * q})
+    return {
+        "recall_trained_mqar": grid,
+        "recall_trained_mqar_verdict": by_length,
+        "recall_trained_mqar_summary": overall_verdict(by_length),
+    }
 
 
 def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = True) -> tuple[dict, dict]:
@@ -46,7 +74,8 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     device = resolve_device(cfg.engine.device)
-    model, tokenizer, _ = load_export(export_dir, device=device, kernel=cfg.model.kernel)
+    model, tokenizer, export_config = load_export(export_dir, device=device, kernel=cfg.model.kernel)
+    bos_id = export_config.get("bos_id")  # the model's own convention: Llama tokenizers start with <s>
     engine = DecodeEngine.for_policy(model, cfg.engine, "padded", compile_backend(device))
     configure_compiler(engine.graphs_needed())
     engine.warmup()
@@ -81,8 +110,14 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
             p.passkey_samples,
             p.seed,
             progress=progress,
+            bos_id=bos_id,
         )
     seconds["passkey"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        niah = niah_suite(engine, tokenizer, haystack, p.recall_contexts, p.recall_samples, p.seed, bos_id)
+    seconds["niah"] = time.perf_counter() - t
 
     t = time.perf_counter()
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -120,6 +155,9 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
         t = time.perf_counter()
         trained = train_mqar(p, p.seed, progress=progress)
         seconds["mqar_train_and_eval"] = time.perf_counter() - t
+        t = time.perf_counter()
+        metrics.update(_trained_recall(trained.pop("trained_model"), cfg, p, progress))
+        seconds["mqar_trained_recall"] = time.perf_counter() - t
         metrics.update(
             {
                 "mqar_trained_accuracy": trained["accuracy"],
@@ -134,6 +172,20 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     else:  # the accuracy plot is still drawn, for the exported model
         metrics["notes"].append("probes.train_mqar is false: the MQAR plot shows the exported model")
         mqar_figure = {"accuracy": best_path, "chance": metrics["mqar_chance"]}
+
+    # the recall suite: every task at every probed length, against chance, with a plain verdict per length
+    recall = {**niah, "passkey": passkey["accuracy"], "mqar": metrics["mqar_accuracy"]}
+    chance = {**{task: 10.0**-DIGITS for task in niah}, "passkey": 1e-5, "mqar": metrics["mqar_chance"]}
+    samples = {
+        **{task: p.recall_samples for task in niah},
+        "passkey": p.passkey_samples * len(p.passkey_depths),
+        "mqar": p.mqar_samples * min(p.mqar_pairs),
+    }
+    by_length = verdicts(recall, chance, samples)
+    metrics["recall"] = recall
+    metrics["recall_chance"] = chance
+    metrics["recall_verdict"] = by_length
+    metrics["recall_summary"] = overall_verdict(by_length)
 
     metrics["passed"] = bool(paths_agree and metrics["state_bytes_match"])
     seconds["total"] = time.perf_counter() - start

@@ -32,6 +32,11 @@ class ModelConfig:
     mlp_hidden: int = _doc(0, "0: fla's rule, 4 * d_model * 2/3 rounded up to a multiple of 256")
     gate_low_rank_dim: int = _doc(16, "rank of the forget-gate projection")
     gate_logit_normalizer: float = _doc(16.0, "forget-gate logits are divided by this")
+    gate_clamp_min: float | None = _doc(
+        -10.0,
+        "floor of the forget gate's log decay (fla's clamp_min; null in an import: no clamp, fla's default); "
+        "-10 is where the torch chunked form is exact",
+    )
     gate_bias_init: float = _doc(0.0, "> 0 starts the forget gates near 1 (long memory)")
     use_short_conv: bool = _doc(True, "a short causal convolution on q, k and v")
     conv_size: int = _doc(4, "its kernel size")
@@ -115,6 +120,8 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
     for key in ("expand_k", "expand_v", "gate_logit_normalizer", "norm_eps", "init_std"):
         if not getattr(m, key) > 0:
             bad(key, f"must be > 0, got {getattr(m, key)}")
+    if m.gate_clamp_min is not None and not (math.isfinite(m.gate_clamp_min) and m.gate_clamp_min <= 0):
+        bad("gate_clamp_min", f"must be a finite number <= 0 or null (no clamp), got {m.gate_clamp_min}")
     if m.mlp_hidden < 0:
         bad("mlp_hidden", f"must be >= 0 (0 = automatic), got {m.mlp_hidden}")
     if m.key_dim % m.n_heads or m.key_dim == 0:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from laplace.model import kernels
 from laplace.model.config import ModelConfig
-from laplace.model.gla import accum_dtype, min_log_decay
+from laplace.model.gla import accum_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -248,11 +248,11 @@ class GatedLinearAttention(nn.Module):
             new_conv = torch.cat([cq, ck, cv], dim=-1)
         # gate math in fp32 for fp32/bf16 models, in fp64 for the fp64 reference
         gk = F.logsigmoid(self.gk_proj(x).to(accum_dtype(x))) / cfg.gate_logit_normalizer
-        # Always clamped at the floor where the chunked form is exact, so every form (chunked,
-        # recurrent, naive) sees the same gate. fla's GLA has an optional clamp_min, off by default;
-        # ours is on because our chunked form needs it. It only touches retentions below 4.5e-5 per
-        # token (gate logits below -160 at the default normaliser 16), which training never reaches.
-        gk = gk.clamp_min(min_log_decay(cfg.sub_chunk_size))
+        # The model's own clamp (fla's clamp_min, None: none). The kernels also floor the gate at
+        # min_log_decay(sub_chunk_size) (-10 at sub-chunk 16, a retention of 4.5e-5 per token), where
+        # the torch chunked form is exact, so every form sees the same gate.
+        if cfg.gate_clamp_min is not None:
+            gk = gk.clamp_min(cfg.gate_clamp_min)
         B, T = x.shape[:2]
         H = self.n_heads
         q = q.view(B, T, H, self.head_k_dim)

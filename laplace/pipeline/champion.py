@@ -17,9 +17,14 @@ COMPARABLE_TAGS = {
 }
 
 
-def champion_decision(new: dict, champion: dict | None, tolerance: float) -> tuple[bool, str]:
-    """(take champion?, why). `new` and `champion` hold `val_loss`, the COMPARABLE_TAGS and
-    (for the champion) `version`; `new` also holds `gates` (stage -> True/False/None)."""
+def champion_decision(
+    new: dict, champion: dict | None, tolerance: float, recall_tolerance: float = 0.05
+) -> tuple[bool, str]:
+    """(take champion?, why). `new` and `champion` hold `val_loss`, the COMPARABLE_TAGS, `recall`
+    ({task: {context: accuracy}} of the probes' recall suite, optional) and (for the champion)
+    `version`; `new` also holds `gates` (stage -> True/False/None). A candidate whose recall at
+    any (task, length) both measured falls below the champion's by more than `recall_tolerance`
+    (tracking.champion_recall_tolerance) is refused, whatever its loss."""
     failed = [f"{stage} {'failed' if ok is False else 'missing'}" for stage, ok in new["gates"].items() if not ok]
     if failed:
         return False, f"gates not passed ({', '.join(failed)})"
@@ -33,6 +38,13 @@ def champion_decision(new: dict, champion: dict | None, tolerance: float) -> tup
         return False, f"not comparable with {name}: different {', '.join(differ)}"
     if champion.get("val_loss") is None:
         return False, f"not comparable with {name}: it has no validation loss"
+    lost = recall_losses(new.get("recall") or {}, champion.get("recall") or {}, recall_tolerance)
+    if lost:
+        more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
+        return False, (
+            f"recall fell below {name}'s: {lost[0]}{more} "
+            f"(tolerance {recall_tolerance:g}, tracking.champion_recall_tolerance)"
+        )
     limit = champion["val_loss"] + tolerance
     if new["val_loss"] <= limit:
         return True, (
@@ -42,3 +54,20 @@ def champion_decision(new: dict, champion: dict | None, tolerance: float) -> tup
         f"validation loss {new['val_loss']:.4f} is worse than {name}'s {champion['val_loss']:.4f} "
         f"(tolerance {tolerance:g}, tracking.champion_tolerance)"
     )
+
+
+def _at(grid: dict, ctx: int) -> float:
+    return next((v for c, v in grid.items() if int(c) == ctx), float("nan"))
+
+
+def recall_losses(new: dict, champion: dict, tolerance: float) -> list[str]:
+    """Where `new` recalls less than `champion` ({task: {context: accuracy}}) by more than
+    `tolerance`, as "task at N tokens: a < b"; a length the candidate did not measure is a loss."""
+    out = []
+    for task, grid in sorted(champion.items()):
+        for ctx, old in sorted(grid.items(), key=lambda kv: int(kv[0])):
+            got = _at(new.get(task, {}), int(ctx))
+            if old == old and (got != got or got < old - tolerance):
+                got_text = "not measured" if got != got else f"{got:.0%}"
+                out.append(f"{task} at {ctx} tokens: {got_text} < {old:.0%}")
+    return out

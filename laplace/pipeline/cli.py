@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import textwrap
 from pathlib import Path
 
 from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
@@ -27,6 +29,50 @@ def model_facts(preset: str | None, cfg) -> dict:
     from laplace.model.facts import model_facts as facts
 
     return {"preset": preset or cfg.model.preset, **facts(_model_config(preset, cfg))}
+
+
+def stage_description(name: str, dvc_yaml: Path | None = None) -> str:
+    """A stage's --help text: what it does (its module's docstring), the params it reads and what
+    it writes, both as dvc.yaml declares them (so the help cannot drift from the pipeline)."""
+    import inspect
+
+    from laplace.pipeline.params import parse_yaml
+
+    stage = stages.STAGES[name]
+    here = Path(__file__).parent
+    doc = inspect.cleandoc(stage.module.__doc__ or "") or stage.help
+    text = [" ".join(doc.split("\n\n")[0].split())]
+    dvc_yaml = dvc_yaml or here.parents[1] / "dvc.yaml"
+    try:
+        entry = (parse_yaml(dvc_yaml.read_text(encoding="utf-8")) or {})["stages"][name]
+    except (OSError, KeyError, TypeError):
+        return textwrap.fill(text[0], 79)
+
+    def names(items) -> list[str]:
+        out = []
+        for item in items or []:
+            if isinstance(item, dict):  # `path: {options}`, or `params.yaml:` (every param)
+                out += ["every param" if key == "params.yaml" else key for key in item]
+            else:
+                out.append(str(item))
+        return out
+
+    reads = names(entry.get("params"))
+    writes = names(entry.get("outs")) + names(entry.get("metrics")) + names(entry.get("plots"))
+    text.append(f"params read (params.yaml): {', '.join(reads) if reads else 'none'}")
+    text.append(f"writes: {', '.join(writes)}")
+    return "\n\n".join(textwrap.fill(t, 79, subsequent_indent="  " if i else "") for i, t in enumerate(text))
+
+
+def _with_stage_description(parser: argparse.ArgumentParser, name: str):
+    """format_help that fills the description only when help is asked for (it reads files)."""
+    plain = parser.format_help
+
+    def format_help() -> str:
+        parser.description = stage_description(name)
+        return plain()
+
+    return format_help
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,11 +110,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     for name, stage in stages.STAGES.items():
-        p = sub.add_parser(name, help=f"stage: {stage.help}")
+        p = sub.add_parser(name, help=f"stage: {stage.help}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.format_help = _with_stage_description(p, name)
         add_config_arguments(p)
         p.add_argument("--json", action="store_true", help="print the stage's figures as one JSON object")
         if name == "train":
             p.add_argument("--no-resume", action="store_true", help="start from step 0 even if checkpoints exist")
+        if name == "export":
+            p.add_argument(
+                "--format",
+                choices=["laplace", "hf"],
+                default="laplace",
+                help="laplace: the stage (checkpoint -> artifacts/export); hf: an export -> the HF / "
+                "flash-linear-attention layout (transformers' from_pretrained after `import fla`)",
+            )
+            p.add_argument(
+                "--model", default=None, help="--format hf: the export to convert (default: artifacts/export)"
+            )
+            p.add_argument("--out", default=None, help="--format hf: output directory (default: artifacts/export-hf)")
+
+    p = sub.add_parser(
+        "import",
+        help="a GLA checkpoint in the HF / flash-linear-attention layout (a directory or a hub id) -> a Laplace export",
+    )
+    add_config_arguments(p)
+    p.add_argument("src", help="a checkpoint directory (config.json, model.safetensors, tokenizer.json) or a hub id")
+    p.add_argument("--out", default=None, help="the Laplace export to write (default: artifacts/import)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser(
         "run",
@@ -89,6 +157,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object (text and token ids)")
+
+    p = sub.add_parser(
+        "eval",
+        help="lm-evaluation-harness tasks on an export, through the serving engine (pip install 'laplace[eval]')",
+    )
+    add_config_arguments(p)
+    p.add_argument("--model", default=None, help="export directory (default: artifacts/export)")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--include-path", default=None, help="a directory of task YAMLs (lm-eval's --include_path)")
+    p.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
+    p.add_argument(
+        "--model-args",
+        default="",
+        help="the laplace model's options, k=v,...: device, kernel, max_slots, compile, max_gen_toks",
+    )
+    p.add_argument("--output", default=None, help="write the results as JSON to this file")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions) until SIGTERM")
     add_config_arguments(p)
@@ -120,6 +205,10 @@ def _print_info(facts: dict, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    # no usage reports from MLflow (track, serve --model models:/...), as DVC's are off in DVC's runs
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    if not sys.stderr.isatty():  # MLflow's artifact progress bars: a line per redraw in a log
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     try:
         return _run(args)
     except InputError as exc:  # bad params or data, a missed gate: exit 2, never retried
@@ -147,6 +236,33 @@ def _run(args) -> int:
         print(summary.as_text(summary.read(Paths.at(root)), root))
         return 0
 
+    if args.command == "import":
+        from laplace.model.hf import import_checkpoint
+
+        out = Path(args.out) if args.out else Path(args.root) / "artifacts" / "import"
+        result = import_checkpoint(args.src, out)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            m = result["model"]
+            print(
+                f"laplace import: {args.src} -> {out}: {result['parameters']:,} parameters, {m['n_layers']} layers, "
+                f"hidden {m['d_model']}, vocab {m['vocab_size']} (train from it with --set model.init={out})"
+            )
+        return 0
+    if args.command == "export" and args.format == "hf":
+        from laplace.model.hf import export_hf
+
+        out = Path(args.out) if args.out else Path(args.root) / "artifacts" / "export-hf"
+        result = export_hf(Path(args.model) if args.model else Paths.at(args.root).export_dir, out)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"laplace export: {result['parameters']:,} parameters in the HF / fla layout -> {out}")
+        return 0
+    if args.command == "eval":
+        return _eval(args, Paths.at(args.root))
+    # the commands above need no params file: a checkpoint converts (and evaluates) anywhere
     cfg = load_config(args.params, args.overrides)
     if args.command == "info":
         _print_info(model_facts(args.preset, cfg), args.json)
@@ -187,15 +303,25 @@ def _run(args) -> int:
         args.port = cfg.server.port if args.port is None else args.port
         args.policy = args.policy or cfg.server.policy
         return serve.run(cfg, paths, args)
+
     if args.command == "summary":
-        print(summary.as_text(summary.read(paths), paths.root))
+        info = summary.read(paths)
+        if not any(info.values()):
+            raise InputError(f"no pipeline run in {paths.root} yet (no metrics/*.json): run `laplace run` first")
+        print(summary.as_text(info, paths.root))
     elif args.command == "generate":
         from laplace.serving.generation import generate_text
 
+        model_dir = Path(args.model) if args.model else paths.export_dir
+        if not args.model and not (model_dir / "config.json").exists():
+            raise InputError(
+                f"no exported model in {model_dir} yet: run `laplace run` (the whole pipeline), or "
+                "`laplace train` then `laplace export`; or pass --model DIR"
+            )
         g = cfg.generate
         max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens
         result = generate_text(
-            Path(args.model) if args.model else paths.export_dir,
+            model_dir,
             args.prompt if args.prompt is not None else g.prompt,
             max_new_tokens,
             args.temperature if args.temperature is not None else g.temperature,
@@ -228,6 +354,36 @@ def _run(args) -> int:
         where = paths.metrics_file(stage.metrics) if stage.metrics else paths.tracking_file
         line = summary.stage_line(stage.metrics, result, paths.root)
         print(f"laplace {args.command}: {line} ({where.relative_to(paths.root)})")
+    return 0
+
+
+def _eval(args, paths: Paths) -> int:
+    from laplace.errors import ConfigError
+    from laplace.fileio import atomic_write_bytes
+
+    try:
+        from laplace.evals import harness
+    except ImportError as exc:
+        raise ConfigError(f"lm-eval is not installed ({exc.name}): pip install 'laplace[eval]'") from exc
+    model_args = {}
+    for item in filter(None, args.model_args.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--model-args: expected k=v, got {item!r}")
+        model_args[key.strip()] = value.strip()
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    results = harness.evaluate(
+        Path(args.model) if args.model else paths.export_dir, tasks, args.include_path, args.limit, model_args
+    )
+    text = harness.results_json(results)
+    if args.output:
+        atomic_write_bytes(Path(args.output), (text + "\n").encode())
+    if args.json:
+        print(text)
+    else:
+        from lm_eval.utils import make_table
+
+        print(make_table(results))
     return 0
 
 

@@ -35,6 +35,17 @@ HEADLINE = {
 DVC_DIGITS = {"eval_loss": 4, "tps": 0, "srv_tps": 0, "ttft_p99": 3, "gates": None}
 
 
+# The digits a headline figure keeps in MLflow's runs table (the exact figures are in the run's
+# figures.json and metrics/*.json artifacts): a loss to 1e-4, throughput to a whole token/s.
+MLFLOW_DIGITS = {"eval_loss": 4, "train_loss": 4, "tps": 0, "srv_tps": 0, "ttft_p99": 3, "srv_compile": 3}
+
+
+def rounded(name: str, value: float) -> float:
+    """`value` of headline figure `name` with MLFLOW_DIGITS' digits (unchanged for the rest)."""
+    digits = MLFLOW_DIGITS.get(name)
+    return float(round(value, digits)) if digits is not None else value
+
+
 def gates(metrics_by_stage: dict[str, dict]) -> dict[str, bool | None]:
     """passed / failed / missing (None) for each validation stage."""
     return {

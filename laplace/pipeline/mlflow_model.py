@@ -40,8 +40,10 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
         from laplace.serving.engine import SHAPE_KEYS, DecodeEngine, width_ladder
 
         self.model, self.tokenizer, self.config = load_export(context.artifacts["export"])
-        # the run's engine: shapes (its model_config), else the defaults
-        shapes = {**{k: getattr(EngineSection(), k) for k in SHAPE_KEYS}, **(context.model_config or {})}
+        # the run's engine: shapes (its model_config), else the defaults (keys `engine.<shape>` as the
+        # run's params name them; bare names from models logged before)
+        given = {k.rpartition(".")[2]: v for k, v in (context.model_config or {}).items()}
+        shapes = {**{k: getattr(EngineSection(), k) for k in SHAPE_KEYS}, **given}
         self.engine = DecodeEngine(
             self.model,
             max_slots=shapes["max_slots"],

@@ -9,8 +9,6 @@ import re
 import time
 from urllib.parse import urlsplit
 
-from laplace.pipeline.headline import HEADLINE
-
 # The experiment tag that marks an experiment as model training rather than GenAI development.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 # A saved view of the runs table (MLflow 3's "Views" menu keeps them as experiment tags under
@@ -19,7 +17,11 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 # whatever the tag says) unless the link names one, so the link says `machine_learning`.
 VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 HEADLINE_VIEW = "headline"
+# The runs table at laptop width: the figures that answer "which run is better" and the params
+# that varied between runs (these when none has yet); the rest is one click away in each run.
+VIEW_METRICS = ("eval_loss", "train_loss", "tps", "ttft_p99", "srv_tps")
 VIEW_PARAMS = ("train.lr", "train.steps", "model.preset")
+VIEW_MAX_PARAMS = 5
 
 
 def flatten_metrics(stage: str, metrics: dict) -> dict[str, float]:
@@ -39,14 +41,23 @@ def flatten_metrics(stage: str, metrics: dict) -> dict[str, float]:
     return {re.sub(r"[^\w\-./ ]", "_", k): v for k, v in out.items()}
 
 
-def headline_view(existing: str | None) -> str | None:
+def headline_view(existing: str | None, params: tuple[str, ...] | list[str] = VIEW_PARAMS) -> str | None:
     """The saved runs-table view "Headline figures" (an MLflow saved-view envelope: name, times,
-    the table state as JSON): the headline metrics and a few params as columns.
-    None when `existing` already holds the same state."""
-    columns = [f"metrics.`{name}`" for name in HEADLINE if name != "gates"]
-    columns += [f"params.`{name}`" for name in VIEW_PARAMS] + ["attributes.`Models`"]
-    # no column order: the table sorts metrics by name (eval_loss first) after Created and Duration
-    state = json.dumps({"selectedColumns": columns})
+    the table state as JSON): VIEW_METRICS and `params` (those that varied) as columns, in that
+    order right after the run's name and start, narrow enough that the first ones show at a
+    laptop's 1,440 px beside MLflow's Assistant panel. None when `existing` already holds it."""
+    first = [f"metrics.`{name}`" for name in VIEW_METRICS[:4]]
+    shown = [f"params.`{name}`" for name in list(params)[:VIEW_MAX_PARAMS]]
+    later = [f"metrics.`{name}`" for name in VIEW_METRICS[4:]]
+    models = "attributes.`Models`"
+    state = json.dumps(
+        {
+            "selectedColumns": first + shown + later + [models],
+            # the UI's own keys for a table whose columns were dragged and resized (ag-grid colIds)
+            "columnOrder": first + shown + later,
+            "columnWidths": {**{c: 84 for c in first + later}, **{c: 92 for c in shown}, models: 130},
+        }
+    )
     now = int(time.time() * 1000)
     try:
         old = json.loads(existing) if existing else None
@@ -56,6 +67,15 @@ def headline_view(existing: str | None) -> str | None:
         return None
     created = old.get("createdAt", now) if isinstance(old, dict) else now
     return json.dumps({"name": "Headline figures", "createdAt": created, "updatedAt": now, "state": state})
+
+
+def varied_params(current: dict[str, str], earlier: list[dict[str, str]]) -> list[str]:
+    """The params whose value differs between this run and an earlier one (train.lr first, then
+    by name), or VIEW_PARAMS when nothing varied yet."""
+    keys = set(current) | {k for params in earlier for k in params}
+    varied = sorted(k for k in keys if any(params.get(k) != current.get(k) for params in earlier))
+    varied.sort(key=lambda k: (k not in VIEW_PARAMS, k))
+    return varied or list(VIEW_PARAMS)
 
 
 def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None, base: str | None = None) -> str:

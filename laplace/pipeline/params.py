@@ -1,13 +1,19 @@
 """params.yaml: reading it, `--set section.key=value` overrides, writing overrides back into
 the file with its comments kept (what `dvc exp run --set-param` does), and writing the file
-itself from the typed defaults, each knob's comment its doc in code (`make params`)."""
+itself from the typed defaults, each knob's comment its doc in code (`make params`).
+
+Both are read as YAML 1.2 with ruamel.yaml, the reader DVC itself uses on params.yaml (and the
+writer below): `lr: 1e-3` is the number 0.001 here as in `dvc exp show`. PyYAML reads YAML 1.1,
+where `1e-3` is a string and `yes` a boolean."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
+from ruamel.yaml.tokens import ScalarToken, ValueToken
 
 from laplace.config import Config, config_from_dict, knob_docs
 from laplace.errors import ConfigError
@@ -27,6 +33,28 @@ def add_config_arguments(p) -> None:
     p.add_argument("--root", default=".", help="project root holding data/, runs/, artifacts/, metrics/")
 
 
+def _reader() -> YAML:
+    """A YAML 1.2 reader giving plain dicts, lists and scalars (ruamel's safe loader)."""
+    return YAML(typ="safe", pure=True)
+
+
+def parse_yaml(text: str) -> Any:
+    """One YAML 1.2 document (a params file, or an override's value)."""
+    return _reader().load(text)
+
+
+def dump_yaml(data: Any) -> str:
+    """`data` as YAML 1.2 text that `parse_yaml` reads back as the same values."""
+    from io import StringIO
+
+    out = StringIO()
+    writer = YAML(typ="safe", pure=True)
+    writer.default_flow_style = False
+    writer.sort_base_mapping_type_on_output = False
+    writer.dump(data, out)
+    return out.getvalue()
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`train.lr=0.01` -> (['train', 'lr'], 0.01); the value is parsed as YAML."""
     if "=" not in text:
@@ -36,8 +64,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: empty key")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
+        parsed = parse_yaml(value) if value.strip() else ""
+    except YAMLError:
         parsed = value
     return key.split("."), parsed
 
@@ -63,8 +91,8 @@ def read_params(path: str | Path) -> dict:
         raise ConfigError(f"{path}: no such params file")
     try:
         text = path.read_text(encoding="utf-8")
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        raw = parse_yaml(text)
+    except YAMLError as exc:
         where = yaml_error_where(text, exc)
         raise ConfigError(f"{path}: {where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
     if raw is not None and not isinstance(raw, dict):
@@ -72,8 +100,8 @@ def read_params(path: str | Path) -> dict:
     return raw or {}
 
 
-def yaml_error_where(text: str, exc: yaml.YAMLError) -> str:
-    """`line N` of the mistake. PyYAML often notices one only on a later line (its problem mark):
+def yaml_error_where(text: str, exc: YAMLError) -> str:
+    """`line N` of the mistake. The parser often notices one only on a later line (its problem mark):
     an unclosed quote or bracket where it began (its context mark), and a key missing its colon
     (`lr 0.1`) where the plain scalar swallowing the next line began. Indentation errors are at
     the problem mark."""
@@ -83,14 +111,12 @@ def yaml_error_where(text: str, exc: yaml.YAMLError) -> str:
     if problem is not None and getattr(exc, "problem", "") == "mapping values are not allowed here":
         key_scalar, previous = None, None  # the last plain scalar that stood where a key goes
         try:
-            for token in yaml.scan(text):
-                if isinstance(token, yaml.ScalarToken):
-                    is_value = (
-                        isinstance(previous, yaml.ValueToken) and previous.start_mark.line == token.start_mark.line
-                    )
+            for token in _reader().scan(text):
+                if isinstance(token, ScalarToken):
+                    is_value = isinstance(previous, ValueToken) and previous.start_mark.line == token.start_mark.line
                     key_scalar = None if is_value else token.start_mark
                 previous = token
-        except yaml.YAMLError:
+        except YAMLError:
             pass
         if key_scalar is not None and key_scalar.line < problem.line:
             mark = key_scalar
@@ -112,9 +138,7 @@ def write_params(path: Path, overrides: list[str] | dict) -> bool:
     path = Path(path)
     raw = read_params(path)
     config_from_dict(apply_overrides(raw, overrides))  # one-line error on a bad key or value
-    from ruamel.yaml import YAML  # comes with dvc
-
-    yaml = YAML()
+    yaml = YAML()  # round-trip: comments and layout kept
     yaml.preserve_quotes = True
     doc = yaml.load(path.read_text(encoding="utf-8"))
     items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
@@ -194,6 +218,8 @@ def render_params(cfg: Config | None = None) -> str:
 
 
 def _represent_float(representer, value: float):
+    import yaml  # PyYAML: its float form, which YAML 1.1 and 1.2 readers both take for a number
+
     text = yaml.safe_dump(value).split("\n", 1)[0]  # PyYAML's form: 1.0e-08, 0.003, 25.0
     return representer.represent_scalar("tag:yaml.org,2002:float", text)
 

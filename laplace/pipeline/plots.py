@@ -19,6 +19,32 @@ def write_rows(path: Path, rows: list[dict]) -> None:
     atomic_write_json(path, rows)
 
 
+def series_rows(
+    values: dict[str, dict[int, float]], *, x: str, y: str, chance: float | None = None, same_within: float = 0.005
+) -> list[dict]:
+    """DVC plot rows (`x`, `y`, `series`, `order`) of named series in the given order, with
+    `chance` as one more series. Series whose values agree within `same_within` everywhere (three
+    needle depths all at 0, or all at chance) become one series naming them all, so that every
+    line drawn is one series a reader can see, never several hidden on top of each other.
+    `order` keeps the legend in the given order (4, 8, 16 pairs), not sorted as strings."""
+    named = dict(values)
+    if chance is not None:
+        named["chance"] = {c: chance for row in values.values() for c in row}
+    groups: list[tuple[list[str], dict[int, float]]] = []
+    for name, row in named.items():
+        for names, first in groups:
+            if first.keys() == row.keys() and all(abs(first[c] - row[c]) <= same_within for c in row):
+                names.append(name)
+                break
+        else:
+            groups.append(([name], row))
+    rows = []
+    for order, (names, row) in enumerate(groups):
+        label = " = ".join(names)
+        rows += [{x: c, y: row[c], "series": label, "order": order} for c in sorted(row)]
+    return rows
+
+
 def save_figure(fig, path: Path) -> None:
     with atomic_open(path) as f:
         fig.savefig(f, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
@@ -74,7 +100,9 @@ def latency_cdfs(traces: dict, workload: str, path: Path) -> None:
 def step_timeline(traces: dict, workload: str, path: Path) -> None:
     """Duration of every engine step over (virtual) time, compile stalls marked."""
     policies = [p for p in traces if traces[p].get(workload)]
-    fig, axes = plt.subplots(len(policies), 1, figsize=(10, 2.4 * len(policies)), sharex=False, squeeze=False)
+    fig, axes = plt.subplots(
+        len(policies), 1, figsize=(10, 2.6 * len(policies)), sharex=False, squeeze=False, layout="constrained"
+    )
     for ax, policy in zip(axes[:, 0], policies):
         steps = traces[policy][workload]["steps"]
         for kind, marker in (("decode", "."), ("prefill", "^")):
@@ -162,7 +190,7 @@ def accuracy_plot(result: dict, path: Path) -> None:
     grid = {int(c): {int(p): a for p, a in row.items()} for c, row in result["accuracy"].items()}
     contexts = sorted(grid)
     pairs = sorted({p for row in grid.values() for p in row})
-    fig, (ax_ctx, ax_pairs) = plt.subplots(1, 2, figsize=(11, 4.0), sharey=True)
+    fig, (ax_ctx, ax_pairs) = plt.subplots(1, 2, figsize=(11, 4.0), sharey=True, layout="constrained")
     for p in pairs:
         xs = [c for c in contexts if p in grid[c]]
         ax_ctx.plot(xs, [grid[c][p] for c in xs], "o-", label=f"{p} pairs")

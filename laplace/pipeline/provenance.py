@@ -56,7 +56,7 @@ def measurement_sources(client, experiment_id: str, metrics_by_stage: dict[str, 
     came from (`run_id`, `run_name`, `measured_at`). A stage DVC did not run this time (up to
     date, or restored from its run-cache) keeps the stamp of the run that measured it:
 
-    - the finished MLflow run that first logged that stamp (tag `measured.<stage>`), or
+    - the finished MLflow run that first logged that stamp (in its tag `measured`), or
     - when no run logged it (that pipeline run's track never succeeded, or logged elsewhere)
       but it finished before the experiment's last finished run ended, an earlier pipeline
       run all the same (`run_id` None, `measured_at` set);
@@ -74,7 +74,7 @@ def measurement_sources(client, experiment_id: str, metrics_by_stage: dict[str, 
             continue
         earlier = client.search_runs(
             [experiment_id],
-            filter_string=f"tags.`measured.{stage}` = '{stamp['id']}' and attributes.status = 'FINISHED'",
+            filter_string=f"tags.measured LIKE '%{stage}={stamp['id']}%' and attributes.status = 'FINISHED'",
             order_by=["attributes.start_time ASC"],
             max_results=1,
         )
@@ -87,6 +87,16 @@ def measurement_sources(client, experiment_id: str, metrics_by_stage: dict[str, 
         else:
             sources[stage] = None
     return sources
+
+
+def measured_tag(metrics_by_stage: dict[str, dict]) -> str:
+    """The run's one `measured` tag: `stage=stamp-id` for every stage's measurement stamp, by which
+    a later run finds the run that measured figures it reuses (measurement_sources)."""
+    return " ".join(
+        f"{stage}={m['measured']['id']}"
+        for stage, m in sorted(metrics_by_stage.items())
+        if isinstance(m.get("measured"), dict) and m["measured"].get("id")
+    )
 
 
 def source_text(source: dict | None) -> str:

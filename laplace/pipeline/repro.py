@@ -20,16 +20,41 @@ _DVC_CHILD_EXIT = re.compile(r"exited with (\d+)")
 
 def subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for DVC and the stage commands it runs: this interpreter's bin first on
-    PATH (so `laplace` resolves without an activated venv), no analytics, slow progress bars."""
+    PATH (so `laplace` resolves without an activated venv), no analytics (DVC, MLflow), slow progress bars."""
     env = dict(os.environ)
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     env.setdefault("DVC_NO_ANALYTICS", "1")
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # log_model's check of the input example "downloads" the model it just wrote: 6 bar lines in a log
+    env.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     env.setdefault("TQDM_MININTERVAL", "5")  # progress lines every 5 s in logs, not every 0.1 s
     env.setdefault("PYTHONUNBUFFERED", "1")
     if extra:
         env.update(extra)
     return env
+
+
+class WithoutGitHints:
+    """Passes DVC's output lines on, less its closing hint ("To track the changes with git, run:"
+    and the `git add` line, "To enable auto staging, run:" and its `dvc config` line). The
+    Prefect flow runs `dvc repro` once per stage, so the hint would follow each of them; the flow
+    says once at its end what to commit."""
+
+    HINTS = ("To track the changes with git, run:", "To enable auto staging, run:")
+
+    def __init__(self, on_line: Callable[[str], None]):
+        self.on_line, self.skip_next = on_line, False
+
+    def __call__(self, line: str) -> None:
+        if self.skip_next:
+            self.skip_next = False
+            if line.strip().startswith(("git add", "dvc config")):
+                return
+        if line.strip() in self.HINTS:
+            self.skip_next = True
+            return
+        self.on_line(line)
 
 
 def dvc_command(*args: str) -> list[str]:

@@ -86,7 +86,14 @@ def use_compile_cache(cache: Path | None, scratch: Path, policy: str) -> Path | 
 def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
     """Serve until SIGTERM on `args.host`, `args.port` and `args.policy` (given: `laplace serve`
     defaults them from `server:`, serve-check's live phase picks its own, so they are not its
-    params); the exit status (0 after a graceful drain)."""
+    params); the exit status (0 after a graceful drain, 1 when the port is busy or warmup failed)."""
+    from laplace.serving.listen import PortInUse, bind_socket
+
+    try:  # first of all, before torch is imported: a busy port fails now, not after loading and compiling
+        sock = bind_socket(args.host, args.port)
+    except PortInUse as exc:
+        print(f"laplace serve: error: {exc.strerror} (is another server running? pick another --port)", file=sys.stderr)
+        return 1
     from laplace.model.export import load_export
     from laplace.runtime import compile_backend, configure_compiler, resolve_device
     from laplace.serving.engine import DecodeEngine
@@ -122,6 +129,9 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
             model_name=cfg.tracking.model_name,
             max_tokens_limit=cfg.server.max_new_tokens,
             shutdown_grace_s=cfg.server.shutdown_grace_s,
+            max_request_bytes=cfg.server.max_request_bytes,
+            max_stop_chars=cfg.server.max_stop_chars,
+            sock=sock,
         )
 
 
@@ -168,13 +178,12 @@ class ServerProcess:
         return cmd + self.extra_args
 
     def start(self) -> ServerProcess:
-        import yaml
-
+        from laplace.pipeline.params import dump_yaml
         from laplace.pipeline.repro import subprocess_env
 
         self._tmp = tempfile.TemporaryDirectory(prefix="laplace-serve-params-")
         params_file = Path(self._tmp.name) / "params.yaml"
-        params_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        params_file.write_text(dump_yaml(self.cfg.to_dict()))
         self.proc = subprocess.Popen(
             self.command(params_file),
             cwd=self.root,

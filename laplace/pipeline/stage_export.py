@@ -4,13 +4,15 @@ Processes: all of it runs in the `laplace export` process."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from laplace.config import Config
 from laplace.errors import InputError
 from laplace.pipeline.layout import Paths, write_metrics
 
 
 def run(cfg: Config, paths: Paths) -> dict:
-    from laplace.model.export import export_model  # torch: imported when the stage runs
+    from laplace.model.export import export_model, read_export_config  # torch: imported when the stage runs
     from laplace.training import checkpoint as ckpt
 
     found = ckpt.latest_checkpoint(paths.checkpoints)
@@ -21,6 +23,10 @@ def run(cfg: Config, paths: Paths) -> dict:
             f"latest checkpoint is step {found.step} of {cfg.train.steps}: training has not finished, "
             "refusing to export"
         )
-    summary = export_model(found, paths.data_dir / "tokenizer.json", paths.export_dir)
+    special_ids = None
+    if cfg.model.init:  # a fine-tuned model keeps the BOS/EOS conventions of the model it came from
+        init = read_export_config(Path(cfg.model.init))
+        special_ids = {"bos_id": init.get("bos_id"), "eos_id": init.get("eos_id")}
+    summary = export_model(found, paths.data_dir / "tokenizer.json", paths.export_dir, special_ids)
     summary["export_dir"] = str(paths.export_dir.relative_to(paths.root))
     return write_metrics(paths, "export", summary)

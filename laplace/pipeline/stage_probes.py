@@ -15,6 +15,9 @@ from laplace.config import Config
 from laplace.pipeline.layout import Paths, write_metrics
 from laplace.pipeline.workers import run_worker_from_warmup_cache, worker_main
 
+# A passkey is a random 5-digit number (10000-99999): one guess finds it 1 time in 90,000.
+PASSKEY_CHANCE = 1 / 90_000
+
 
 def run(cfg: Config, paths: Paths) -> dict:
     args = [
@@ -33,29 +36,39 @@ def probe_and_plot(cfg: Config, export_dir: Path, data_dir: Path, plots_dir: Pat
     """The worker's body: run the probes, draw plots/probes_*.png, write their data (DVC plots:
     accuracy against context length) and every passkey prompt; returns the metrics."""
     from laplace.evals.probes import run_probes
-    from laplace.pipeline.plots import accuracy_plot, memory_plot, write_rows
+    from laplace.pipeline.plots import accuracy_plot, memory_plot, series_rows, write_rows
 
     plots_dir = Path(plots_dir)
     metrics, figures = run_probes(cfg, export_dir, data_dir)
     accuracy_plot(figures["mqar"], plots_dir / "probes_mqar.png")
-    # DVC plot data: accuracy against context length, a line (`series`) per pair count or depth
+    # DVC plot data: accuracy against context length, a line (`series`) per pair count or depth,
+    # and chance; series that coincide are drawn as one line naming them all (plots.series_rows)
+    # the MQAR-trained GLA's accuracy (probes.train_mqar), else the exported model's
+    grid = {int(c): {int(n): a for n, a in row.items()} for c, row in figures["mqar"]["accuracy"].items()}
+    pairs = sorted({n for row in grid.values() for n in row})
     write_rows(
         plots_dir / "probes_mqar.json",
-        [
-            {"context": int(c), "pairs": int(n), "series": f"{n} pairs", "accuracy": a}
-            for c, row in sorted(figures["mqar"]["accuracy"].items(), key=lambda kv: int(kv[0]))
-            for n, a in sorted(row.items(), key=lambda kv: int(kv[0]))
-        ],
+        series_rows(
+            {f"{n} pairs": {c: row[n] for c, row in grid.items() if n in row} for n in pairs},
+            x="context",
+            y="accuracy",
+            chance=figures["mqar"].get("chance"),
+        ),
     )
-    passkey = {}
+    passkey: dict[float, dict[int, list[bool]]] = {}
     for row in figures["passkey"]:
-        passkey.setdefault((int(row["context"]), float(row["depth"])), []).append(bool(row["found"]))
+        passkey.setdefault(float(row["depth"]), {}).setdefault(int(row["context"]), []).append(bool(row["found"]))
     write_rows(
         plots_dir / "probes_passkey.json",
-        [
-            {"context": c, "depth": d, "series": f"depth {d:g}", "accuracy": sum(found) / len(found)}
-            for (c, d), found in sorted(passkey.items())
-        ],
+        series_rows(
+            {
+                f"depth {d:g}": {c: sum(found) / len(found) for c, found in by_context.items()}
+                for d, by_context in sorted(passkey.items())
+            },
+            x="context",
+            y="accuracy",
+            chance=PASSKEY_CHANCE,
+        ),
     )
     write_rows(plots_dir / "probes_passkey_prompts.json", figures["passkey"])  # every prompt and its output
     memory_plot(figures["memory"], plots_dir / "probes_memory.png")

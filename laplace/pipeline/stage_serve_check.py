@@ -204,7 +204,7 @@ def live_phase(cfg: Config, export_dir: Path, data_dir: Path, warmup_cache: Path
         "server_ready_s": ready_s,
         "server_startup_s": counters.get("laplace_startup_seconds"),
         "warmup_graphs": counters.get("laplace_warmup_graphs", 0.0),
-        "warmup_graphs_from_cache": counters.get("laplace_warmup_graphs_from_cache", 0.0),
+        "warmup_graphs_from_cache": counters.get("laplace_warmup_graphs_loaded_from_cache", 0.0),
         "compile_events": counters.get("laplace_compile_events_total", 0.0),
         "engine_errors": sum(v for k, v in counters.items() if k.startswith("laplace_engine_errors_total")),
         "busy_slots_after": counters.get("laplace_busy_slots", 0.0),

@@ -1,8 +1,9 @@
 """The tokenize stage: the corpus -> data/tokenized/ (tokenizer, token shards, manifest).
 
-Processes: the stage runs in the `laplace tokenize` process; laplace.data.pool encodes the
-slices in data.num_proc worker processes (tokenizing is CPU-bound Python: one process per
-core), which run library code only, not this module."""
+Processes: the stage runs in the `laplace tokenize` process; laplace.data.pool surveys and
+encodes the slices in data.num_proc worker processes (tokenizing is CPU-bound Python: one
+process per core) and trains the tokenizer in a child of its own (killable at once); they run
+library code only, not this module."""
 
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ One job per project and node (runs/.train-node<N>.lock), and every process of it
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import sys
@@ -23,6 +25,8 @@ from laplace.pipeline.layout import Paths, write_metrics
 from laplace.pipeline.logs import setup_logging
 from laplace.training import lifecycle  # no torch at import: the registry imports this module
 
+log = logging.getLogger(__name__)
+
 
 def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
     from laplace.pipeline.plots import training_curve, write_rows  # matplotlib: only when plotting
@@ -30,6 +34,8 @@ def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
     # `laplace train` under DVC or a Prefect task: stop (gracefully) when that parent dies
     lifecycle.die_with_parent(signal.SIGTERM)
     metrics, history, checkpoint = run_training(cfg, paths, resume=resume)
+    if (kept := _already_trained(cfg, paths, metrics, history)) is not None:
+        return kept
     metrics = dict(metrics)
     metrics["checkpoint"] = str(checkpoint.relative_to(paths.root)) if checkpoint else None
     write_rows(
@@ -43,6 +49,36 @@ def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
     training_curve(history, paths.plots_dir / "train_curve.png")
     write_metrics(paths, "train", metrics)
     return metrics
+
+
+def _already_trained(cfg: Config, paths: Paths, metrics: dict, history: list[dict]) -> dict | None:
+    """A rerun that resumed from the final checkpoint trained no step: it has no throughput or
+    traffic to report. When metrics/train.json already holds that checkpoint's figures (same steps,
+    same final validation loss), keep it and the plots as they are (so `dvc status` stays clean)
+    and return those figures; else None (they are written from the checkpoint's history)."""
+    steps = cfg.train.steps
+    if metrics.get("resumed_from_step") != steps:
+        return None
+    path = paths.metrics_file("train")
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        recorded = None
+    evals = [h["val_loss"] for h in history if "val_loss" in h]
+    if not isinstance(recorded, dict) or recorded.get("steps") != steps or [recorded.get("val_loss")] != evals[-1:]:
+        log.warning(
+            "already trained to step %d; %s was missing or another run's: rewritten from the checkpoint's "
+            "history (throughput not measured again)",
+            steps,
+            path.name,
+        )
+        return None
+    log.info(
+        "already trained to step %d: %s and plots/ kept as they are (--no-resume trains again)",
+        steps,
+        path.relative_to(paths.root),
+    )
+    return recorded
 
 
 def run_training(cfg: Config, paths: Paths, resume: bool = True, stop_at_step: int | None = None):

@@ -9,6 +9,7 @@ restored it from its run-cache) are marked with the run they were measured in.""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from laplace.pipeline.layout import Paths
@@ -112,13 +113,25 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
             easy, hard = grid[ctx[0]], grid[ctx[-1]]
             lines.append(
                 f"MQAR-trained GLA: {max(easy.values()):.0%} at {ctx[0]} tokens, "
-                f"{min(hard.values()):.0%} at {ctx[-1]}; exported model MQAR "
-                f"{max(pr['mqar_accuracy'].values()):.0%}, passkey {pr['passkey_accuracy_overall']:.0%}"
+                f"{min(hard.values()):.0%} at {ctx[-1]} "
+                "(a small GLA trained here on MQAR: what a model that learned the task scores)"
             )
+        if "mqar_accuracy" in pr:
+            lines.append(
+                f"exported model: MQAR {max(pr['mqar_accuracy'].values()):.0%}, passkey "
+                f"{pr['passkey_accuracy_overall']:.0%} (reported, not gated: a model this small and briefly "
+                "trained does not retrieve yet)"
+            )
+        if pr.get("recall_summary"):
+            per_length = "; ".join(
+                f"{c}: {v}" for c, v in sorted(pr["recall_verdict"].items(), key=lambda kv: int(kv[0]))
+            )
+            lines.append(f"{pr['recall_summary']} ({per_length})")
         lines.append(
             f"state {pr['state_bytes_measured']:,} B/sequence vs KV@8192 {pr['kv_bytes_8192']:,} B; "
             f"3B: {pr['laplace_3b_state_bytes'] / 1e6:.1f} MB vs {pr['laplace_3b_kv_bytes_8192'] / 1e9:.2f} GB "
-            f"({pr['laplace_3b_state_vs_kv_8192']:.1f}x); gates {_verdict(pr['passed'])}"
+            f"({pr['laplace_3b_state_vs_kv_8192']:.1f}x); gates {_verdict(pr['passed'])} "
+            "(serving and eager paths agree, state as computed)"
         )
         add("probes", "probes", lines)
     if trk := info.get("tracking"):
@@ -173,18 +186,29 @@ def stage_line(stage_metrics: str | None, result: dict, root: Path) -> str:
 
 
 def next_steps(root: Path, info: dict | None = None) -> list[str]:
+    """What to try next, as lines that run as printed in a fresh shell, after the first line
+    (the project directory and the venv that ran this, README's .venv); a line starting with
+    # is a note. Servers run in the background (`&`, or a terminal of their own)."""
     trk = (info or {}).get("tracking") or {}
-    ui = [f"mlflow ui --backend-store-uri sqlite:///{root / 'mlflow.db'} --host 127.0.0.1 --port 5000"]
-    if trk.get("tracking_uri", "").startswith("http"):
-        ui = []  # a tracking server serves its own UI
+    in_venv = sys.prefix != sys.base_prefix
+    first = f"cd {root}" + (f" && source {Path(sys.prefix)}/bin/activate" if in_venv else "")
+    lines = [
+        f"{first}   # first, in every new terminal",
+        'git add -A && git commit -qm "baseline run"   # the baseline: dvc metrics diff compares with it',
+        "dvc exp run --set-param train.lr=1e-3 && dvc metrics diff   # an experiment vs the baseline",
+        "dvc exp show --only-changed --drop 'Created|laplace|.*/.*'   # the runs side by side (docs/pipeline.md)",
+        "dvc plots show   # then open dvc_plots/index.html",
+    ]
+    if not trk.get("tracking_uri", "").startswith("http"):  # a tracking server serves its own UI
+        lines.append("make mlflow-ui &   # the MLflow UI on 127.0.0.1:5000, in the background")
     if trk.get("ui_url"):
-        ui.append(f"open {trk['ui_url']}")
-    return [
-        "dvc metrics diff ; dvc exp show --only-changed --drop 'Created|laplace|.*/.*'   (docs/pipeline.md)",
-        "dvc plots show   (open dvc_plots/index.html)",
-        *ui,
-        "make prefect-server ; make prefect-worker ; export PREFECT_API_URL=http://127.0.0.1:4200/api ;"
-        " prefect deployment run 'laplace-pipeline/tiny'",
+        lines.append(f"# then browse {trk['ui_url']}")
+    return lines + [
+        "make prefect-server &   # a local Prefect server on 127.0.0.1:4200 (or in a terminal of its own)",
+        "make prefect-worker &   # once the server answers: the work pool, the deployments, a worker",
+        "export PREFECT_API_URL=http://127.0.0.1:4200/api && make prefect-ready"
+        " && prefect deployment run 'laplace-pipeline/tiny' --watch",
+        "kill $(jobs -p)   # stop the background servers",
     ]
 
 

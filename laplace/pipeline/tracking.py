@@ -38,12 +38,13 @@ import json
 import logging
 import os
 import time
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
 from laplace.config import Config
 from laplace.pipeline.champion import COMPARABLE_TAGS, champion_decision
-from laplace.pipeline.headline import GATE_NAMES, HEADLINE, gates, mlflow_metrics
+from laplace.pipeline.headline import GATE_NAMES, HEADLINE, gates, gates_word, mlflow_metrics, rounded
 from laplace.pipeline.mlflow_views import (
     EXPERIMENT_KIND,
     HEADLINE_VIEW,
@@ -51,8 +52,9 @@ from laplace.pipeline.mlflow_views import (
     figures_table,
     headline_view,
     ui_url,
+    varied_params,
 )
-from laplace.pipeline.provenance import measurement_sources, pipeline_started, source_text
+from laplace.pipeline.provenance import measured_tag, measurement_sources, pipeline_started, source_text
 from laplace.pipeline.redact import redact, secret_values
 from laplace.pipeline.store import (
     TrackingUnavailable,
@@ -71,6 +73,14 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- the current champion
 
 
+def recall_tags(probes: dict) -> dict[str, str]:
+    """The recall suite's plain verdicts as run tags: `recall` overall, `recall.<context>` per length."""
+    out = {f"recall.{ctx}": verdict for ctx, verdict in (probes.get("recall_verdict") or {}).items()}
+    if probes.get("recall_summary"):
+        out["recall"] = probes["recall_summary"]
+    return out
+
+
 def current_champion(client, model_name: str) -> dict | None:
     """The version holding the champion alias: its number, val_loss and comparability tags."""
     from mlflow.exceptions import MlflowException
@@ -80,15 +90,33 @@ def current_champion(client, model_name: str) -> dict | None:
     except MlflowException:  # no such model, or no champion yet
         return None
     run = client.get_run(version.run_id)
+    recall: dict = {}
+    for name, value in run.data.metrics.items():  # probes/recall/<task>/<context>, as flatten_metrics logs them
+        parts = name.split("/")
+        if len(parts) == 4 and parts[:2] == ["probes", "recall"]:
+            recall.setdefault(parts[2], {})[parts[3]] = value
     return {
         "version": version.version,
         "run_id": version.run_id,
         "val_loss": run.data.metrics.get("eval_loss"),
+        "recall": recall,
         **{key: run.data.tags.get(key) for key in COMPARABLE_TAGS},
     }
 
 
 # --------------------------------------------------------------------------- logging a run
+
+
+def resolved_params(cfg: Config) -> dict:
+    """Every effective knob as `section.key`, with `model.*` as the model that was built (the
+    preset's values where params.yaml leaves a key null), not `None`."""
+    params = cfg.flat()
+    model = cfg.model_config().to_dict()
+    for key in list(params):
+        section, _, name = key.partition(".")
+        if section == "model" and params[key] is None and model.get(name) is not None:
+            params[key] = model[name]
+    return params
 
 
 def log_pipeline_run(
@@ -137,7 +165,10 @@ def log_pipeline_run(
         tags = found.tags if found is not None else {}
         if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
             client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
-        view = headline_view(tags.get(VIEW_TAG_PREFIX + HEADLINE_VIEW))
+        earlier = client.search_runs([experiment_id], max_results=50, order_by=["attributes.start_time DESC"])
+        logged = {k: redact(str(v), secrets)[:6000] for k, v in resolved_params(cfg).items()}
+        shown = varied_params(logged, [r.data.params for r in earlier])
+        view = headline_view(tags.get(VIEW_TAG_PREFIX + HEADLINE_VIEW), shown)
         if view is not None:
             client.set_experiment_tag(experiment_id, VIEW_TAG_PREFIX + HEADLINE_VIEW, view)
         return experiment_id
@@ -153,16 +184,15 @@ def log_pipeline_run(
     all_tags = {
         **tags,
         "params_hash": cfg.digest(),
-        **{
-            f"gate.{GATE_NAMES[k]}": {True: "passed", False: "failed", None: "missing"}[v]
+        # one tag each for the gates and the measurement stamps (provenance.measured_tag), and a
+        # source.<stage> tag only for a stage whose figures an earlier run measured: few tags to read
+        "gates": ", ".join(
+            f"{GATE_NAMES[k]} {({True: 'passed', False: 'failed', None: 'missing'})[v]}"
             for k, v in gate_results.items()
-        },
-        **{
-            f"measured.{stage}": m["measured"]["id"]
-            for stage, m in metrics_by_stage.items()
-            if isinstance(m.get("measured"), dict) and m["measured"].get("id")
-        },
-        **{f"source.{stage}": source_text(source) for stage, source in sources.items()},
+        ),
+        "measured": measured_tag(metrics_by_stage),
+        **{f"source.{stage}": source_text(source) for stage, source in sources.items() if source is not None},
+        **recall_tags(metrics_by_stage.get("probes") or {}),
     }
     try:  # MLflow's own run-context tags (user, source, git), as mlflow.start_run would add them
         from mlflow.tracking.context.registry import resolve_tags
@@ -206,8 +236,11 @@ def log_pipeline_run(
             if register and version is not None:
                 new = {"val_loss": (metrics_by_stage.get("train") or {}).get("val_loss"), "gates": gate_results}
                 new.update({key: tags.get(key) for key in COMPARABLE_TAGS})
-                decision = champion_decision(new, champion, cfg.tracking.champion_tolerance)
-                _assign_aliases(client, model_name, version, decision)
+                new["recall"] = (metrics_by_stage.get("probes") or {}).get("recall") or {}
+                decision = champion_decision(
+                    new, champion, cfg.tracking.champion_tolerance, cfg.tracking.champion_recall_tolerance
+                )
+                _assign_aliases(client, model_name, version, decision, metrics_by_stage)
             registered_as = ("champion" if decision[0] else "candidate") if version is not None else "not registered"
             client.set_tag(run_id, "registered_as", registered_as)
             client.set_tag(run_id, "registered_reason", decision[1])
@@ -248,11 +281,20 @@ def log_pipeline_run(
     }
 
 
-def _assign_aliases(client, model_name: str, version, decision: tuple[bool, str]) -> None:
-    """`candidate` always; `champion` when the rule said so. The reason goes on the version too."""
+def _assign_aliases(
+    client, model_name: str, version, decision: tuple[bool, str], metrics_by_stage: dict[str, dict]
+) -> None:
+    """`candidate` always; `champion` when the rule said so. The reason goes on the version too,
+    with the trained model's figures (description, and eval_loss / train_loss tags), so the
+    registry's version page shows the loss."""
     take, reason = decision
     client.set_registered_model_alias(model_name, "candidate", str(version))
     client.set_model_version_tag(model_name, str(version), "registered_reason", reason)
+    figures = mlflow_metrics(metrics_by_stage)
+    for name in ("eval_loss", "train_loss"):
+        if name in figures:
+            client.set_model_version_tag(model_name, str(version), name, f"{rounded(name, figures[name])}")
+    client.update_model_version(model_name, str(version), description=version_description(metrics_by_stage))
     if take:
         client.set_registered_model_alias(model_name, "champion", str(version))
 
@@ -283,14 +325,21 @@ def _log_run_contents(
     from mlflow.models import infer_signature
 
     now = int(time.time() * 1000)
-    param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(cfg.flat().items())]
+    param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(resolved_params(cfg).items())]
     # one value each, except the names with a step history (the loss curves), logged as the history
     # The histories first, in HEADLINE's order, then the single values: MLflow lists a run's metrics
     # in the order they were first logged, and its compare view charts the first: eval_loss.
+    # Single values are logged at the final step, where the histories end, and the model is logged
+    # at that step too: MLflow 3 links the metrics of the step a model is logged at to the model,
+    # so the Models view shows the trained model's figures (at step 0 it showed the untrained loss).
+    # Values are rounded as in metrics.json (headline.DIGITS): the table shows 4.4781, not 4.478112...
     single = mlflow_metrics(metrics_by_stage)
+    final_step = max((int(step) for series in step_series.values() for step, _ in series), default=0)
     order = [k for k in HEADLINE if k in step_series] + [k for k in HEADLINE if k in single and k not in step_series]
-    metrics = [Metric(k, float(v), now, int(step)) for k in order if k in step_series for step, v in step_series[k]]
-    metrics += [Metric(k, single[k], now, 0) for k in order if k not in step_series]
+    metrics = [
+        Metric(k, rounded(k, float(v)), now, int(step)) for k in order if k in step_series for step, v in step_series[k]
+    ]
+    metrics += [Metric(k, rounded(k, single[k]), now, final_step) for k in order if k not in step_series]
     for i in range(0, len(param_items), 100):
         client.log_batch(run_id, params=param_items[i : i + 100])
     for i in range(0, len(metrics), 500):
@@ -298,9 +347,13 @@ def _log_run_contents(
     if dataset_path is not None and dataset_digest:
         # MLflow caps digests at 36 characters: a DVC md5 (".dir" included) fits, the manifest's
         # sha256 (the fallback outside DVC) is cut to its first 36 hex digits
-        dataset = MetaDataset(
-            source=resolve_dataset_source(str(dataset_path)), name="tokenized", digest=dataset_digest[:36]
-        )
+        with warnings.catch_warnings():
+            # MLflow 3.17 registers its local-file dataset source twice (once per URI scheme of the
+            # local artifact repository) and warns that the path "can be interpreted in multiple
+            # ways" between the two identical classes: nothing to act on
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            source = resolve_dataset_source(str(dataset_path))
+        dataset = MetaDataset(source=source, name="tokenized", digest=dataset_digest[:36])
         mlflow.log_input(dataset, context="training")
     if plots_dir is not None and plots_dir.exists():
         mlflow.log_artifacts(str(plots_dir), "plots")
@@ -338,12 +391,34 @@ def _log_run_contents(
         artifacts={"export": str(export_dir)},
         signature=signature,
         input_example=(example, example_params),
-        model_config={k: getattr(cfg.engine, k) for k in SHAPE_KEYS},  # the engine's shapes
+        # the engine's shapes; MLflow also logs model_config as run params, so under the run's own
+        # names and values (engine.max_slots ...), not as unprefixed duplicates
+        model_config={f"engine.{k}": getattr(cfg.engine, k) for k in SHAPE_KEYS},
+        step=final_step,
         code_paths=[str(Path(laplace.__file__).parent)],
         pip_requirements=["torch>=2.13", "numpy", "safetensors", "tokenizers", "pandas"],
         registered_model_name=model_name if register else None,
     )
     return info.registered_model_version
+
+
+def version_description(metrics_by_stage: dict[str, dict]) -> str:
+    """The registry's model-version text: the trained model's figures, for a person promoting by hand."""
+    train = metrics_by_stage.get("train") or {}
+    figures = mlflow_metrics(metrics_by_stage)
+    parts = [f"trained {train.get('steps')} steps"] if train.get("steps") else []
+    for name, label, fmt in (
+        ("eval_loss", "validation loss", "{:.4f}"),
+        ("train_loss", "training loss", "{:.4f}"),
+        ("tps", "training tokens/s", "{:,.0f}"),
+        ("srv_tps", "serving tokens/s", "{:,.0f}"),
+        ("ttft_p99", "TTFT p99 (s)", "{:.3f}"),
+    ):
+        if name in figures:
+            parts.append(f"{label} {fmt.format(figures[name])}")
+    verdicts = gates(metrics_by_stage)
+    parts.append("gates " + gates_word(verdicts))
+    return "; ".join(parts)
 
 
 def load_registered_model(root: Path, model_name: str, alias: str = "candidate"):

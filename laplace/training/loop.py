@@ -82,10 +82,23 @@ def run_fingerprint(cfg: Config, model_cfg, manifest: dict) -> str:
             "adamw": dataclasses.asdict(cfg.adamw),
             "muon": muon,
             "data": data_digests(manifest),
+            "init": init_digest(cfg.model.init),
         },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def init_digest(init: str) -> str | None:
+    """sha256 of model.init's weights, from its manifest (verified when the weights are loaded)."""
+    if not init:
+        return None
+    from laplace import manifest as manifests
+
+    found, reason = manifests.read_manifest(Path(init), "export")
+    if found is None:
+        raise ConfigError(f"model.init: {reason}")
+    return found["files"]["model.safetensors"]["sha256"]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -144,6 +157,8 @@ def check_inputs(cfg: Config, data_dir: Path, world: int):
             f"model.vocab_size: tokenizer vocab {manifest['vocab_size']} is larger than model.vocab_size "
             f"{model_cfg.vocab_size}"
         )
+    if cfg.model.init:
+        check_init_tokenizer(cfg.model.init, manifest)
     if t.batch_size % world:
         raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by the world size {world}")
     if (t.batch_size // world) % t.grad_accum_steps:
@@ -161,6 +176,41 @@ def check_inputs(cfg: Config, data_dir: Path, world: int):
     return manifest, model_cfg
 
 
+def check_init_tokenizer(init: str, manifest: dict) -> None:
+    """The data must be tokenized with the init's own tokenizer: ids mean nothing across tokenizers."""
+    from laplace.model.export import read_export_config
+
+    wanted = read_export_config(Path(init))["tokenizer_sha256"]
+    if manifest.get("tokenizer_sha256") != wanted:
+        raise ConfigError(
+            f"model.init: {init} was trained with another tokenizer than the tokenized data's: "
+            f"set tokenizer.path={Path(init) / 'tokenizer.json'} and tokenize again"
+        )
+
+
+def load_init_weights(model: LaplaceLM, init: str) -> None:
+    """model.init's weights into `model` in place, each rank reading only the rows FSDP2 gave it
+    (safetensors slices: a rank never holds a whole parameter it does not own)."""
+    from safetensors import safe_open
+
+    from laplace import manifest as manifests
+    from laplace.model.lm import local_rows
+
+    ok, reason = manifests.verify(Path(init), "export")  # every byte as the export wrote it
+    if not ok:
+        raise ConfigError(f"model.init: {reason}")
+    with safe_open(str(Path(init) / "model.safetensors"), framework="pt") as f, torch.no_grad():
+        names = set(f.keys())
+        for name, p in model.named_parameters():
+            if name not in names:
+                if name == "lm_head.weight" and model.cfg.tie_embeddings:
+                    continue
+                raise ConfigError(f"model.init: {init} has no tensor {name!r}")
+            local, first = local_rows(p)
+            if local.numel():
+                local.copy_(f.get_slice(name)[first : first + local.shape[0]])
+
+
 def open_data(data_dir: Path, group: distributed.Group):
     """The train and val token splits, memory-mapped. Each shard's sha256 is checked once per job
     (the shards are spread over the ranks), and every rank learns the verdict: no rank reads the
@@ -171,12 +221,13 @@ def open_data(data_dir: Path, group: distributed.Group):
     return train_tokens, val_tokens
 
 
-def build_model(model_cfg, mesh, device: torch.device, t, seed: int) -> LaplaceLM:
+def build_model(model_cfg, mesh, device: torch.device, t, seed: int, init: str = "") -> LaplaceLM:
     """The model on meta, each block activation-checkpointed as train.activation_checkpoint says,
     then compiled if asked (one static graph shared by every block), sharded with FSDP2 over
     `mesh` (torchtitan's order), then materialised on `device` and initialised there: each
     rank allocates and initialises only its own rows (LaplaceLM.reset_parameters gives the
-    weights a single process would get from the same seed)."""
+    weights a single process would get from the same seed). With `init` (model.init) the rows
+    are then read from that export instead."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = LaplaceLM(model_cfg)
@@ -187,6 +238,8 @@ def build_model(model_cfg, mesh, device: torch.device, t, seed: int) -> LaplaceL
     distributed.shard_model(model, mesh, t.precision)
     model.to_empty(device=device)
     model.reset_parameters()
+    if init:
+        load_init_weights(model, init)
     return model
 
 
@@ -232,7 +285,7 @@ def train(
         val_batches = validation_batches(val_tokens, t.batch_size, t.seq_len, t.eval_batches)
 
         mesh = init_device_mesh(group.device.type, (group.world,))
-        model = build_model(model_cfg, mesh, group.device, t, cfg.seed)
+        model = build_model(model_cfg, mesh, group.device, t, cfg.seed, cfg.model.init)
         # train.compile on CUDA also compiles the Muon update (the LR a tensor: the schedule never
         # recompiles). Not on CPU: there Inductor's OpenMP loops over many small tensors measured
         # slower than eager when the cores were shared (bench/RESULTS.md), and eager is not launch-bound.

@@ -1,0 +1,209 @@
+"""lm-evaluation-harness on a Laplace export: the `laplace` model of lm-eval, and `laplace eval`.
+
+`LaplaceHarnessLM` (registered with lm-eval as `laplace`) answers lm-eval's three request types
+through the serving engine (laplace.serving.engine), so an evaluation measures the model as it
+is served: padded ladder widths, bucketed prefill, the same state slots.
+
+- loglikelihood(context, continuation): the context is prefilled into a slot, then the
+  continuation is fed one token per decode step; up to serve.max_slots requests decode together
+  at the smallest ladder width that holds them. Returns (sum of log-probs, all greedy).
+- loglikelihood_rolling(text): the same with the model's own start token as the only context
+  (BOS where the model has one, Llama's convention; else the end-of-text token that separates
+  Laplace's training documents), so it equals the model's loss on that token sequence: GLA has no
+  context window, so no rolling windows are needed.
+- generate_until(context, {until, max_gen_toks}): greedy through the engine's scheduler
+  (DecodeEngine.complete), cut at the first stop string.
+
+lm-eval (pip install 'laplace[eval]') finds models only among those registered in its process,
+and 0.4 has no plugin discovery: `python -m laplace.evals.harness ARGS` is lm-eval's own command
+line (`lm_eval ARGS`) with this module imported, so
+`python -m laplace.evals.harness --model laplace --model_args export=PATH --tasks ...` works as
+`lm_eval` would; `laplace eval` runs lm-eval's simple_evaluate on the export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from laplace.config import EngineSection
+from laplace.errors import ConfigError
+from laplace.model.export import load_export
+from laplace.serving.engine import DecodeEngine, Request, width_ladder
+
+log = logging.getLogger(__name__)
+
+
+def _truthy(value) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+@register_model("laplace")
+class LaplaceHarnessLM(LM):
+    """model_args: export=PATH (required), device=auto (cpu, cuda, cuda:N), kernel=auto, max_slots=8, compile=true
+    (false: the same ladder widths, eager), max_gen_toks=256."""
+
+    def __init__(
+        self,
+        export: str | None = None,
+        device: str | None = "auto",
+        kernel: str = "auto",
+        max_slots: int | str = 8,
+        compile: bool | str = True,
+        max_gen_toks: int | str = 256,
+        batch_size=None,  # lm-eval passes its --batch_size; the engine batches at its ladder widths instead
+        **_ignored,
+    ):
+        super().__init__()
+        if not export:
+            raise ConfigError("lm-eval --model laplace: give --model_args export=PATH (an export directory)")
+        from laplace.runtime import compile_backend, configure_compiler, resolve_device
+
+        device = str(device or "auto")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's own default is cuda:0 whether or not the user asked: run where we can, and say so
+            log.warning("lm-eval asked for device %s but CUDA is not available: evaluating on %s", device, "cpu")
+            device = "cpu"
+        device = torch.device(device) if ":" in device else resolve_device(device)
+        self.model, self.tokenizer, self.config = load_export(Path(export), device=device, kernel=kernel)
+        slots = int(max_slots)
+        serve = EngineSection()
+        self.engine = DecodeEngine(
+            self.model,
+            max_slots=slots,
+            ladder=width_ladder(slots),
+            prefill_buckets=serve.prefill_buckets,
+            max_prompt_tokens=2**62,
+            compile_scope=serve.compile_scope if _truthy(compile) else None,
+            backend=compile_backend(device),
+        )
+        if _truthy(compile):
+            configure_compiler(self.engine.graphs_needed())
+        self.max_gen_toks = int(max_gen_toks)
+        self.bos_id, self.eos_id = self.config.get("bos_id"), self.config.get("eos_id")
+        start = self.bos_id if self.bos_id is not None else self.eos_id
+        if start is None:
+            raise ConfigError(f"{export}: the export names neither a bos_id nor an eos_id to start a text with")
+        self.start_id = start
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Text as the model reads it inside a document: no special tokens (BOS is the start's)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+
+    def prompt_ids(self, context: str) -> list[int]:
+        """The model's own convention for a text's start: BOS first where it has one (Llama);
+        else the bare context, or the end-of-text token when the context is empty."""
+        ids = self.encode(context)
+        if self.bos_id is not None:
+            return [self.bos_id] + ids
+        return ids or [self.start_id]
+
+    # -- scoring through the engine -------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | prompt), every continuation token the argmax) for each
+        (prompt ids, continuation ids), max_slots at a time, decoded at the ladder widths."""
+        out: list[tuple[float, bool]] = []
+        slots_n = self.engine.max_slots
+        for first in range(0, len(pairs), slots_n):
+            group = pairs[first : first + slots_n]
+            totals, greedy = [0.0] * len(group), [True] * len(group)
+            with self.engine.leased(range(len(group))) as slots:
+                last = [self.engine.prefill(slot, prompt)[0] for slot, (prompt, _) in zip(slots, group)]
+                for t in range(max(len(cont) for _, cont in group)):
+                    live = [i for i, (_, cont) in enumerate(group) if t < len(cont)]
+                    for i in live:
+                        target = group[i][1][t]
+                        logp = F.log_softmax(last[i].double(), -1)
+                        totals[i] += float(logp[target])
+                        greedy[i] = greedy[i] and int(last[i].argmax()) == target
+                    more = [i for i in live if t + 1 < len(group[i][1])]
+                    if more:
+                        logits = self.engine.decode([slots[i] for i in more], [group[i][1][t] for i in more])
+                        for row, i in enumerate(more):
+                            last[i] = logits[row]
+            out.extend(zip(totals, greedy))
+        return out
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        pairs = []
+        for req in requests:
+            context, continuation = req.args
+            pairs.append((self.prompt_ids(context), self.encode(continuation)))
+        return self.score(pairs)
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        pairs = [([self.start_id], self.encode(req.args[0])) for req in requests]
+        return [total for total, _ in self.score(pairs)]
+
+    def generate_until(self, requests) -> list[str]:
+        batch, stops = [], []
+        for n, req in enumerate(requests):
+            context, kwargs = req.args
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            stops.append(until)
+            batch.append(
+                Request(
+                    n,
+                    self.prompt_ids(context),
+                    int(kwargs.get("max_gen_toks", self.max_gen_toks)),
+                    temperature=0.0,
+                    stop_ids=() if self.eos_id is None else (self.eos_id,),
+                )
+            )
+        self.engine.reset()
+        texts = []
+        for completion, until in zip(self.engine.complete(batch), stops):
+            text = self.tokenizer.decode(completion.output_ids)
+            cut = min((text.find(s) for s in until if s and s in text), default=-1)
+            texts.append(text[:cut] if cut >= 0 else text)
+        return texts
+
+
+def evaluate(
+    export: Path,
+    tasks: list[str],
+    include_path: str | None = None,
+    limit: int | None = None,
+    model_args: dict | None = None,
+    log_samples: bool = False,
+) -> dict:
+    """lm-eval's simple_evaluate on the export (tasks from lm-eval, or task YAMLs in include_path)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    lm = LaplaceHarnessLM(export=str(export), **(model_args or {}))
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(
+            f"laplace eval: unknown lm-eval task {unknown[0]!r} (see `lm_eval ls tasks`, or --include-path)"
+        )
+    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples)
+
+
+def main() -> None:
+    """lm-eval's command line with the `laplace` model registered (see the module docstring)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv[0] = "lm_eval"
+    cli_evaluate()
+
+
+def results_json(results: dict) -> str:
+    return json.dumps({k: results[k] for k in ("results", "versions", "n-shot") if k in results}, default=str)
+
+
+if __name__ == "__main__":
+    main()

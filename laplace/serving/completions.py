@@ -1,0 +1,460 @@
+"""POST /v1/completions over the engine thread (vLLM's serving_completion.py, for one model).
+
+A request goes: the body, read up to `server.max_request_bytes` (413 beyond), then parsed,
+checked and tokenized on a worker thread (never on the event loop: a prompt far over
+`engine.max_prompt_tokens` is refused from its length before it is tokenized, and
+`Tokenizer.encode_batch` releases the GIL), then one engine request per prompt and choice, then
+the answer: one JSON body, or server-sent events as tokens arrive. A client that goes away is
+cancelled at once, streamed or not, so the engine frees its slot at the next step."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from laplace.serving.detokenizer import IncrementalText
+from laplace.serving.engine import Completion, Rejected, Request
+from laplace.serving.engine_loop import Draining, EngineLoop, QueueFull, Ticket
+from laplace.serving.metrics import ServerMetrics
+from laplace.serving.protocol import ApiError, CompletionRequest, bad, ignored_fields_note, parse_request
+
+log = logging.getLogger("laplace.serving.server")
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int  # serve.max_new_tokens
+    max_request_bytes: int
+    max_stop_chars: int
+
+
+@dataclass
+class CompletionParams:
+    """A validated request, its prompts tokenized."""
+
+    request: CompletionRequest
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: list[str]
+    stop_ids: tuple[int, ...]
+    include_usage: bool
+    continuous_usage: bool
+
+    @property
+    def n(self) -> int:
+        return self.request.n
+
+    def prompt_of(self, choice: int) -> int:
+        return choice // self.request.n
+
+
+class CompletionsService:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        tokenizer,
+        eos_id: int | None,
+        model_name: str,
+        limits: Limits,
+        metrics: ServerMetrics,
+    ):
+        self.loop, self.tokenizer, self.eos_id = loop, tokenizer, eos_id
+        self.model_name, self.limits, self.metrics = model_name, limits, metrics
+        self.created = int(time.time())
+        self.in_flight = 0  # HTTP requests holding engine requests (the drain waits for 0)
+        # parsing and tokenizing off the event loop; two threads, so one large body does not queue the rest
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="laplace-prepare")
+        vocab = tokenizer.get_vocab_size()
+        # the most characters one token stands for: a text of more than limit * this many characters
+        # cannot fit the limit, so it is refused before tokenizing. Twice that, for a normalizer that
+        # shortens text (NFKC composing accents).
+        self.max_chars_per_token = 2 * max(
+            1, max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(vocab))
+        )
+        self.vocab_size = vocab
+
+    # -- the request, on a worker thread ---------------------------------------------------------
+
+    def prepare(self, raw: bytes) -> CompletionParams:
+        req, ignored = parse_request(raw)
+        if ignored:
+            log.info(ignored_fields_note(ignored))
+        if req.model != self.model_name:
+            raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.model_name!r}", "model")
+        engine = self.loop.engine
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(16, self.limits.max_tokens)
+        if max_tokens > self.limits.max_tokens:
+            raise bad("max_tokens", f"must be in [1, {self.limits.max_tokens}], got {max_tokens}")
+        stop = self._stop(req.stop)
+        stop_ids = [] if req.ignore_eos or self.eos_id is None else [self.eos_id]
+        for t in req.stop_token_ids or []:
+            if not 0 <= t < self.vocab_size:
+                raise bad("stop_token_ids", f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
+            stop_ids.append(t)
+        prompts, texts = self._prompts(req, engine)
+        if len(prompts) * req.n > engine.max_queue:
+            raise bad("n", f"{len(prompts)} prompt(s) x n={req.n} choices in one request, at most {engine.max_queue}")
+        options = req.stream_options
+        return CompletionParams(
+            request=req,
+            prompts=prompts,
+            prompt_texts=texts,
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            stop=stop,
+            stop_ids=tuple(dict.fromkeys(stop_ids)),
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
+        )
+
+    def _stop(self, stop) -> list[str]:
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stops, list) and len(stops) <= 4 and all(isinstance(s, str) and s for s in stops)):
+            raise bad("stop", "expected a non-empty string or a list of at most 4 of them")
+        longest = max(len(s) for s in stops) if stops else 0
+        if longest > self.limits.max_stop_chars:
+            raise bad("stop", f"a stop string of {longest} characters, the limit is {self.limits.max_stop_chars}")
+        return list(stops)
+
+    def _prompts(self, req: CompletionRequest, engine) -> tuple[list[list[int]], list[str | None]]:
+        """Text, token ids, or a list of either: (ids per prompt, text per prompt)."""
+        prompt = req.prompt
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise bad("prompt", "required: a string, a list of token ids, or a non-empty list of either")
+        if len(prompt) > engine.max_queue:
+            raise bad("prompt", f"{len(prompt)} prompts in one request, at most {engine.max_queue}")
+        limit, keep = engine.max_prompt_tokens, req.truncate_prompt_tokens
+        where = ["prompt" if len(prompt) == 1 else f"prompt[{i}]" for i in range(len(prompt))]
+        texts: list[str | None] = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                if keep is None and len(p) > limit * self.max_chars_per_token:
+                    raise ApiError(
+                        400,
+                        f"{where[i]}: {len(p):,} characters are more than {limit} tokens, the limit is {limit}",
+                        "prompt",
+                        reason="prompt_too_long",
+                    )
+                texts.append(p)
+            elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                if keep is None and len(p) > limit:
+                    raise ApiError(
+                        400,
+                        f"{where[i]}: prompt has {len(p)} tokens, the limit is {limit}",
+                        "prompt",
+                        reason="prompt_too_long",
+                    )
+                texts.append(None)
+            else:
+                raise bad(where[i], "expected a string or a list of integer token ids")
+        strings = [p for p in prompt if isinstance(p, str)]
+        # encode_batch runs without the GIL (encode holds it), so the event loop keeps moving
+        encoded = iter(self.tokenizer.encode_batch(strings, add_special_tokens=req.add_special_tokens))
+        ids = []
+        for i, p in enumerate(prompt):
+            p_ids = next(encoded).ids if isinstance(p, str) else list(p)
+            if keep is not None:
+                p_ids = p_ids[-keep:]
+            try:
+                engine.check(Request(0, p_ids, 1))
+            except Rejected as exc:
+                reason = "prompt_too_long" if "the limit is" in str(exc) else "invalid_request"
+                raise ApiError(400, f"{where[i]}: {exc}", "prompt", reason=reason) from None
+            ids.append(p_ids)
+        return ids, texts
+
+    def tickets(self, params: CompletionParams) -> tuple[list[Ticket], asyncio.Queue]:
+        """One engine request per (prompt, choice), choice index = prompt * n + j as OpenAI numbers
+        them. Seeds: `seed + index` (so one prompt with n=1 draws exactly as `seed`), or a fresh random
+        seed per choice: four copies of a prompt, or n=4, are four independent draws."""
+        events: asyncio.Queue = asyncio.Queue()
+        seed = params.request.seed
+        tickets = []
+        for k in range(len(params.prompts) * params.n):
+            draw = secrets.randbits(63) if seed is None else (seed + k) & _MASK64
+            request = Request(
+                self.loop.next_id(),
+                params.prompts[params.prompt_of(k)],
+                params.max_tokens,
+                params.temperature,
+                params.top_p,
+                params.stop_ids,
+                draw,
+            )
+            tickets.append(Ticket(request, k, events))
+        return tickets, events
+
+    def prompt_text(self, params: CompletionParams, choice: int) -> str:
+        i = params.prompt_of(choice)
+        text = params.prompt_texts[i]
+        return text if text is not None else self.tokenizer.decode(params.prompts[i])
+
+    # -- the HTTP request, on the event loop ---------------------------------------------------------
+
+    async def create(self, http_request):
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        try:
+            raw = await read_body(http_request, self.limits.max_request_bytes)
+            params = await asyncio.get_running_loop().run_in_executor(self.executor, self.prepare, raw)
+            if self.loop.fatal:
+                raise ApiError(503, f"server unavailable: {self.loop.fatal}", reason="unavailable")
+            if not self.loop.ready.is_set():
+                raise ApiError(503, "warming up: retry once GET /health answers 200", reason="warming_up")
+            tickets, events = self.tickets(params)
+            try:
+                self.loop.submit(tickets)
+            except QueueFull as exc:
+                raise ApiError(429, f"{exc}: retry later", None, {"Retry-After": str(exc.retry_after_s)}) from None
+            except Draining:
+                raise ApiError(503, "server shutting down: not admitting new requests", reason="draining") from None
+        except ApiError as exc:
+            self.metrics.rejections.labels(exc.reason).inc()
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        answer = _Answer(self, params, tickets, events)
+        self.in_flight += 1
+        if params.request.stream:
+
+            class EventStream(StreamingResponse):
+                async def __call__(self, scope, receive, send):
+                    try:
+                        await super().__call__(scope, receive, send)
+                    finally:  # also when the stream never started (the client left before the headers)
+                        answer.close()
+
+            return EventStream(
+                answer.events(),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            return await answer.whole(http_request)
+        finally:
+            answer.close()
+
+
+async def read_body(http_request, limit: int) -> bytes:
+    """The request body, refused with 413 beyond `limit` bytes: from Content-Length before reading
+    anything, or while reading a body sent without one."""
+    declared = http_request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(
+            413, f"request body of {int(declared):,} bytes, the limit is {limit:,} (server.max_request_bytes)"
+        )
+    chunks, size = [], 0
+    async for chunk in http_request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body over {limit:,} bytes (server.max_request_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def wait_for_disconnect(http_request) -> None:
+    """Returns when the client has gone away (the body has been read, so the next ASGI message is
+    the disconnect)."""
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Choice:
+    """The text of one choice as tokens arrive, and its finish reason."""
+
+    def __init__(self, service: CompletionsService, params: CompletionParams, ticket: Ticket):
+        req = params.request
+        self.ticket = ticket
+        self.text = IncrementalText(
+            service.tokenizer,
+            params.stop,
+            include_stop=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+        self.include_stop = req.include_stop_str_in_output
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.status = 200
+        self.stop_ids = ticket.request.stop_ids
+        self.ended = False
+        self.stop_token: list[int] = []  # the stop token that ended it, kept out of the text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens generated, up to the stop string or stop token that ended the choice."""
+        return self.text.ids[: self.text.consumed] + self.stop_token
+
+    def token(self, token: int) -> str:
+        if self.finish_reason is not None:
+            return ""  # tokens the engine made after a stop string matched
+        if token in self.stop_ids and not self.include_stop:  # a stop token ends the sequence; not its text
+            self.stop_token = [token]
+            return ""
+        delta = self.text.add(token)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        return delta
+
+    def end(self, c: Completion) -> str:
+        self.ended = True
+        if self.finish_reason is not None:  # stopped by a stop string; the engine cancel follows
+            return ""
+        if c.status == "done":
+            last = c.output_ids[-1] if c.output_ids else None
+            self.finish_reason = "stop" if last in self.stop_ids else "length"
+            return self.text.flush()
+        self.status = 500 if c.status == "failed" else 503
+        self.error = c.reason or c.status
+        self.finish_reason = "error"
+        return self.text.flush()
+
+
+class _Answer:
+    """The answer to one completions request: the whole body, or its event stream."""
+
+    def __init__(self, service: CompletionsService, params: CompletionParams, tickets, events):
+        self.service, self.params, self.tickets, self.events_queue = service, params, tickets, events
+        self.choices = [_Choice(service, params, t) for t in tickets]
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self._cancelled: set[int] = set()
+        self._closed = False
+
+    def close(self) -> None:
+        """The answer is over (sent, failed, or its client left): cancel what still runs, once."""
+        if not self._closed:
+            self._closed = True
+            self._cancel_unfinished("client disconnected")
+            self.service.in_flight -= 1
+
+    def _cancel(self, index: int, reason: str) -> None:
+        if index not in self._cancelled:
+            self._cancelled.add(index)
+            self.service.loop.cancel(self.tickets[index].request.id, reason)
+
+    def _cancel_unfinished(self, reason: str) -> None:
+        for ch in self.choices:
+            if not ch.ended and ch.finish_reason is None:
+                self._cancel(ch.ticket.index, reason)
+
+    def usage(self) -> dict:
+        """Prompt tokens (once per choice, as vLLM counts them) and the generated tokens each choice used."""
+        prompt = sum(len(self.params.prompts[self.params.prompt_of(ch.ticket.index)]) for ch in self.choices)
+        completion = sum(len(ch.token_ids) for ch in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _open(self) -> int:
+        return sum(1 for ch in self.choices if not ch.ended and ch.finish_reason is None)
+
+    async def whole(self, http_request):
+        from fastapi.responses import JSONResponse
+
+        collecting = asyncio.ensure_future(self._collect())
+        gone = asyncio.ensure_future(wait_for_disconnect(http_request))
+        try:
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            collecting.cancel()
+            self._cancel_unfinished("request cancelled")
+            raise
+        finally:
+            gone.cancel()
+        if not collecting.done():  # the client went away: free its slots at the next step
+            collecting.cancel()
+            self._cancel_unfinished("client disconnected")
+            return JSONResponse({}, status_code=499)
+        return collecting.result()
+
+    async def _collect(self):
+        from fastapi.responses import JSONResponse
+
+        params, choices = self.params, self.choices
+        texts = [self.service.prompt_text(params, i) if params.request.echo else "" for i in range(len(choices))]
+        while self._open():
+            index, kind, value = await self.events_queue.get()
+            ch = choices[index]
+            if ch.ended or (ch.finish_reason == "stop" and kind == "token"):
+                continue
+            if kind == "token":
+                texts[index] += ch.token(value)
+                if ch.finish_reason == "stop":
+                    self._cancel(index, "stop string")
+            else:
+                texts[index] += ch.end(value)
+        failed = [ch for ch in choices if ch.error]
+        if failed:
+            status = max(ch.status for ch in failed)
+            return JSONResponse(ApiError(status, f"generation failed: {failed[0].error}").body(), status_code=status)
+        out = []
+        for i, ch in enumerate(choices):
+            choice = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": ch.finish_reason}
+            if params.request.return_token_ids:
+                choice["token_ids"] = ch.token_ids
+                choice["prompt_token_ids"] = params.prompts[params.prompt_of(i)]
+            out.append(choice)
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.service.model_name,
+            "choices": out,
+            "usage": self.usage(),
+        }
+
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.service.model_name}
+        body.update(choices=choices, **extra)
+        if self.params.continuous_usage and choices:
+            body["usage"] = self.usage()
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def _choice(self, i: int, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict:
+        out: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.params.request.return_token_ids and ids is not None:
+            out["token_ids"] = ids
+        return out
+
+    async def events(self):
+        params, choices = self.params, self.choices
+        try:
+            if params.request.echo:
+                yield self._chunk([self._choice(i, self.service.prompt_text(params, i)) for i in range(len(choices))])
+            while self._open():
+                index, kind, value = await self.events_queue.get()
+                ch = choices[index]
+                if ch.ended or ch.finish_reason is not None:
+                    continue
+                if kind == "token":
+                    text = ch.token(value)
+                    if ch.finish_reason == "stop":  # a stop string: this choice is done here
+                        self._cancel(index, "stop string")
+                        yield self._chunk([self._choice(index, text, "stop", [value])])
+                    else:
+                        yield self._chunk([self._choice(index, text, None, [value])])
+                    continue
+                text = ch.end(value)
+                if ch.error:
+                    if text:
+                        yield self._chunk([self._choice(index, text)])
+                    yield f"data: {json.dumps(ApiError(ch.status, f'generation failed: {ch.error}').body())}\n\n"
+                else:
+                    yield self._chunk([self._choice(index, text, ch.finish_reason, [])])
+            if params.include_usage:
+                yield self._chunk([], usage=self.usage())
+            yield "data: [DONE]\n\n"
+        finally:  # a client that went away (or any exit before the end): free the slots at the next step
+            self.close()

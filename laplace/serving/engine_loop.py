@@ -1,0 +1,297 @@
+"""The engine thread of `laplace serve`: warmup, then admit / cancel / step until stopped.
+
+The engine is touched by this thread only. The HTTP side hands it requests (`submit`) and
+cancellations (`cancel`, at the next step: a client that went away frees its slot there) under
+one condition variable, and gets back, on the event loop, the tokens and completions of each
+step on the requests' own asyncio queues (`call_soon_threadsafe`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from laplace.serving.engine import Completion, DecodeEngine, Request, StepRecord
+from laplace.serving.metrics import ServerMetrics
+
+log = logging.getLogger("laplace.serving.server")
+
+
+class QueueFull(Exception):
+    def __init__(self, waiting: int, retry_after_s: int):
+        super().__init__(f"queue full ({waiting} waiting)")
+        self.retry_after_s = retry_after_s
+
+
+class Draining(Exception):
+    pass
+
+
+@dataclass
+class Ticket:
+    """One engine request seen from the HTTP side: its events arrive on `events` (shared by the
+    choices of one HTTP request) as (index, "token", id) and (index, "end", Completion)."""
+
+    request: Request
+    index: int
+    events: asyncio.Queue
+
+
+@dataclass
+class _Shared:
+    inbox: deque = field(default_factory=deque)
+    cancels: list = field(default_factory=list)
+    queued: int = 0  # the engine queue's length after the last step
+
+
+class EngineLoop:
+    """The engine on a thread of its own: warmup, then admit / cancel / step until stopped."""
+
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        metrics: ServerMetrics,
+        *,
+        warmup_widths: list[int] | None = None,
+        stance: str | None = "fail_on_recompile",
+    ):
+        self.engine = engine
+        self.metrics = metrics
+        self.warmup_widths = warmup_widths
+        self.stance = stance
+        self.ready = threading.Event()
+        self.fatal: str | None = None  # why the loop stopped for good (warmup failed)
+        self.on_fatal = None  # callback, e.g. to stop the HTTP server
+        self.drain_deadline: float | None = None  # set (without the lock: a signal handler sets it) to drain
+        self._cv = threading.Condition()
+        self._shared = _Shared()
+        self._stop = False
+        self._tickets: dict[int, Ticket] = {}
+        self._ids = itertools.count(1)
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._t0 = time.perf_counter()
+        self._graphs_after_warmup = 0
+        self._done_rate: deque[float] = deque(maxlen=64)  # finish times, for Retry-After
+        self.warmup_s: float | None = None
+        self.warmup_summary = ""
+
+    # -- called from the event loop -----------------------------------------------------------
+
+    def clock(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def start(self, aio: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio
+        self._thread = threading.Thread(target=self._run, name="laplace-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline is not None
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Stop admitting; requests still running after grace_s are cancelled. Safe in a signal handler."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.perf_counter() + grace_s
+
+    def waiting(self) -> int:
+        with self._cv:
+            return len(self._shared.inbox) + self._shared.queued
+
+    def submit(self, tickets: list[Ticket]) -> None:
+        """Queue the requests of one HTTP request, all or none: raises Draining or QueueFull."""
+        with self._cv:
+            if self.draining or self._stop:
+                raise Draining()
+            waiting = len(self._shared.inbox) + self._shared.queued
+            if waiting + len(tickets) > self.engine.max_queue:
+                raise QueueFull(waiting, self._retry_after(waiting))
+            for t in tickets:
+                t.request.arrival_s = self.clock()
+                self._shared.inbox.append(t)
+            self._cv.notify()
+
+    def cancel(self, request_id: int, reason: str) -> None:
+        with self._cv:
+            self._shared.cancels.append((request_id, reason))
+            self._cv.notify()
+
+    def _retry_after(self, waiting: int) -> int:
+        """Seconds until the queue has likely room: the wait at the recent completion rate."""
+        if len(self._done_rate) >= 2 and self._done_rate[-1] > self._done_rate[0]:
+            rate = (len(self._done_rate) - 1) / (self._done_rate[-1] - self._done_rate[0])
+            return max(1, min(60, math.ceil(max(1, waiting - self.engine.max_queue + 1) / rate)))
+        return 1
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        from laplace.runtime import compiled_graph_count
+
+        try:
+            started = time.perf_counter()
+            outcomes = Counter()
+
+            def warmup_log(line: str) -> None:
+                # the engine's warmup says per graph how it got it; counted here for the log and /metrics
+                if "loaded from the compile cache" in line:
+                    outcomes["loaded from the compile cache"] += 1
+                elif " compiled in " in line and "already" not in line:
+                    outcomes["compiled in"] += 1
+                log.info(line)
+
+            seconds = self.engine.warmup(widths=self.warmup_widths, log=warmup_log)
+            self.warmup_s = time.perf_counter() - started
+            graphs = len(seconds["decode"]) + len(seconds["prefill"])
+            self.metrics.warmup_seconds.set(self.warmup_s)
+            self.metrics.warmup_graphs.set(graphs)
+            self.metrics.warmup_from_cache.set(outcomes["loaded from the compile cache"])
+            self.metrics.warmup_compiled.set(outcomes["compiled in"])
+            self.warmup_summary = (
+                f"warmup {self.warmup_s:.1f}s, {outcomes['loaded from the compile cache']}/{graphs} graphs loaded "
+                f"from the compile cache, {outcomes['compiled in']} compiled"
+                if self.engine.compiled
+                else f"warmup {self.warmup_s:.1f}s (eager)"
+            )
+        except Exception as exc:  # a broken model or compiler: the server cannot serve
+            self.fatal = f"warmup failed: {type(exc).__name__}: {exc}"
+            log.error(self.fatal)
+            if self.on_fatal:
+                self.on_fatal()
+            return
+        self._graphs_after_warmup = compiled_graph_count()
+        self.engine.on_token = self._on_token
+        self._emitted: list[tuple[Completion, int]] = []
+        self.ready.set()
+        self.metrics.ready.set(1)
+        log.info(
+            "ready: %d slots, decode widths %s, prefill buckets %s, %s; %s",
+            self.engine.max_slots,
+            self.engine.ladder if not self.engine.exact_widths else "exact",
+            self.engine.buckets,
+            f"serving under the {self.stance} stance" if self.stance and self.engine.compiled else "eager",
+            self.warmup_summary,
+        )
+        stance = torch.compiler.set_stance(self.stance) if self.stance else contextlib.nullcontext()
+        try:
+            with stance, torch.inference_mode():
+                while self._iterate():
+                    pass
+        except Exception as exc:  # a bug, not a bad request: fail what is in flight, stop the server
+            log.exception("the engine loop stopped")
+            self.fatal = f"engine loop stopped: {type(exc).__name__}: {exc}"
+            with contextlib.suppress(Exception):
+                self._cancel_everything("server error: the engine loop stopped")
+            if self.on_fatal:
+                self.on_fatal()
+        self.metrics.ready.set(0)
+
+    def _iterate(self) -> bool:
+        from laplace.runtime import compiled_graph_count
+
+        engine = self.engine
+        with self._cv:
+            while not (self._shared.inbox or self._shared.cancels or engine.has_work() or self._stop):
+                self._cv.wait(timeout=0.25)
+            if self._stop:
+                self._cancel_everything("server stopped")
+                return False
+            inbox, self._shared.inbox = self._shared.inbox, deque()
+            self._shared.queued += len(inbox)  # still waiting, now in the engine's queue
+            cancels, self._shared.cancels = self._shared.cancels, []
+        engine.now = self.clock()
+        for t in inbox:
+            self._tickets[t.request.id] = t
+            engine.submit(t.request)  # checked on the HTTP side already; a rejection ends it below
+        for rid, reason in cancels:
+            engine.cancel(rid, reason)
+        if self.drain_deadline is not None and time.perf_counter() >= self.drain_deadline and engine.has_work():
+            self._cancel_everything("server shutting down: cancelled at the end of the grace period")
+        if engine.has_work():
+            try:
+                engine.step()
+            except Exception as exc:  # the requests of that step are finished as failed (500); serving goes on
+                kind = "unwarmed_shape" if "recompile" in str(exc).lower() else type(exc).__name__
+                self.metrics.engine_errors.labels(kind).inc()
+                failed = [c.request_id for c in engine.finished if c.status == "failed"]
+                hint = (
+                    " (a shape warmup did not compile: the server never compiles while serving)"
+                    if kind == "unwarmed_shape"
+                    else ""
+                )
+                log.error(
+                    "engine step failed%s; %d request(s) answered with 500: %s",
+                    hint,
+                    len(failed),
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                )
+        compiled = compiled_graph_count() - self._graphs_after_warmup
+        if compiled > 0:
+            self.metrics.compile_events.inc(compiled)
+            self._graphs_after_warmup += compiled
+            log.error("%d graph(s) compiled while serving", compiled)
+        self._publish(engine.take_steps(), engine.take_finished())
+        with self._cv:
+            self._shared.queued = len(engine.queue)
+        self.metrics.occupancy(engine.pool.busy, self.waiting())
+        if callable(stats := getattr(engine, "prefix_cache_stats", None)):
+            self.metrics.prefix_cache.snapshot = dict(stats())
+        return True
+
+    def _cancel_everything(self, reason: str) -> None:
+        for req in list(self.engine.queue):
+            self.engine.cancel(req.id, reason)
+        for row in list(self.engine.live):
+            self.engine.cancel(row.request.id, reason)
+        self._publish([], self.engine.take_finished())
+
+    def _on_token(self, completion: Completion, token: int) -> None:
+        self._emitted.append((completion, token))
+
+    def _publish(self, steps: list[StepRecord], finished: list[Completion]) -> None:
+        m = self.metrics
+        for s in steps:
+            if s.kind == "decode":
+                m.decode_steps.labels(str(s.width)).inc()
+                m.step_seconds.observe(s.seconds)
+        events = []
+        emitted, self._emitted = self._emitted, []
+        if emitted:
+            m.count_tokens(len(emitted))
+        for c, token in emitted:
+            if (t := self._tickets.get(c.request_id)) is not None:
+                events.append((t, (t.index, "token", token)))
+        for c in finished:
+            t = self._tickets.pop(c.request_id, None)
+            stop_ids = t.request.stop_ids if t is not None else ()
+            m.finished(c, "stop" if c.output_ids and c.output_ids[-1] in stop_ids else "length")
+            if c.status == "done":
+                self._done_rate.append(self.clock())
+            if t is not None:
+                events.append((t, (t.index, "end", c)))
+        if events and self._aio is not None:
+            self._aio.call_soon_threadsafe(_deliver, events)
+
+
+def _deliver(events) -> None:
+    for ticket, event in events:
+        ticket.events.put_nowait(event)

@@ -1,0 +1,146 @@
+"""lm-evaluation-harness through the `laplace` model, offline: task YAMLs over a JSONL the test
+writes, the numbers checked against the model's own log-likelihoods (its parallel forward)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from laplace.model.export import load_export
+from laplace.model.hf import import_checkpoint
+from laplace.pipeline import cli
+
+from hf_fixture import fla_checkpoint
+
+pytest.importorskip("lm_eval", reason="lm-eval is the optional extra laplace[eval] (in dev)")
+pytest.importorskip("fla", reason="flash-linear-attention (dev) builds the fla-format checkpoint")
+
+DOCS = [
+    {"text": "The quick brown fox jumps over the lazy dog.", "q": "A key is", "choices": [" a word", " the value"]},
+    {"text": "Gated linear attention keeps a fixed state.", "q": "The value is", "choices": [" its number", " a fox"]},
+    {"text": "A fixed state, whatever the length of the text.", "q": "The quick", "choices": [" brown", " lazy dog"]},
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval")
+    import_checkpoint(fla_checkpoint(root / "fla"), root / "export")
+    data = root / "docs.jsonl"
+    data.write_text("".join(json.dumps({**d, "gold": 0}) + "\n" for d in DOCS))
+    tasks = root / "tasks"
+    tasks.mkdir()
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    (tasks / "rolling.yaml").write_text(
+        "task: local_rolling\n" + common + "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+        "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n"
+    )
+    (tasks / "choice.yaml").write_text(
+        "task: local_choice\n" + common + "output_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    (tasks / "gen.yaml").write_text(
+        "task: local_gen\n" + common + "output_type: generate_until\ndoc_to_text: '{{q}}'\n"
+        "doc_to_target: '{{choices[0]}}'\ngeneration_kwargs:\n  until: ['.']\n  max_gen_toks: 4\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    return root
+
+
+def own_logprob(model, prompt: list[int], continuation: list[int]) -> float:
+    """log p(continuation | prompt) from the model's parallel forward (no engine), in fp64 sums."""
+    tokens = torch.tensor([prompt + continuation])
+    with torch.no_grad():
+        logp = F.log_softmax(model(tokens)[0].double(), -1)
+    return sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(continuation))
+
+
+def _arguments(sample) -> list[tuple[str, str]]:
+    """(context, continuation) of each request of a logged sample (lm-eval adds the target delimiter)."""
+    args = sample["arguments"]
+    args = args.values() if isinstance(args, dict) else args
+    return [tuple(a.values())[:2] if isinstance(a, dict) else tuple(a)[:2] for a in args]
+
+
+def test_lm_eval_numbers_are_the_models_own_log_likelihoods(setup, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from laplace.evals.harness import evaluate
+
+    results = evaluate(
+        setup / "export",
+        ["local_rolling", "local_choice", "local_gen"],
+        include_path=str(setup / "tasks"),
+        model_args={"compile": "false", "max_slots": "2"},  # 3 docs over 2 slots: widths 1 and 2 of the ladder
+        log_samples=True,
+    )
+    model, tokenizer, config = load_export(setup / "export")
+    bos = config["bos_id"]
+    assert bos == 1  # the Llama convention: every text starts with <s>
+    for sample in results["samples"]["local_rolling"]:
+        ids = tokenizer.encode(sample["doc"]["text"], add_special_tokens=False).ids
+        # the rolling log-likelihood is minus the model's loss (summed) on <s> + text
+        tokens = torch.tensor([[bos] + ids])
+        with torch.no_grad():
+            loss = F.cross_entropy(model(tokens)[0, :-1].double(), tokens[0, 1:], reduction="sum")
+        assert sample["resps"][0][0] == pytest.approx(-float(loss), rel=1e-5, abs=1e-4)
+    for sample in results["samples"]["local_choice"]:
+        for (context, continuation), response in zip(_arguments(sample), sample["resps"]):
+            prompt = [bos] + tokenizer.encode(context, add_special_tokens=False).ids
+            cont = tokenizer.encode(continuation, add_special_tokens=False).ids
+            assert response[0][0] == pytest.approx(own_logprob(model, prompt, cont), rel=1e-5, abs=1e-4)
+    for sample in results["samples"]["local_gen"]:  # greedy: argmax of the parallel forward, token by token
+        seq = [bos] + tokenizer.encode(sample["doc"]["q"], add_special_tokens=False).ids
+        start = len(seq)
+        for _ in range(4):
+            with torch.no_grad():
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        text = tokenizer.decode(seq[start:])
+        assert sample["resps"][0][0] == (text[: text.find(".")] if "." in text else text)
+    word_ppl = results["results"]["local_rolling"]["word_perplexity,none"]
+    assert word_ppl > 1
+
+
+def test_laplace_eval_and_lm_eval_command_lines(setup, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    status = cli.main(
+        [
+            "eval",
+            "--model",
+            str(setup / "export"),
+            "--tasks",
+            "local_choice",
+            "--include-path",
+            str(setup / "tasks"),
+            "--model-args",
+            "compile=false",
+            "--output",
+            str(out),
+        ]
+    )
+    assert status == 0
+    assert "local_choice" in capsys.readouterr().out  # lm-eval's results table
+    assert json.loads(out.read_text())["results"]["local_choice"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)
+    # a task that does not exist: one line, exit 2
+    assert cli.main(["eval", "--model", str(setup / "export"), "--tasks", "no_such_task"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown lm-eval task 'no_such_task'" in err
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_with_the_laplace_model(setup, tmp_path):
+    """lm-eval's own command line (python -m laplace.evals.harness = lm_eval + the laplace model)."""
+    args = ["--model", "laplace", "--model_args", f"export={setup / 'export'},compile=false"]
+    args += ["--tasks", "local_rolling", "--include_path", str(setup / "tasks"), "--output_path", str(tmp_path)]
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "laplace.evals.harness", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "local_rolling" in done.stdout and "word_perplexity" in done.stdout
+    assert list(Path(tmp_path).rglob("results_*.json"))

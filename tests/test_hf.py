@@ -1,0 +1,331 @@
+"""The HF / flash-linear-attention layout: import, export, round trips, from_pretrained, the gate
+clamp, fine-tuning from an import (model.init), a given tokenizer's conventions, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from laplace.model.config import ModelConfig
+from laplace.model.export import FORMAT, load_export, write_export
+from laplace.model.hf import config_from_hf, export_hf, import_checkpoint
+from laplace.model.lm import LaplaceLM
+from laplace.pipeline import cli
+
+from hf_fixture import TEXT, fla_checkpoint, llama_style_tokenizer, read_json
+
+fla = pytest.importorskip("fla", reason="flash-linear-attention (the dev extra) builds the fla-format checkpoints")
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "manifest.json")
+
+
+@pytest.fixture(scope="module")
+def fla_dir(tmp_path_factory) -> Path:
+    return fla_checkpoint(tmp_path_factory.mktemp("fla") / "gla")
+
+
+@pytest.fixture(scope="module")
+def imported(fla_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("imported") / "export"
+    import_checkpoint(fla_dir, out)
+    return out
+
+
+def test_fla_checkpoint_imports_and_exports_back_bit_for_bit(fla_dir, imported, tmp_path):
+    hf_dir = tmp_path / "hf"
+    export_hf(imported, hf_dir)
+    theirs, ours = load_file(str(fla_dir / "model.safetensors")), load_file(str(hf_dir / "model.safetensors"))
+    assert sorted(theirs) == sorted(ours)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    config = read_json(imported / "config.json")
+    assert config["bos_id"] == 1 and config["eos_id"] == 2  # from the checkpoint's config.json
+    assert config["model"]["gate_clamp_min"] is None  # fla's default: no clamp, kept as the model's
+    # and importing that export again gives the same Laplace export, byte for byte
+    import_checkpoint(hf_dir, tmp_path / "again")
+    for name in FILES:
+        assert (tmp_path / "again" / name).read_bytes() == (imported / name).read_bytes(), name
+
+
+def test_hf_export_loads_strictly_with_from_pretrained(imported, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export_hf(imported, tmp_path / "hf")
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert type(model).__name__ == "GLAForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.config.clamp_min is None and model.config.use_short_conv is True
+    ours = load_export(imported)[0].state_dict()
+    from laplace.model.hf import to_fla_name
+
+    theirs = model.state_dict()
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[to_fla_name(name)], tensor), name
+    # the tokenizer comes with its conventions: the same ids as ours, BOS first (Llama's rule)
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    tok = load_export(imported)[1]
+    assert hf_tok(TEXT).input_ids == tok.encode(TEXT).ids
+    assert tok.encode(TEXT).ids[0] == 1 and hf_tok.bos_token == "<s>" and hf_tok.eos_token == "</s>"
+
+
+def _laplace_export(tmp_path: Path, **model) -> tuple[Path, LaplaceLM]:
+    """A Laplace export of a random model (Laplace's own conventions: gate clamp -10)."""
+    cfg = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=2, chunk_size=16, sub_chunk_size=8, **model)
+    torch.manual_seed(3)
+    lm = LaplaceLM(cfg)
+    with torch.no_grad():
+        for p in lm.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    tok = llama_style_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    from laplace.data.tokenizer import load_tokenizer, tokenizer_sha256
+
+    config = {
+        "format": FORMAT,
+        "model": cfg.architecture(),
+        "step": 7,
+        "tokenizer_sha256": tokenizer_sha256(load_tokenizer(tok)),
+        "bos_id": 1,
+        "eos_id": 2,
+    }
+    write_export(lm.state_dict(), config, tok, tmp_path / "laplace")
+    return tmp_path / "laplace", lm
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_laplace_export_out_and_back_is_byte_identical_and_computes_the_same(tmp_path, tie):
+    original, lm = _laplace_export(tmp_path, tie_embeddings=tie)
+    export_hf(original, tmp_path / "hf")
+    hf = read_json(tmp_path / "hf" / "config.json")
+    assert hf["clamp_min"] == -10.0 and hf["tie_word_embeddings"] is tie
+    import_checkpoint(tmp_path / "hf", tmp_path / "back")
+    for name in FILES:
+        assert (tmp_path / "back" / name).read_bytes() == (original / name).read_bytes(), name
+    model = load_export(tmp_path / "back")[0]
+    tokens = torch.randint(0, 320, (2, 40))
+    assert torch.equal(model(tokens), lm.eval()(tokens))
+
+
+def test_the_gate_clamp_is_the_models_own(tmp_path):
+    """clamp_min is respected: a model clamped at -0.5 computes differently from the same weights
+    unclamped, and exactly as the naive recurrence of the clamped gate."""
+    torch.manual_seed(0)
+    base = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, chunk_size=16, sub_chunk_size=8)
+    unclamped = LaplaceLM(ModelConfig(**base, gate_clamp_min=None)).double()
+    with torch.no_grad():
+        unclamped.blocks[0].attn.gk_proj[1].bias.fill_(-30.0)  # log decays near -2, below -0.5
+    clamped = LaplaceLM(ModelConfig(**base, gate_clamp_min=-0.5)).double()
+    clamped.load_state_dict(unclamped.state_dict())
+    tokens = torch.randint(0, 64, (1, 24))
+    a, b = unclamped(tokens), clamped(tokens)
+    assert (a - b).abs().max() > 1e-3
+    # the clamped model's prefill then decode equals its parallel form (the clamp holds in every form)
+    state = clamped.allocate_state(1)
+    clamped.prefill(tokens[:, :12], state)
+    stepped = [clamped.decode_step(tokens[:, t], state) for t in range(12, 24)]
+    assert torch.allclose(torch.stack(stepped, 1), b[:, 12:], atol=1e-10)
+    with pytest.raises(Exception, match="gate_clamp_min"):
+        from laplace.model.config import validate_model_config
+
+        validate_model_config(ModelConfig(**base, gate_clamp_min=0.5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's forward runs Triton kernels: CUDA only")
+def test_imported_logits_match_flas_own_forward_on_cuda(fla_dir, imported):
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(str(fla_dir)).cuda().float().eval()
+    ours = load_export(imported, device="cuda", kernel="torch")[0]
+    tokens = torch.randint(0, 300, (2, 200), device="cuda")
+    with torch.no_grad():
+        expected = theirs(tokens).logits.float()
+        got = ours(tokens).float()
+    assert (got - expected).abs().max() / expected.abs().max() < 1e-4
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(d: Path, **fields) -> Path:
+    config = read_json(d / "config.json")
+    config.update(fields)
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _import_cli(src, out: Path, capsys) -> tuple[int, str]:
+    status = cli.main(["import", str(src), "--out", str(out)])
+    return status, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: _edit_config(d, model_type="llama"), r'model_type="llama" is not a GLA checkpoint'),
+        (lambda d: _edit_config(d, feature_map="relu"), r'feature_map="relu" is not supported'),
+        (lambda d: _edit_config(d, use_output_gate=False), r"use_output_gate=false is not supported"),
+        (lambda d: _edit_config(d, attn={"layers": [1], "num_heads": 2}), r"attn=\{.*\} is not supported"),
+        (lambda d: _edit_config(d, num_kv_heads=1), r"num_kv_heads=1 is not supported"),
+        (lambda d: _edit_config(d, share_conv_kernel=True), r"share_conv_kernel=true is a field Laplace does not know"),
+        (lambda d: _edit_config(d, vocab_size=200), r"vocab_size=200 is below the tokenizer's 300 tokens"),
+        (lambda d: (d / "tokenizer.json").unlink(), r"tokenizer\.json missing"),
+        (lambda d: (d / "tokenizer.json").write_text("{not json"), r"not a valid tokenizer\.json"),
+        (lambda d: (d / "config.json").unlink(), r"not a GLA checkpoint \(config\.json missing\)"),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]),
+            r"not a readable safetensors file, truncated\?",
+        ),
+        (
+            lambda d: _edit_config(d, hidden_size=96),
+            r"model\.embeddings\.weight has shape \[320, 64\], config\.json implies \[320, 96\]",
+        ),
+    ],
+    ids=[
+        "not-gla",
+        "feature-map",
+        "no-output-gate",
+        "hybrid",
+        "grouped-heads",
+        "unknown-field",
+        "vocab-below-tokenizer",
+        "no-tokenizer",
+        "bad-tokenizer",
+        "no-config",
+        "truncated",
+        "mismatched-shapes",
+    ],
+)
+def test_bad_checkpoints_exit_2_with_one_line_and_write_nothing(fla_dir, tmp_path, capsys, damage, message):
+    src = _copy(fla_dir, tmp_path / "src")
+    damage(src)
+    status, err = _import_cli(src, tmp_path / "out", capsys)
+    assert status == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("laplace import: error: ")
+    assert re.search(message, err), err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_sharded_checkpoint_imports_and_a_bad_shard_is_named(fla_dir, imported, tmp_path, capsys):
+    src = _copy(fla_dir, tmp_path / "sharded")
+    tensors = load_file(str(src / "model.safetensors"))
+    (src / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(src / shard), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert _import_cli(src, tmp_path / "out", capsys)[0] == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (imported / "model.safetensors").read_bytes()
+    # an index that places a tensor in a shard that does not hold it
+    index["weight_map"][names[0]] = "model-00002-of-00002.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    status, err = _import_cli(src, tmp_path / "out2", capsys)
+    assert status == 2 and f"does not hold '{names[0]}'" in err and not (tmp_path / "out2").exists()
+
+
+def test_a_hub_id_that_is_not_downloaded_names_the_id_and_how(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    status, err = _import_cli("fla-hub/gla-1.3B-100B", tmp_path / "out", capsys)
+    assert status == 2 and len(err.splitlines()) == 1
+    assert "fla-hub/gla-1.3B-100B" in err and "hf download fla-hub/gla-1.3B-100B --local-dir DIR" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_mapping_follows_fla_rules():
+    cfg, bos, eos = config_from_hf(
+        {"model_type": "gla", "hidden_size": 2048, "num_hidden_layers": 24, "num_heads": 4, "vocab_size": 32000}
+    )
+    # fla's defaults: no short conv, no clamp, GatedMLP's intermediate size rule (hidden_ratio 4)
+    assert cfg.use_short_conv is False and cfg.gate_clamp_min is None and cfg.ffn_dim == 5632
+    assert (bos, eos) == (None, None)
+
+
+# --------------------------------------------------------------------------- fine-tuning (model.init)
+
+
+def _finetune_config(init: Path, tokenizer: Path, **model):
+    from laplace.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "data": {"max_documents": 120, "num_proc": 1},
+            "tokenizer": {"path": str(tokenizer)},
+            "model": {"init": str(init), **model},
+            "train": {
+                "steps": 8,
+                "batch_size": 4,
+                "seq_len": 32,
+                "log_every": 1,
+                "eval_every": 8,
+                "eval_batches": 1,
+                "checkpoint_every": 8,
+                "warmup_steps": 0,
+                "schedule": "constant",
+            },
+        }
+    )
+
+
+def test_fine_tuning_from_an_import_starts_at_its_loss_and_lowers_it(imported, tmp_path):
+    from laplace.data.sampler import sample_batch
+    from laplace.data.shards import open_split, read_manifest
+    from laplace.data.tokenize import tokenize_corpus
+    from laplace.errors import ConfigError
+    from laplace.training.loop import check_init_tokenizer, cross_entropy, run_fingerprint, train
+
+    cfg = _finetune_config(imported, imported / "tokenizer.json")
+    data = tmp_path / "tokenized"
+    tokenize_corpus(cfg.data, cfg.tokenizer, data, cfg.seed)
+    assert read_manifest(data)["eos_id"] == 2  # documents end with the model's own </s>
+    result = train(cfg, data, tmp_path / "run", progress=False)
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    model = load_export(imported)[0]
+    x, y = sample_batch(open_split(data, "train"), 0, 4, 32, cfg.seed, 0, 1)
+    with torch.no_grad():
+        expected = cross_entropy(model(x), y).item()
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    assert losses[-1] < losses[0] - 0.1
+    # the init's weights are part of the run's identity (so a checkpoint of another init never resumes)
+    manifest = read_manifest(data)
+    random_init = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init=""))
+    assert run_fingerprint(cfg, cfg.model_config(), manifest) != run_fingerprint(
+        random_init, cfg.model_config(), manifest
+    )
+    # a model.* knob that contradicts the init, and data tokenized with another tokenizer, are refused
+    with pytest.raises(ConfigError, match=r"model\.d_model: 128 disagrees with model\.init"):
+        _finetune_config(imported, imported / "tokenizer.json", d_model=128)
+    with pytest.raises(ConfigError, match=r"model\.init: .* another tokenizer than the tokenized data's"):
+        check_init_tokenizer(str(imported), {**manifest, "tokenizer_sha256": "0" * 64})
+
+
+def test_import_and_hf_export_command_lines(fla_dir, tmp_path, capsys):
+    assert cli.main(["import", str(fla_dir), "--out", str(tmp_path / "imp"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == sum(
+        t.numel() for t in load_file(str(fla_dir / "model.safetensors")).values()
+    )
+    assert cli.main(["export", "--format", "hf", "--model", str(tmp_path / "imp"), "--out", str(tmp_path / "hf")]) == 0
+    assert "HF / fla layout" in capsys.readouterr().out
+    for name in ("config.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        assert (tmp_path / "hf" / name).is_file()
+    assert read_json(tmp_path / "hf" / "generation_config.json")["eos_token_id"] == 2
+    # an export that fla cannot express: one line, exit 2, nothing written
+    original, _ = _laplace_export(tmp_path / "lr", gate_low_rank_dim=8)
+    assert cli.main(["export", "--format", "hf", "--model", str(original), "--out", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "laplace export: error: model.gate_low_rank_dim=8: fla's GLA fixes it at 16, so an HF export cannot carry it"
+    )
+    assert not (tmp_path / "hf2").exists()

@@ -1,0 +1,141 @@
+"""The corpus readers on bad and unusual input: bad records are data (counted, skipped, named by
+file:line), symlinks are followed once, special files are skipped, every JSON-lines spelling is
+read as records, long records come in bounded pieces, large files are read as byte-range parts,
+and an unreachable hub is a crash to retry rather than bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import socket
+
+import pytest
+
+from laplace.config import DataSection, TokenizerSection
+from laplace.data.readers import (
+    HubUnreachable,
+    SliceStats,
+    _raise_if_network,
+    corpus_units,
+    iter_documents,
+    record_pieces,
+    slice_documents,
+    unit_fingerprint,
+)
+from laplace.data.tokenize import tokenize_corpus
+from laplace.data.tokenizer import train_tokenizer
+from laplace.errors import DataError, Failure
+
+TEXT = "The quick brown fox jumps over the lazy dog, again and again, in a sentence long enough. "
+
+
+def files(path, **kw) -> DataSection:
+    return DataSection(source="files", path=str(path), min_chars=10, **kw)
+
+
+def test_lone_surrogate_is_counted_and_skipped_with_its_file_and_line(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    lines = [json.dumps({"text": TEXT * (i + 1)}) for i in range(40)]
+    lines[6] = '{"text": "broken \\ud800 surrogate ' + TEXT + '"}'  # valid JSON, not valid Unicode text
+    (corpus / "a.jsonl").write_text("\n".join(lines) + "\n")
+    tok = tmp_path / "tok.json"
+    train_tokenizer([TEXT * 3], 300, 1).save(str(tok))
+    out = tmp_path / "out"
+    data = files(corpus, num_proc=1, slices=2, val_fraction=0.3)
+    metrics = tokenize_corpus(data, TokenizerSection(path=str(tok)), out, 0)
+    assert metrics["skipped_undecodable"] == 1
+    assert metrics["documents_train"] + metrics["documents_val"] == 39
+    bad = json.loads((out / "manifest.json").read_text())["bad_input"]
+    assert bad == [f"{corpus / 'a.jsonl'}:7: not valid Unicode text (a lone surrogate such as \\ud800)"]
+    with pytest.raises(DataError, match=r"a\.jsonl:7: not valid Unicode"):
+        list(iter_documents(files(corpus, on_bad_file="error")))
+
+
+def test_a_symlink_loop_is_an_error_naming_it_and_links_are_followed_once(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "sub" / "a.txt").write_text(TEXT)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "b.txt").write_text(TEXT + "b")
+    (corpus / "linked").symlink_to(outside)  # a link to a directory elsewhere: followed once
+    assert [u.name for u in corpus_units(files(corpus))] == ["linked/b.txt", "sub/a.txt"]
+    (corpus / "sub" / "loop").symlink_to(corpus)
+    with pytest.raises(DataError, match=r"sub/loop is a symlink loop"):
+        corpus_units(files(corpus))
+
+
+def test_a_fifo_is_skipped_with_a_warning_instead_of_blocking(tmp_path, caplog):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(TEXT)
+    os.mkfifo(corpus / "pipe.jsonl")
+    with caplog.at_level(logging.WARNING):
+        units = corpus_units(files(corpus))
+    assert [u.name for u in units] == ["a.txt"]
+    assert "pipe.jsonl: not a regular file" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["a.ndjson", "a.jsonl.gz", "a.ndjson.gz"])
+def test_ndjson_and_gzipped_json_lines_are_read_as_records(tmp_path, name):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    raw = "".join(json.dumps({"text": f"{i} {TEXT}"}) + "\n" for i in range(200)).encode()
+    (corpus / name).write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+    docs = list(iter_documents(files(corpus)))
+    assert docs == [f"{i} {TEXT}" for i in range(200)]
+
+
+def test_gzipped_json_lines_under_a_local_hub_dataset(tmp_path, monkeypatch):
+    corpus = tmp_path / "hubdir"
+    corpus.mkdir()
+    raw = "".join(json.dumps({"text": f"{i} {TEXT}"}) + "\n" for i in range(50)).encode()
+    (corpus / "train.jsonl.gz").write_bytes(gzip.compress(raw))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    data = DataSection(source="hub", hub_path=str(corpus), hub_name="", min_chars=10, slices=1)
+    assert sorted(iter_documents(data)) == sorted(f"{i} {TEXT}" for i in range(50))
+
+
+def test_a_long_record_comes_in_bounded_pieces_cut_at_paragraphs_and_spaces():
+    text = ("para " * 300 + "\n\n") * 50 + "x" * 5000
+    pieces = list(record_pieces(text, 1000))
+    assert "".join(pieces) == text  # nothing lost or added
+    assert max(map(len, pieces)) <= 1000
+    assert sum(p.endswith(" ") or p.endswith("\n") for p in pieces[:-6]) == len(pieces) - 6  # cut at safe points
+
+
+def test_a_large_file_is_read_as_byte_range_parts_with_every_line_once(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    records = [f"{i} " + TEXT * (1 + i % 7) for i in range(3000)]
+    (corpus / "big.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    data = files(corpus, split_bytes=50_000, slices=8)
+    units = corpus_units(data)
+    assert len(units) == 8 and all(u.parts == 8 for u in units)
+    from laplace.data.readers import plan_slices
+
+    assert all(len(s) == 1 for s in plan_slices(units, 8))  # consecutive slices: one part each
+    seen = [d for u in units for d in slice_documents([u], {}, data, 0, SliceStats())]
+    assert seen == records  # each line in exactly one part, in order
+    assert len({unit_fingerprint(u, data)[0] for u in units}) == 8  # each part fingerprints its own bytes
+
+
+def test_an_unreachable_hub_is_a_retryable_failure_not_bad_input():
+    import httpx
+
+    with socket.socket() as s:  # a port with no server: connection refused, a real transport error
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+    except httpx.TransportError as exc:
+        try:
+            raise RuntimeError("Couldn't reach the dataset") from exc
+        except RuntimeError as wrapped:
+            with pytest.raises(HubUnreachable, match="the hub is unreachable") as caught:
+                _raise_if_network(wrapped, "could not load 'x'")
+    assert isinstance(caught.value, Failure) and not isinstance(caught.value, DataError)
+    _raise_if_network(FileNotFoundError("Dataset 'x' doesn't exist on the Hub"), "could not load 'x'")  # bad input
