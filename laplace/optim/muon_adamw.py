@@ -49,7 +49,10 @@ class MuonAdamW:
             groups, lr=adamw_lr, betas=tuple(adamw.betas), eps=adamw.eps, foreach=not fused, fused=fused or None
         )
         self.optimizers = [self.muon, self.adamw]
-        self.params = [p for members in self.routes.values() for _, p in members]
+        # in the model's order, as clip_grad_norm_(model.parameters()): the norm's summation order, so
+        # runs (and the probes' thresholds) keep the same rounding as before the optimizers merged
+        routed = {id(p) for members in self.routes.values() for _, p in members}
+        self.params = [p for p in model.parameters() if id(p) in routed]
 
     @property
     def meter(self) -> TrafficMeter:
