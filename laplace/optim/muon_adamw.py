@@ -49,10 +49,7 @@ class MuonAdamW:
             groups, lr=adamw_lr, betas=tuple(adamw.betas), eps=adamw.eps, foreach=not fused, fused=fused or None
         )
         self.optimizers = [self.muon, self.adamw]
-        # in the model's order, as clip_grad_norm_(model.parameters()): the norm's summation order, so
-        # runs (and the probes' thresholds) keep the same rounding as before the optimizers merged
-        routed = {id(p) for members in self.routes.values() for _, p in members}
-        self.params = [p for p in model.parameters() if id(p) in routed]
+        self.params = [p for members in self.routes.values() for _, p in members]
 
     @property
     def meter(self) -> TrafficMeter:
