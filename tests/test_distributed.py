@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from laplace.config import AdamWSection, config_from_dict
 from laplace.model.lm import LaplaceLM
 from laplace.optim.exchange import muon_traffic
-from laplace.optim.muon import route_parameters
+from laplace.optim.muon import muon_hyperparameters, route_parameters
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
 from laplace.pipeline.stage_train import run_training
@@ -78,17 +78,7 @@ def single_process(clip: float) -> dict:
     model = LaplaceLM(model_config())
     routes = route_parameters(model)
     adamw = AdamWSection()
-    muon = torch.optim.Muon(
-        [p for _, p in routes["muon"]],
-        lr=MUON.lr,
-        weight_decay=MUON.weight_decay,
-        momentum=MUON.momentum,
-        nesterov=MUON.nesterov,
-        ns_coefficients=tuple(MUON.ns_coefficients),
-        eps=MUON.eps,
-        ns_steps=MUON.ns_steps,
-        adjust_lr_fn=MUON.adjust_lr_fn,
-    )
+    muon = torch.optim.Muon([p for _, p in routes["muon"]], **muon_hyperparameters(MUON))
     other = torch.optim.AdamW(
         [
             {"params": [p for _, p in routes["adamw_decay"]], "weight_decay": adamw.weight_decay},
