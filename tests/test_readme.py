@@ -51,6 +51,9 @@ RUN_ELSEWHERE = {
     "laplace probes": ("test_pipeline_dvc.py", ['"repro"']),
     "laplace track": ("test_tracking.py", ['"track"']),
     "laplace run": ("test_pipeline_frame.py", ['"laplace", "run"']),
+    "laplace import": ("test_hf.py", ['"import"', '"--out"']),
+    "laplace export --format hf": ("test_hf.py", ['"export", "--format", "hf"']),
+    "laplace eval": ("test_harness.py", ['"eval"', '"--tasks"']),
 }
 RUN_HERE = ("laplace info", "laplace generate", "laplace summary")
 SHELL_SETUP = ("source .venv/bin/activate",)  # not a project command
