@@ -84,6 +84,21 @@ def test_the_library_never_imports_the_pipeline():
     assert offenders == [], "library modules import laplace.pipeline:\n" + "\n".join(offenders)
 
 
+def test_no_script_folder_shadows_the_standard_library():
+    """flows/ and bench/ lead sys.path when their files run as scripts (python flows/pipeline.py, as
+    the Prefect tests do): a file named like a standard module (tokenize.py) is imported in its place
+    by the standard library itself, and prefect then fails on a circular import."""
+    import sys
+
+    clashes = [
+        str(p.relative_to(ROOT))
+        for folder in ("flows", "bench", "tests")
+        for p in (ROOT / folder).glob("*.py")
+        if p.stem in sys.stdlib_module_names
+    ]
+    assert clashes == []
+
+
 def test_prefect_lives_in_flows_and_mlflow_in_the_tracking_modules():
     allowed = {"mlflow": {"pipeline/tracking.py", "pipeline/mlflow_model.py"}, "prefect": set()}
     offenders = []

@@ -4,6 +4,7 @@ columns), offline plots, push/pull, and the MLflow runs with their registered py
 champion rule and the figures labelled with the run that measured them."""
 
 import json
+import re
 import shutil
 from datetime import datetime
 
@@ -321,7 +322,8 @@ def next_commands(summary_text: str) -> list[str]:
     lines = summary_text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("next "))
     block = [lines[start][len("next") :]] + [line for line in lines[start + 1 :] if line.startswith(" " * 12)]
-    return [line.strip() for line in block if line.strip() and not line.strip().startswith("#")]
+    commands = [line.strip() for line in block if line.strip() and not line.strip().startswith("#")]
+    return [re.sub(r"\s{2,}#.*$", "", c) for c in commands]  # a command's trailing note cut (bash ignores it)
 
 
 def in_session(sid: int) -> list[int]:

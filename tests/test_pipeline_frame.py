@@ -3,6 +3,7 @@ before any stage runs; params overrides keep the file's comments; retries skip b
 
 import difflib
 import json
+import re
 
 import pytest
 import yaml
@@ -121,7 +122,9 @@ def test_bad_params_stop_dvc_repro_and_laplace_run_before_any_work(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "laplace run: error: unknown key 'train.lrr' (did you mean 'lr'?)"
     params = repo / "params.yaml"
-    params.write_text(params.read_text().replace("  steps: 6\n", "  steps: many\n", 1))
+    text, bad = params.read_text(), re.compile(r"^  steps: 6\b", re.M)  # the line keeps its comment
+    assert bad.search(text), "train.steps is not 6 in the copied params.yaml"
+    params.write_text(bad.sub("  steps: many", text, count=1))
     out = run(["python", "-m", "dvc", "repro"], repo, check=False)
     assert out.returncode != 0
     assert "train.steps: expected an integer, got str 'many'" in out.stdout + out.stderr
@@ -173,7 +176,7 @@ def test_the_headline_view_puts_the_figures_and_the_varied_params_first():
 KNOB_READERS = {
     "engine.max_slots": {"warmup", "serve-check", "numerics", "probes", "track"},
     "server.port": {"track"},  # only `laplace serve` and the log of the run read the address
-    "server.threads": {"serve-check", "track"},
+    "server.threads": {"warmup", "serve-check", "track"},  # in Inductor's cache key: warmup compiles with it
     "serve_check.rate": {"serve-check", "track"},
     "model.norm_eps": {"warmup", "train", "track"},
     "model.kernel": {"warmup", "train", "serve-check", "probes", "track"},

@@ -57,7 +57,8 @@ except InputError as exc:
     print(f"laplace tokenize: error: {exc}", file=sys.stderr); sys.exit(2)
 except Failure as exc:
     print(f"laplace tokenize: error: {exc}", file=sys.stderr); sys.exit(1)
-metrics["self_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# VmHWM: this process image's peak RSS (ru_maxrss survives exec: a child of a big pytest reads pytest's)
+metrics["self_kb"] = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
 metrics["torch_imported"] = "torch" in sys.modules
 print(json.dumps(metrics))
 """

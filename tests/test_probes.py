@@ -218,7 +218,7 @@ def test_chunked_prefill_equals_one_prefill_of_the_whole_prompt():
 class CharTokenizer:
     """Stand-in for a tokenizers.Tokenizer: one id per character."""
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):  # no specials: nothing to add
         return SimpleNamespace(ids=[ord(c) % 128 for c in text])
 
     def decode(self, ids):

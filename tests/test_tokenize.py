@@ -58,7 +58,8 @@ corpus, tok, out, shard_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.
 data = DataSection(source="files", path=corpus, num_proc=2, slices=4, shard_tokens=shard_tokens)
 tok = TokenizerSection(path=tok) if tok else TokenizerSection(vocab_size=512, sample_bytes=1_000_000)
 metrics = tokenize_corpus(data, tok, out, seed=0)
-print(json.dumps({"self_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+# VmHWM: this process image's peak RSS (ru_maxrss survives exec: a child of a big pytest reads pytest's)
+print(json.dumps({"self_kb": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]),
                   "workers_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
                   "tokens": metrics["tokens_train"] + metrics["tokens_val"],
                   "shards_resumed": metrics["shards_resumed"]}))
@@ -246,14 +247,14 @@ def test_sigterm_handler_is_not_left_installed():
 
 
 def test_dask_fan_out_gives_the_local_runs_shards_byte_for_byte(tmp_path, monkeypatch):
-    """flows/tokenize.py: the slices on a real Dask cluster (two worker processes on loopback) as
+    """flows/tokenize_slices.py: the slices on a real Dask cluster (two worker processes on loopback) as
     Prefect tasks; the shards are byte-identical to the local pool's, and the manifest is written
     by the final merge in the flow's process."""
     from distributed import Client, LocalCluster, get_task_stream
     from prefect.testing.utilities import prefect_test_harness
     from prefect_dask import DaskTaskRunner
 
-    from flows.tokenize import tokenize
+    from flows.tokenize_slices import tokenize
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the Dask workers inherit it
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")

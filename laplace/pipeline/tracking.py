@@ -74,11 +74,13 @@ log = logging.getLogger(__name__)
 
 
 def recall_tags(probes: dict) -> dict[str, str]:
-    """The recall suite's plain verdicts as run tags: `recall` overall, `recall.<context>` per length."""
-    out = {f"recall.{ctx}": verdict for ctx, verdict in (probes.get("recall_verdict") or {}).items()}
-    if probes.get("recall_summary"):
-        out["recall"] = probes["recall_summary"]
-    return out
+    """The recall suite's plain verdict as one run tag, `recall`: overall, then per length (one tag,
+    not one a length: the run keeps few tags for a person to read)."""
+    by_length = probes.get("recall_verdict") or {}
+    if not probes.get("recall_summary"):
+        return {}
+    per_length = "; ".join(f"{ctx}: {v}" for ctx, v in sorted(by_length.items(), key=lambda kv: int(kv[0])))
+    return {"recall": probes["recall_summary"] + (f" ({per_length})" if per_length else "")}
 
 
 def current_champion(client, model_name: str) -> dict | None:

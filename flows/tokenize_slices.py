@@ -1,5 +1,6 @@
 """The tokenize stage with its slices fanned out over a Prefect task runner: a Dask cluster
-(prefect-dask), one Prefect task per slice.
+(prefect-dask), one Prefect task per slice. (Not named tokenize.py: run as a script, flows/ leads
+sys.path and that name would shadow the standard library's tokenize.)
 
 The stage plans and trains the tokenizer here, then maps `encode_slice` over the slices as
 tasks on the runner (each slice an independent, resumable job that writes its own result record
@@ -8,8 +9,8 @@ records into the manifest here. Every Dask worker must see the project directory
 or a shared filesystem). The output is byte-identical to the local pool's (`laplace tokenize`,
 the default), which DVC runs; this flow is for corpora that want more than one machine.
 
-    python flows/tokenize.py --scheduler tcp://HOST:8786   # an existing Dask cluster
-    python flows/tokenize.py --workers 4                   # a LocalCluster on this machine
+    python flows/tokenize_slices.py --scheduler tcp://HOST:8786   # an existing Dask cluster
+    python flows/tokenize_slices.py --workers 4                   # a LocalCluster on this machine
 """
 
 from __future__ import annotations
