@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import ctypes
 import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from laplace import processes
 from laplace.errors import Failure
 
 
@@ -36,11 +35,7 @@ def die_with_parent(parent: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it kills us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before prctl
-        os._exit(1)
+    processes.die_with_parent(signal.SIGKILL, expected_parent=parent)
 
 
 @contextlib.contextmanager

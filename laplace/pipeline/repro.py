@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from laplace.processes import child_dies_with_us
+
 _DVC_CHILD_EXIT = re.compile(r"exited with (\d+)")
 
 
@@ -63,7 +65,11 @@ def dvc_command(*args: str) -> list[str]:
 
 def run_streaming(cmd: list[str], cwd: Path, env: dict[str, str], on_line: Callable[[str], None]) -> tuple[int, str]:
     """Run `cmd`, passing each output line (split on \\n and \\r) to `on_line`. Returns (status, tail)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # SIGTERM to the child (dvc repro, a stage worker, torchrun's agent) when this process dies, even
+    # by SIGKILL (a Prefect flow run killed, `laplace run` killed): nothing runs on unowned
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=child_dies_with_us()
+    )
     tail: list[str] = []
     buf = b""
     assert proc.stdout is not None

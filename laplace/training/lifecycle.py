@@ -25,11 +25,9 @@ registry imports this module).
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from laplace.errors import Failure, InputError
+from laplace.processes import die_with_parent
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +45,6 @@ AGENT_PID_ENV = "LAPLACE_AGENT_PID"  # set by laplace.training.launch for its ra
 LAUNCHER_PID_ENV = "LAPLACE_LAUNCHER_PID"  # set by `laplace train` for the agent
 AGENT_GRACE_S = 30  # torchrun's agent: SIGTERM to the ranks, then SIGKILL after this long
 SAVE_MARGIN_S = 5  # a checkpoint is attempted only if the last one took this much less than the grace left
-PR_SET_PDEATHSIG = 1
 
 
 class ProjectBusy(InputError):
@@ -57,17 +55,6 @@ class TrainingStopped(Failure):
     """Stopped by SIGTERM at a step boundary (exit status 143, as a process killed by SIGTERM)."""
 
     exit_status = 128 + signal.SIGTERM
-
-
-def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:
-    """Ask the kernel to send `sig` to this process when its parent dies. If the parent is
-    already gone (it died before the call), exit at once."""
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, int(sig))
-    if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(128 + int(sig))
 
 
 def die_with_agent() -> None:

@@ -1,0 +1,33 @@
+"""Processes that die with their parent: Linux's prctl(PR_SET_PDEATHSIG), the one mechanism that
+holds when the parent is SIGKILLed (no handler of the parent's runs then). Used by the tokenize
+workers, torchrun's agent and ranks, and every child the pipeline starts (dvc repro, stage workers)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies. If the parent is
+    already gone (it died before the call: we were re-parented), exit at once."""
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(128 + int(sig))
+
+
+def child_dies_with_us(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A subprocess preexec_fn: the child gets `sig` when this process dies. libc is loaded here, in
+    the parent, so the child (between fork and exec, where other threads' locks may be held) makes
+    only the one system call. None off Linux."""
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(PR_SET_PDEATHSIG, int(sig))
