@@ -382,15 +382,18 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
         "MLFLOW_PORT": str(mlflow_port),
         "OMP_NUM_THREADS": "1",
     }
-    shell = subprocess.Popen(
-        ["bash", "--noprofile", "--norc", "-c", script],
-        cwd=tmp_path,
-        env=fresh,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    # output to a file, not a pipe: a server that outlives `kill $(jobs -p)` (a Prefect worker whose
+    # server is already gone takes a while to stop) would hold a pipe open and stall the read
+    log = tmp_path / "shell.log"
+    with log.open("w") as out:  # the child has its own copy of the descriptor
+        shell = subprocess.Popen(
+            ["bash", "--noprofile", "--norc", "-c", script],
+            cwd=tmp_path,
+            env=fresh,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     ui_answered = threading.Event()
 
     def watch_ui():  # the MLflow UI, while the shell goes on to Prefect (bounded by the shell's run)
@@ -405,7 +408,7 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     watcher = threading.Thread(target=watch_ui)
     watcher.start()
     try:
-        output, _ = shell.communicate(timeout=1200)
+        shell.wait(timeout=1200)
     finally:
         # whatever `kill $(jobs -p)` left (a server's workers): everything in the shell's session
         for pid in in_session(shell.pid) + descendants(shell.pid):
@@ -416,6 +419,7 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
         shell.kill()
         shell.wait(timeout=30)
         watcher.join(timeout=30)
+    output = log.read_text()
     assert shell.returncode == 0, output[-5000:]
     assert "eval_loss" in output and "Completed" in output, output[-5000:]  # metrics diff; the flow run
     assert ui_answered.is_set(), "make mlflow-ui never answered"
