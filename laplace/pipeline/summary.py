@@ -124,7 +124,8 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
             )
         if pr.get("recall_summary"):
             per_length = "; ".join(
-                f"{c}: {v}" for c, v in sorted(pr["recall_verdict"].items(), key=lambda kv: int(kv[0]))
+                f"{c}: {v.removeprefix('recall: ')}"  # the line already starts with "recall:"
+                for c, v in sorted(pr["recall_verdict"].items(), key=lambda kv: int(kv[0]))
             )
             lines.append(f"{pr['recall_summary']} ({per_length})")
         lines.append(
