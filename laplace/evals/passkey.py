@@ -36,6 +36,12 @@ PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = " What is the pass key? The pass key is"
 
 
+def haystack_filler(haystack, n: int, rng: np.random.Generator) -> list[int]:
+    """n filler ids from a random offset of the haystack, repeated when it is shorter than n."""
+    start = int(rng.integers(0, max(1, len(haystack) - n)))
+    return np.resize(np.asarray(haystack[start : start + n], dtype=np.int64), n).tolist()
+
+
 def passkey_prompt(
     tokenizer,
     haystack: np.ndarray,
@@ -58,8 +64,7 @@ def passkey_prompt(
             f"probes.passkey_contexts: passkey context {context} is shorter than the needle and question "
             f"({len(needle) + len(question)} tokens)"
         )
-    start = int(rng.integers(0, max(1, len(haystack) - filler_len)))
-    filler = np.resize(np.asarray(haystack[start : start + filler_len], dtype=np.int64), filler_len).tolist()
+    filler = haystack_filler(haystack, filler_len, rng)
     at = int(round(depth * filler_len))
     return head + filler[:at] + needle + filler[at:] + question
 

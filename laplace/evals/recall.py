@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from laplace.errors import ConfigError
+from laplace.evals.passkey import haystack_filler
 from laplace.serving.engine import DecodeEngine
 
 KEYS = ["apple", "river", "copper", "violet", "falcon", "marble", "harbor", "lantern", "meadow", "cobalt"]
@@ -66,8 +67,7 @@ def niah_prompt(
             f"probes.recall_contexts: {task} context {context} is shorter than its needles and question "
             f"({context - filler_len} tokens)"
         )
-    start = int(rng.integers(0, max(1, len(haystack) - filler_len)))
-    filler = np.resize(np.asarray(haystack[start : start + filler_len], dtype=np.int64), filler_len).tolist()
+    filler = haystack_filler(haystack, filler_len, rng)
     cuts = sorted(int(c) for c in rng.integers(0, filler_len + 1, size=len(pieces)))
     prompt, last = list(head), 0
     for cut, piece in zip(cuts, pieces):
