@@ -45,7 +45,7 @@ def test_lone_surrogate_is_counted_and_skipped_with_its_file_and_line(tmp_path):
     train_tokenizer([TEXT * 3], 300, 1).save(str(tok))
     out = tmp_path / "out"
     data = files(corpus, num_proc=1, slices=2, val_fraction=0.3)
-    metrics = tokenize_corpus(data, TokenizerSection(path=str(tok)), out, 0)
+    metrics = tokenize_corpus(data, TokenizerSection(from_=str(tok)), out, 0)
     assert metrics["skipped_undecodable"] == 1
     assert metrics["documents_train"] + metrics["documents_val"] == 39
     bad = json.loads((out / "manifest.json").read_text())["bad_input"]
@@ -97,6 +97,24 @@ def test_gzipped_json_lines_under_a_local_hub_dataset(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     data = DataSection(source="hub", hub_path=str(corpus), hub_name="", min_chars=10, slices=1)
     assert sorted(iter_documents(data)) == sorted(f"{i} {TEXT}" for i in range(50))
+
+
+def test_ndjson_and_gzipped_json_lines_under_a_local_hub_dataset_match_the_files_source(tmp_path, monkeypatch):
+    # `datasets` picks its builder by extension: .ndjson and .jsonl.gz must both go to the json one
+    corpus = tmp_path / "hubdir"
+    corpus.mkdir()
+    ndjson = [{"text": f"nd {i} {TEXT}"} for i in range(30)] + [{"text": "é " + TEXT}, {"text": ""}]
+    gzipped = [{"text": f"gz {i} {TEXT * (1 + i % 3)}"} for i in range(20)] + [{"text": "short"}]
+    (corpus / "a.ndjson").write_text("".join(json.dumps(r) + "\n" for r in ndjson))
+    (corpus / "b.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in gzipped).encode()))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from_files = list(iter_documents(files(corpus, slices=2)))
+    hub = DataSection(source="hub", hub_path=str(corpus), min_chars=10, slices=2)  # default hub_name kept
+    assert len(corpus_units(hub)) == 2  # one datasets shard per file
+    from_hub = list(iter_documents(hub))
+    assert len(from_files) == len(from_hub) == 51  # the empty and the short record skipped by both
+    assert sorted(from_hub) == sorted(from_files)
+    assert sum(d.startswith("nd ") for d in from_hub) == 30 and sum(d.startswith("gz ") for d in from_hub) == 20
 
 
 def test_a_long_record_comes_in_bounded_pieces_cut_at_paragraphs_and_spaces():
