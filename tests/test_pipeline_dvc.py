@@ -215,6 +215,21 @@ def test_second_repro_is_a_no_op(repo, first_run):
     assert len(client(repo).search_runs([client(repo).get_experiment_by_name("laplace").experiment_id])) == 1
 
 
+def test_bytecode_beside_the_code_deps_reruns_nothing(repo, first_run):
+    """A process that imports a module no stage loaded (a server, a Prefect worker) writes its .pyc
+    into a code dep: .dvcignore keeps that from invalidating the stages (it once did, for warmup)."""
+    stray = repo / "laplace" / "serving" / "__pycache__" / "never_imported_by_a_stage.cpython-311.pyc"
+    made = not stray.parent.exists()
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"not source")
+    try:
+        assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
+    finally:
+        stray.unlink()
+        if made:
+            stray.parent.rmdir()
+
+
 def test_params_change_reruns_only_downstream_and_experiments_compare(repo, first_run):
     commit_all(repo, "baseline pipeline run")
     # a lower learning rate, trained by 2 ranks under torchrun (sharded Muon)
