@@ -89,7 +89,7 @@ def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: i
         "    from laplace.data.tokenize import tokenize_corpus\n"
         "    data = DataSection(source='files', path=str(corpus), num_proc=workers, slices=32,\n"
         "                       shard_tokens=SHARD_TOKENS)\n"
-        "    m = tokenize_corpus(data, TokenizerSection(path=tok), out, seed=0)\n"
+        "    m = tokenize_corpus(data, TokenizerSection(from_=tok), out, seed=0)\n"
         "    tokens = m['tokens_train'] + m['tokens_val']\n"
         "else:\n"
         "    tokens = nanogpt_style(corpus, tok, out, workers)\n"

@@ -49,11 +49,22 @@ def _power_of_two(v):
     return None if v > 0 and (v & (v - 1)) == 0 else "must be a power of two"
 
 
-def knob(default, check=None, doc: str = ""):
-    """A config field with a default, an optional value check and a docstring."""
+def knob(default, check=None, doc: str = "", key: str | None = None):
+    """A config field with a default, an optional value check and a docstring. `key`: its name in
+    params.yaml where that is not a Python identifier (`tokenizer.from`, a keyword)."""
+    metadata = {"check": check, "doc": doc, "key": key}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "doc": doc})
-    return field(default=default, metadata={"check": check, "doc": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def yaml_key(f: dataclasses.Field) -> str:
+    """A field's key in params.yaml (its Python name unless the knob says otherwise)."""
+    return f.metadata.get("key") or f.name
+
+
+# knobs that were renamed: the old key's error names the new one
+RENAMED = {"tokenizer.path": "tokenizer.from"}
 
 
 # --------------------------------------------------------------------------- sections
@@ -154,7 +165,12 @@ class TokenizerSection:
     sample_bytes: int = knob(
         100_000_000, _positive, "the BPE trains on a seeded sample of at most this many bytes of train documents"
     )
-    path: str = knob("", doc="an existing tokenizer.json; empty = train a byte-level BPE")
+    from_: str = knob(
+        "",
+        doc="a given tokenizer: a tokenizer.json, or a directory holding one (a `laplace import` or an export), "
+        "used as is with its BOS/EOS conventions; empty = train a byte-level BPE",
+        key="from",
+    )
 
 
 @dataclass(frozen=True)
@@ -468,7 +484,14 @@ class Config:
         return preset_model_config(preset, **overrides)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as params.yaml lays it out (keys as written there: `tokenizer.from`)."""
+
+        def plain(obj):
+            if dataclasses.is_dataclass(obj):
+                return {yaml_key(f): plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+            return [plain(v) for v in obj] if isinstance(obj, list) else obj
+
+        return plain(self)
 
     def flat(self) -> dict[str, Any]:
         """Every effective knob as `section.key: value` (for tracking)."""
@@ -550,19 +573,21 @@ def _build(cls, raw: Any, prefix: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix or 'params'}: expected a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {yaml_key(f): f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
             where = f"{prefix}.{key}" if prefix else str(key)
+            if where in RENAMED:
+                raise ConfigError(f"'{where}' is now '{RENAMED[where]}': rename the key (same value)")
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown key '{where}'{hint}")
     values = {}
     for name, f in fields.items():
         key = f"{prefix}.{name}" if prefix else name
-        tp = hints[name]
+        tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            values[name] = _build(tp, raw.get(name), key)
+            values[f.name] = _build(tp, raw.get(name), key)
             continue
         if name not in raw:
             continue
@@ -572,7 +597,7 @@ def _build(cls, raw: Any, prefix: str):
             why = check(value)
             if why:
                 raise ConfigError(f"{key}: {why}, got {value!r}")
-        values[name] = value
+        values[f.name] = value
     return cls(**values)
 
 
@@ -611,7 +636,7 @@ def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:
     """(key, value) of every knob naming a file or directory to read. data.hub_path is a hub
     id or a local directory; hub ids never contain a '..' component, so the check is safe for both."""
     return [("data.path", cfg.data.path)] + [
-        ("tokenizer.path", cfg.tokenizer.path),
+        ("tokenizer.from", cfg.tokenizer.from_),
         ("model.init", cfg.model.init),
         ("data.hub_path", cfg.data.hub_path),
     ]
@@ -665,7 +690,7 @@ def knob_docs(cls: type = None, prefix: str = "") -> dict[str, str]:
     cls = cls or Config
     out: dict[str, str] = {}
     for f in dataclasses.fields(cls):
-        key = f"{prefix}.{f.name}" if prefix else f.name
+        key = f"{prefix}.{yaml_key(f)}" if prefix else yaml_key(f)
         tp = typing.get_type_hints(cls)[f.name]
         if dataclasses.is_dataclass(tp):
             first = (tp.__doc__ or "").strip().split("\n\n")[0]

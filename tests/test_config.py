@@ -62,6 +62,7 @@ def test_the_model_section_is_every_modelconfig_field():
         ("model.sub_chunk_size=48", "model.sub_chunk_size: 48 does not divide chunk_size=64"),
         ("data.val_fraction=1.5", "data.val_fraction: must be in [0, 1), got 1.5"),
         ("tokenizer.vocab_size=100", "tokenizer.vocab_size: must be >= 260"),
+        ("tokenizer.path=t.json", "'tokenizer.path' is now 'tokenizer.from': rename the key (same value)"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -77,6 +78,14 @@ def test_overrides_apply_and_resolve_the_model():
     m = cfg.model_config()
     assert (m.d_model, m.n_layers, m.vocab_size) == (768, 2, cfg.tokenizer.vocab_size)
     assert parse_override("generate.prompt=hello world") == (["generate", "prompt"], "hello world")
+
+
+def test_a_knob_named_by_a_keyword_reads_and_writes_under_its_yaml_key(tmp_path):
+    """`tokenizer.from` (a Python keyword: the field is from_) is `from` everywhere a user sees it."""
+    cfg = load_config(ROOT / "params.yaml", ["tokenizer.from=models/gla"])
+    assert cfg.tokenizer.from_ == "models/gla" and cfg.flat()["tokenizer.from"] == "models/gla"
+    assert cfg.to_dict()["tokenizer"]["from"] == "models/gla" and "from_" not in cfg.to_dict()["tokenizer"]
+    assert load_config(ROOT / "params.yaml").to_dict()["tokenizer"]["from"] == ""
 
 
 def test_digest_changes_with_any_knob():

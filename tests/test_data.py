@@ -388,7 +388,7 @@ def test_max_tokens_stops_at_a_document_boundary_in_each_slice(tmp_path):
     data = files(root, val_fraction=0.1, slices=1)
     full, capped = tmp_path / "full", tmp_path / "capped"
     tokenize_corpus(data, SMALL_TOKENIZER, full, seed=0)
-    tok = TokenizerSection(path=str(full / "tokenizer.json"))
+    tok = TokenizerSection(from_=str(full / "tokenizer.json"))
     metrics = tokenize_corpus(dataclasses.replace(data, max_tokens=500), tok, capped, seed=0)
     manifest, full_manifest = read_manifest(capped), read_manifest(full)
     train = np.asarray(open_split(capped, "train", verify=True))
@@ -422,7 +422,7 @@ def test_reuses_given_tokenizer(tmp_path, python_docs_shards):
     shards, _ = python_docs_shards
     root = write_txt_corpus(tmp_path / "corpus", distinct_documents(10))
     out = tmp_path / "out"
-    tok_cfg = TokenizerSection(path=str(shards / "tokenizer.json"), vocab_size=999999)
+    tok_cfg = TokenizerSection(from_=str(shards / "tokenizer.json"), vocab_size=999999)
     tokenize_corpus(files(root, val_fraction=0.3), tok_cfg, out, seed=0)
     assert (out / "tokenizer.json").read_bytes() == (shards / "tokenizer.json").read_bytes()
     assert read_manifest(out)["vocab_size"] == 1024
@@ -474,7 +474,7 @@ def test_rerun_reuses_unchanged_slices_and_a_failure_keeps_the_last_good_output(
     tok = tmp_path / "tok"
     tokenize_corpus(files(root, val_fraction=0.2), SMALL_TOKENIZER, tok, seed=0)
     data = files(root, val_fraction=0.2, slices=8)
-    tok_cfg = TokenizerSection(path=str(tok / "tokenizer.json"))  # a fixed tokenizer: shards can stay
+    tok_cfg = TokenizerSection(from_=str(tok / "tokenizer.json"))  # a fixed tokenizer: shards can stay
     out = tmp_path / "out"
     tokenize_corpus(data, tok_cfg, out, seed=0)
     inodes = {p.relative_to(out): p.stat().st_ino for p in out.rglob("tokens.bin")}

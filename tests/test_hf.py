@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -262,7 +263,7 @@ def _finetune_config(init: Path, tokenizer: Path, **model):
     return config_from_dict(
         {
             "data": {"max_documents": 120, "num_proc": 1},
-            "tokenizer": {"path": str(tokenizer)},
+            "tokenizer": {"from": str(tokenizer)},
             "model": {"init": str(init), **model},
             "train": {
                 "steps": 8,
@@ -286,10 +287,15 @@ def test_fine_tuning_from_an_import_starts_at_its_loss_and_lowers_it(imported, t
     from laplace.errors import ConfigError
     from laplace.training.loop import check_init_tokenizer, cross_entropy, run_fingerprint, train
 
-    cfg = _finetune_config(imported, imported / "tokenizer.json")
+    cfg = _finetune_config(imported, imported)  # tokenizer.from: the import's directory
     data = tmp_path / "tokenized"
     tokenize_corpus(cfg.data, cfg.tokenizer, data, cfg.seed)
-    assert read_manifest(data)["eos_id"] == 2  # documents end with the model's own </s>
+    # each document as the Llama convention has it: <s> (id 1, the post-processor's) ... </s> (id 2)
+    assert read_manifest(data)["eos_id"] == 2 and read_manifest(data)["document_start_ids"] == [1]
+    stream = open_split(data, "train")[:]
+    ends = np.flatnonzero(stream == 2)
+    assert stream[0] == 1 and len(ends) > 10 and ends[-1] == len(stream) - 1
+    assert (stream[ends[:-1] + 1] == 1).all() and (stream == 1).sum() == len(ends)  # one <s> after each </s>
     result = train(cfg, data, tmp_path / "run", progress=False)
     losses = [h["loss"] for h in result.history if "loss" in h]
     model = load_export(imported)[0]
@@ -316,6 +322,10 @@ def test_import_and_hf_export_command_lines(fla_dir, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["parameters"] == sum(
         t.numel() for t in load_file(str(fla_dir / "model.safetensors")).values()
     )
+    # without --out: models/<the source's name> under --root, the place dvc.yaml tracks for model.init
+    assert cli.main(["import", str(fla_dir), "--root", str(tmp_path)]) == 0
+    assert f"--set model.init={tmp_path / 'models' / fla_dir.name}" in capsys.readouterr().out
+    assert (tmp_path / "models" / fla_dir.name / "model.safetensors").is_file()
     assert cli.main(["export", "--format", "hf", "--model", str(tmp_path / "imp"), "--out", str(tmp_path / "hf")]) == 0
     assert "HF / fla layout" in capsys.readouterr().out
     for name in ("config.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
@@ -329,3 +339,20 @@ def test_import_and_hf_export_command_lines(fla_dir, tmp_path, capsys):
         "laplace export: error: model.gate_low_rank_dim=8: fla's GLA fixes it at 16, so an HF export cannot carry it"
     )
     assert not (tmp_path / "hf2").exists()
+
+
+def test_tokenizer_from_a_directory_without_one_is_one_line(tmp_path):
+    from laplace.config import DataSection, TokenizerSection
+    from laplace.data.tokenize import tokenize_corpus
+    from laplace.errors import DataError
+
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    (tmp_path / "empty-import").mkdir()
+    with pytest.raises(DataError, match=r"^tokenizer\.from: .*empty-import is a directory without a tokenizer\.json$"):
+        tokenize_corpus(
+            DataSection(source="files", path=str(tmp_path / "corpus.txt"), num_proc=1),
+            TokenizerSection(from_=str(tmp_path / "empty-import")),
+            tmp_path / "out",
+            0,
+        )
+    assert not (tmp_path / "out").exists()

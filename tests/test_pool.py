@@ -101,7 +101,7 @@ def test_a_worker_killed_mid_encode_fails_the_stage_in_seconds_naming_the_slice(
     corpus, out = tmp_path / "corpus", tmp_path / "out"
     write_corpus(corpus, 12, files=4)
     data = {"source": "files", "path": str(corpus), "num_proc": 2, "slices": 4, "shard_tokens": 50_000}
-    proc = child({"data": data, "tok": {"path": str(tokenizer_file)}, "out": str(out)})
+    proc = child({"data": data, "tok": {"from_": str(tokenizer_file)}, "out": str(out)})
     staging = staging_dir(out)
     held = wait_for(lambda: {p: j for p, j in tags(staging).items() if "(encode)" in j}, proc)
     pid, job = next(iter(held.items()))
@@ -155,7 +155,7 @@ def test_a_kill_at_each_step_of_the_assembly_leaves_old_or_new_and_the_rerun_suc
     corpus = tmp_path / "corpus"
     write_corpus(corpus, 0.4, files=6)
     data = DataSection(source="files", path=str(corpus), num_proc=1, slices=3, shard_tokens=5_000)
-    tok = TokenizerSection(path=str(tokenizer_file))
+    tok = TokenizerSection(from_=str(tokenizer_file))
     old = tmp_path / "old"
     tokenize_corpus(data, tok, old, 0)
     with open(corpus / "part-00.jsonl", "a") as f:  # one slice changes, the others are reused
@@ -165,7 +165,7 @@ def test_a_kill_at_each_step_of_the_assembly_leaves_old_or_new_and_the_rerun_suc
     assert manifest_of(new) != manifest_of(old)
 
     spec = {"data": {"source": "files", "path": str(corpus), "num_proc": 1, "slices": 3, "shard_tokens": 5_000},
-            "tok": {"path": str(tokenizer_file)}}  # fmt: skip
+            "tok": {"from_": str(tokenizer_file)}}  # fmt: skip
     for step in STEPS:
         out = tmp_path / f"out-{step.replace(' ', '-')}"
         shutil.copytree(old, out)
@@ -203,7 +203,7 @@ def test_a_200_mb_record_is_tokenized_under_a_1_gb_address_space_cap(tmp_path, t
     assert (corpus / "big.jsonl").stat().st_size > 200_000_000
     data = {"source": "files", "path": str(corpus), "num_proc": 1, "slices": 1, "split_bytes": 1 << 40,
             "max_tokens": 2_000_000, "val_fraction": 0.02}  # fmt: skip
-    proc = child({"data": data, "tok": {"path": str(tokenizer_file)}, "out": str(out), "address_space": 1 << 30})
+    proc = child({"data": data, "tok": {"from_": str(tokenizer_file)}, "out": str(out), "address_space": 1 << 30})
     stdout, stderr = proc.communicate(timeout=900)
     assert proc.returncode == 0, stderr[-3000:]
     metrics = json.loads(stdout.strip().splitlines()[-1])
@@ -218,7 +218,7 @@ def test_a_one_file_corpus_keeps_both_workers_busy(tmp_path, tokenizer_file):
     corpus, out = tmp_path / "corpus", tmp_path / "out"
     write_corpus(corpus, 8, files=1)
     data = {"source": "files", "path": str(corpus), "num_proc": 2, "slices": 4, "split_bytes": 1_000_000}
-    proc = child({"data": data, "tok": {"path": str(tokenizer_file)}, "out": str(out)})
+    proc = child({"data": data, "tok": {"from_": str(tokenizer_file)}, "out": str(out)})
     staging = staging_dir(out)
     busy = wait_for(lambda: (t := tags(staging)) and len([j for j in t.values() if "(encode)" in j]) == 2 and t, proc)
     assert len(set(busy.values())) == 2  # two slices of the one file at once
@@ -227,7 +227,7 @@ def test_a_one_file_corpus_keeps_both_workers_busy(tmp_path, tokenizer_file):
     one = json.loads(stdout.strip().splitlines()[-1])
     assert one["slices"] == 4 and one["workers"] == 2
     serial = tmp_path / "serial"  # and byte-identical to one process
-    tokenize_corpus(DataSection(**{**data, "num_proc": 1}), TokenizerSection(path=str(tokenizer_file)), serial, 0)
+    tokenize_corpus(DataSection(**{**data, "num_proc": 1}), TokenizerSection(from_=str(tokenizer_file)), serial, 0)
     for path in serial.rglob("*"):
         if path.is_file():
             assert (out / path.relative_to(serial)).read_bytes() == path.read_bytes(), path

@@ -242,7 +242,7 @@ def test_servers_we_start_bind_to_loopback():
     [
         ({"data.path": "../x.txt"}, "data.path", "../x.txt"),
         ({"data.path": "corpus/../../../etc"}, "data.path", "corpus/../../../etc"),
-        ({"tokenizer.path": "../../etc/passwd"}, "tokenizer.path", "../../etc/passwd"),
+        ({"tokenizer.from": "../../etc/passwd"}, "tokenizer.from", "../../etc/passwd"),
         ({"data.hub_path": "../private-corpus"}, "data.hub_path", "../private-corpus"),
     ],
 )
@@ -276,8 +276,8 @@ def test_escape_is_rejected_before_anything_runs_or_is_written(tmp_path, monkeyp
     assert err[-1].startswith("laplace tokenize: error: data.path: '../../etc/passwd' resolves outside the project")
     assert not (tmp_path / "data").exists() and not (tmp_path / "metrics").exists()
     before = params.read_text()
-    with pytest.raises(ConfigError, match=r"^tokenizer.path: '\.\./t.json' resolves outside"):
-        write_params(params, {"tokenizer.path": "../t.json"})  # laplace run --set / the Prefect flow
+    with pytest.raises(ConfigError, match=r"^tokenizer.from: '\.\./t.json' resolves outside"):
+        write_params(params, {"tokenizer.from": "../t.json"})  # laplace run --set / the Prefect flow
     assert params.read_text() == before
 
 
@@ -296,10 +296,10 @@ def test_absolute_paths_outside_and_relative_paths_inside_are_read(tmp_path, mon
             "data.source": "files",
             "data.max_documents": 0,
             "data.path": str(outside / "far.txt"),
-            "tokenizer.path": str(outside / "tokenizer.json"),
+            "tokenizer.from": str(outside / "tokenizer.json"),
         },
     )
-    assert cfg.data.path == str(outside / "far.txt") and cfg.tokenizer.path == str(outside / "tokenizer.json")
+    assert cfg.data.path == str(outside / "far.txt") and cfg.tokenizer.from_ == str(outside / "tokenizer.json")
     assert list(iter_documents(cfg.data)) == [far]
     inside = load_config(ROOT / "params.yaml", {"data.source": "files", "data.path": "./corpus/../corpus"})
     assert list(iter_documents(inside.data)) == [near]

@@ -56,7 +56,7 @@ from laplace.config import DataSection, TokenizerSection
 from laplace.data.tokenize import tokenize_corpus
 corpus, tok, out, shard_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 data = DataSection(source="files", path=corpus, num_proc=2, slices=4, shard_tokens=shard_tokens)
-tok = TokenizerSection(path=tok) if tok else TokenizerSection(vocab_size=512, sample_bytes=1_000_000)
+tok = TokenizerSection(from_=tok) if tok else TokenizerSection(vocab_size=512, sample_bytes=1_000_000)
 metrics = tokenize_corpus(data, tok, out, seed=0)
 # VmHWM: this process image's peak RSS (ru_maxrss survives exec: a child of a big pytest reads pytest's)
 print(json.dumps({"self_kb": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]),
@@ -111,7 +111,7 @@ def test_killed_tokenize_leaves_no_process_and_resumes_to_identical_shards(tmp_p
     write_corpus(corpus, 6)
     reference = tmp_path / "reference"
     data = DataSection(source="files", path=str(corpus), num_proc=2, slices=4, shard_tokens=20_000)
-    tokenize_corpus(data, TokenizerSection(path=str(tokenizer_file)), reference, seed=0)
+    tokenize_corpus(data, TokenizerSection(from_=str(tokenizer_file)), reference, seed=0)
 
     out = tmp_path / "out"
     staging = staging_dir(out)
@@ -160,7 +160,7 @@ def test_appending_to_the_corpus_reruns_tokenize_and_keeps_unchanged_shards(tmp_
             "data.slices": 4,
             "data.val_fraction": 0.2,
             "data.max_documents": 0,
-            "tokenizer.path": "tokenizer.json",  # fixed, so unchanged slices keep their shards
+            "tokenizer.from": "tokenizer.json",  # fixed, so unchanged slices keep their shards
         },
     )
     raw = repo / "data" / "raw"
@@ -268,10 +268,10 @@ def test_dask_fan_out_gives_the_local_runs_shards_byte_for_byte(tmp_path, monkey
     train_tokenizer(docs[:200], 600, 2).save(str(tok))
     data = {"source": "files", "path": str(corpus), "slices": 4, "shard_tokens": 20_000, "num_proc": 2}
     (tmp_path / "params.yaml").write_text(
-        json.dumps({"seed": 0, "data": data, "tokenizer": {"path": str(tok)}})
+        json.dumps({"seed": 0, "data": data, "tokenizer": {"from": str(tok)}})
     )  # YAML too
     local = tmp_path / "local"
-    expected = tokenize_corpus(DataSection(**data), TokenizerSection(path=str(tok)), local, 0)
+    expected = tokenize_corpus(DataSection(**data), TokenizerSection(from_=str(tok)), local, 0)
 
     with (
         LocalCluster(

@@ -4,7 +4,7 @@ in parallel, resumable.
     survey   each slice (a worker per slice) hashes its input and keeps its share of a seeded
              sample for the tokenizer (the train documents with the smallest keyed hash, at most
              tokenizer.sample_bytes in all)
-    train    the byte-level BPE on that sample (or tokenizer.path), reused when the sample is unchanged
+    train    the byte-level BPE on that sample (or tokenizer.from), reused when the sample is unchanged
     encode   each slice is streamed through the tokenizer into shards of data.shard_tokens tokens,
              <split>/<slice>-<part>/{tokens.bin, manifest.json}; a shard is finished when its
              manifest is written, and records where in the slice it ends
@@ -53,6 +53,8 @@ from laplace.data.tokenizer import (
     EOS_TOKEN,
     TOKENIZER_NAME,
     document_end_id,
+    document_start_ids,
+    given_tokenizer_file,
     load_tokenizer,
     tokenizer_sha256,
     train_reaching,
@@ -100,7 +102,7 @@ class _SurveyJob:
     data: DataSection
     seed: int
     quota: int
-    sample_bytes: int  # 0: no sample needed (tokenizer.path)
+    sample_bytes: int  # 0: no sample needed (tokenizer.from)
     sample_file: str = ""  # where the slice's sample goes, sorted by keyed hash (JSON lines [hash, text])
 
 
@@ -166,6 +168,7 @@ class _EncodeJob:
     quota_tokens: int
     tokenizer_json: str
     eos_id: int
+    start_ids: list[int]  # what each document starts with (the tokenizer's BOS convention)
     dtype: str
     key: str
     staging: str
@@ -230,8 +233,8 @@ def encode_slice(job: _EncodeJob) -> tuple[dict, int]:
         encodings = iter(tokenizer.encode_batch_fast([p for ps in pieces for p in ps], add_special_tokens=False))
         for (split, index, skip, _), parts in zip(batch, pieces):
             done = [next(encodings).ids for _ in parts]
-            count = sum(map(len, done)) + 1
-            ids = np.fromiter((*(i for d in done for i in d), job.eos_id), dtype=dtype, count=count)
+            count = len(job.start_ids) + sum(map(len, done)) + 1
+            ids = np.fromiter((*job.start_ids, *(i for d in done for i in d), job.eos_id), dtype=dtype, count=count)
             writers[split].write(ids, index, skip)
         batch.clear()
 
@@ -328,8 +331,8 @@ def _settings(data: DataSection, tok_cfg: TokenizerSection, seed: int) -> dict:
         "max_tokens": data.max_tokens,
         "slices": data.slices,
         "shard_tokens": data.shard_tokens,
-        "tokenizer": {"path": tok_cfg.path}
-        if tok_cfg.path
+        "tokenizer": {"from": tok_cfg.from_}
+        if tok_cfg.from_
         else {
             "vocab_size": tok_cfg.vocab_size,
             "min_frequency": tok_cfg.min_frequency,
@@ -409,8 +412,8 @@ def _tokenizer_bytes(
     workers: Workers,
 ) -> tuple[bytes, str]:
     """tokenizer.json's bytes and the key of what made it: reused when the key is unchanged."""
-    if tok_cfg.path:
-        source = Path(tok_cfg.path)
+    if tok_cfg.from_:
+        source = given_tokenizer_file(tok_cfg.from_)
         load_tokenizer(source)  # validate before copying
         raw = source.read_bytes()
         return raw, hashlib.sha256(raw).hexdigest()
@@ -510,7 +513,7 @@ def _tokenize(
     workers = max(1, min(data.num_proc, len(busy)))
 
     with process_pool(workers, staging / "workers") as pool:
-        sample_bytes = 0 if tok_cfg.path else tok_cfg.sample_bytes
+        sample_bytes = 0 if tok_cfg.from_ else tok_cfg.sample_bytes
         jobs = [
             _SurveyJob(i, slices[i], data, seed, docs_quota[i], sample_bytes, str(staging / f"samples/{i:05d}.jsonl"))
             for i in busy
@@ -522,8 +525,10 @@ def _tokenize(
         surveys.sort(key=lambda s: s.slice)
         raw_tokenizer, tokenizer_key = _tokenizer_bytes(tok_cfg, surveys, settings, previous, out_dir, staging, pool)
 
-        tokenizer = _tokenizer_from(raw_tokenizer, tok_cfg.path or str(staging / TOKENIZER_NAME))
-        eos_id = document_end_id(tokenizer, tok_cfg.path or None)
+        given = given_tokenizer_file(tok_cfg.from_) if tok_cfg.from_ else None
+        tokenizer = _tokenizer_from(raw_tokenizer, str(given or staging / TOKENIZER_NAME))
+        eos_id = document_end_id(tokenizer, given)
+        start_ids = document_start_ids(tokenizer)
         vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
         tok_sha = tokenizer_sha256(tokenizer)
@@ -542,6 +547,7 @@ def _tokenize(
                     "dtype": dtype.name,
                     "quota": [docs_quota[i], tokens_quota[i]],
                     "units": [(u.name, u.kind, survey.fingerprints[u.name]) for u in slices[i]],
+                    **({"start_ids": start_ids} if start_ids else {}),  # shards from before BOS was kept
                 }
             )
             if (record := _reusable(previous, out_dir, i, key)) is not None:
@@ -551,7 +557,7 @@ def _tokenize(
             encode_jobs.append(
                 _EncodeJob(
                     i, slices[i], survey.problems, data, seed, docs_quota[i], tokens_quota[i],
-                    tokenizer_json, eos_id, dtype.name, key, str(staging),
+                    tokenizer_json, eos_id, start_ids, dtype.name, key, str(staging),
                 )
             )  # fmt: skip
         progress = progress_bar(total=len(busy), initial=len(reused), desc="tokenize slices", unit="slice")
@@ -595,6 +601,7 @@ def _tokenize(
             "vocab_size": vocab_size,
             "dtype": dtype.name,
             "eos_id": eos_id,
+            "document_start_ids": start_ids,
             "tokenizer_sha256": tok_sha,
             "tokenizer_key": tokenizer_key,
             "source": {"kind": data.source, "description": _describe_source(data, units), "files": len(units)},

@@ -73,9 +73,34 @@ def tokenizer_sha256(tok: Tokenizer) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+def given_tokenizer_file(value: str | Path) -> Path:
+    """tokenizer.from as a file: a tokenizer.json itself, or the one inside a directory (a
+    `laplace import`, an export, an HF checkpoint). A DataError names what is missing."""
+    path = Path(value)
+    if path.is_dir():
+        if not (path / TOKENIZER_NAME).is_file():
+            raise DataError(f"tokenizer.from: {path} is a directory without a {TOKENIZER_NAME}")
+        return path / TOKENIZER_NAME
+    return path
+
+
+def document_start_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids the tokenizer's own post-processor puts before a text (Llama's <s>; none for
+    Laplace's BPE): each document in the token stream starts with them, as the model saw its
+    training text. Measured from an encoding rather than read from the post-processor's JSON,
+    which has several schemas (TemplateProcessing, BertProcessing, a Sequence of them)."""
+    probe = "a"
+    bare = tokenizer.encode(probe, add_special_tokens=False).ids
+    full = tokenizer.encode(probe, add_special_tokens=True).ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start]
+    return []
+
+
 def document_end_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int | None:
     """The id that ends each document in the token stream: <|endoftext|> for a tokenizer Laplace
-    trained; for a given one (tokenizer.path) without it, the end-of-sequence token its model
+    trained; for a given one (tokenizer.from) without it, the end-of-sequence token its model
     declares beside it: a Laplace export's config.json `eos_id`, an HF checkpoint's config.json
     `eos_token_id` or tokenizer_config.json `eos_token` (Llama's </s>). None when nothing says."""
     found = tokenizer.token_to_id(EOS_TOKEN)

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(p)
     p.add_argument("src", help="a checkpoint directory (config.json, model.safetensors, tokenizer.json) or a hub id")
-    p.add_argument("--out", default=None, help="the Laplace export to write (default: artifacts/import)")
+    p.add_argument("--out", default=None, help="the Laplace export to write (default: models/<SRC's last name>)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser(
@@ -239,7 +239,9 @@ def _run(args) -> int:
     if args.command == "import":
         from laplace.model.hf import import_checkpoint
 
-        out = Path(args.out) if args.out else Path(args.root) / "artifacts" / "import"
+        # under models/ by default: DVC hashes that directory for warmup and train (model.init)
+        name = Path(str(args.src).rstrip("/")).name or Path(args.src).resolve().name
+        out = Path(args.out) if args.out else Path(args.root) / "models" / name
         result = import_checkpoint(args.src, out)
         if args.json:
             print(json.dumps(result))

@@ -37,6 +37,12 @@ class Paths:
         return self.run_dir / "checkpoints"
 
     @property
+    def models_dir(self) -> Path:
+        """Imported models that model.init names: a dependency of warmup and train, so DVC reruns
+        them when an init there is replaced in place (an init elsewhere is seen only by its path)."""
+        return self.root / "models"
+
+    @property
     def export_dir(self) -> Path:
         return self.root / "artifacts" / "export"
 

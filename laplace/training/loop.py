@@ -184,7 +184,7 @@ def check_init_tokenizer(init: str, manifest: dict) -> None:
     if manifest.get("tokenizer_sha256") != wanted:
         raise ConfigError(
             f"model.init: {init} was trained with another tokenizer than the tokenized data's: "
-            f"set tokenizer.path={Path(init) / 'tokenizer.json'} and tokenize again"
+            f"set tokenizer.from={init} and tokenize again"
         )
 
 
