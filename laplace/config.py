@@ -380,7 +380,8 @@ class ProbesSection:
     passkey_samples: int = knob(2, _positive, doc="prompts per (context, depth) cell")
     recall_contexts: list[int] = knob(
         [256, 1024, 4096],
-        doc="NIAH (single key, multi-key, multi-value) prompt lengths: up to the training length and beyond",
+        doc="NIAH (single key, multi-key, multi-value) prompt lengths; train.seq_len and 4 x train.seq_len "
+        "(the length the model was trained at, and beyond it) are added where not below the shortest of these",
     )
     recall_samples: int = knob(4, _positive, doc="NIAH prompts per (task, length); they decode together")
     memory_contexts: list[int] = knob([1024, 4096, 16384, 32768], doc="decode memory measured after these")

@@ -9,8 +9,8 @@ import re
 import shutil
 from pathlib import Path
 
-import pytest
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -178,7 +178,9 @@ def _import_cli(src, out: Path, capsys) -> tuple[int, str]:
         (lambda d: _edit_config(d, use_output_gate=False), r"use_output_gate=false is not supported"),
         (lambda d: _edit_config(d, attn={"layers": [1], "num_heads": 2}), r"attn=\{.*\} is not supported"),
         (lambda d: _edit_config(d, num_kv_heads=1), r"num_kv_heads=1 is not supported"),
-        (lambda d: _edit_config(d, share_conv_kernel=True), r"share_conv_kernel=true is a field Laplace does not know"),
+        (lambda d: _edit_config(d, use_rope=True), r"use_rope=true is a field Laplace does not know"),
+        (lambda d: _edit_config(d, share_conv_kernel=True), r"share_conv_kernel=true is a short convolution shared"),
+        (lambda d: _edit_config(d, rms_norm_eps=1e-5), r"rms_norm_eps=1e-05 disagrees with norm_eps=1e-06"),
         (lambda d: _edit_config(d, vocab_size=200), r"vocab_size=200 is below the tokenizer's 300 tokens"),
         (lambda d: (d / "tokenizer.json").unlink(), r"tokenizer\.json missing"),
         (lambda d: (d / "tokenizer.json").write_text("{not json"), r"not a valid tokenizer\.json"),
@@ -199,6 +201,8 @@ def _import_cli(src, out: Path, capsys) -> tuple[int, str]:
         "hybrid",
         "grouped-heads",
         "unknown-field",
+        "shared-conv",
+        "legacy-eps-disagrees",
         "vocab-below-tokenizer",
         "no-tokenizer",
         "bad-tokenizer",
@@ -252,6 +256,64 @@ def test_config_mapping_follows_fla_rules():
     # fla's defaults: no short conv, no clamp, GatedMLP's intermediate size rule (hidden_ratio 4)
     assert cfg.use_short_conv is False and cfg.gate_clamp_min is None and cfg.ffn_dim == 5632
     assert (bos, eos) == (None, None)
+
+
+# config.json of the public checkpoints as published (huggingface.co/fla-hub/gla-1.3B-100B and
+# gla-2.7B-100B): written by earlier fla releases, with fields fla 0.6 no longer reads
+PUBLISHED = {
+    "gla-1.3B-100B": {
+        "_name_or_path": "fla-hub/gla-1.3B-100B", "architectures": ["GLAForCausalLM"], "attn_mode": "fused_chunk",
+        "bos_token_id": 1, "clamp_min": None, "conv_size": 4, "eos_token_id": 2, "expand_k": 0.5, "expand_v": 1,
+        "fuse_cross_entropy": True, "fuse_norm": True, "hidden_act": "swish", "hidden_ratio": 4, "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": None, "max_position_embeddings": 2048, "model_type": "gla",
+        "num_heads": 4, "num_hidden_layers": 24, "rms_norm_eps": 1e-06, "share_conv_kernel": True,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.39.1", "use_cache": True,
+        "use_gk": True, "use_gv": False, "use_short_conv": False, "vocab_size": 32000,
+    },
+    "gla-2.7B-100B": {
+        "_name_or_path": "fla-hub/gla-2.7B-100B", "architectures": ["GLAForCausalLM"], "attn_mode": "chunk",
+        "bos_token_id": 1, "clamp_min": None, "conv_size": 4, "elementwise_affine": True, "eos_token_id": 2,
+        "expand_k": 0.5, "expand_v": 1, "feature_map": None, "fuse_cross_entropy": True, "fuse_norm": True,
+        "hidden_act": "swish", "hidden_ratio": 4, "hidden_size": 2560, "initializer_range": 0.02,
+        "intermediate_size": None, "max_position_embeddings": 2048, "model_type": "gla", "norm_eps": 1e-06,
+        "num_heads": 5, "num_hidden_layers": 32, "num_kv_heads": None, "rms_norm_eps": 1e-06,
+        "share_conv_kernel": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.2", "use_cache": True, "use_gk": True, "use_gv": False,
+        "use_output_gate": True, "use_short_conv": False, "vocab_size": 32000,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_published_checkpoints_configs_map_to_flas_own_model(name, tmp_path):
+    """The full-size configs: Laplace's architecture has fla's parameter count, tensor for tensor (both
+    built on the meta device). A copy cut to 2 layers of 64 (every other field as published) goes
+    through fla's save_pretrained and `laplace import`, and back out to from_pretrained strictly."""
+    from fla.models import GLAConfig, GLAForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from laplace.model.hf import to_fla_name
+
+    cfg, bos, eos = config_from_hf(PUBLISHED[name])
+    assert (bos, eos) == (1, 2) and cfg.gate_clamp_min is None and cfg.use_short_conv is False
+    with torch.device("meta"):
+        theirs = GLAForCausalLM(GLAConfig(**PUBLISHED[name])).state_dict()
+        ours = LaplaceLM(dataclasses.replace(cfg, dtype="float32")).state_dict()
+    assert {to_fla_name(k): tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    print(name, sum(v.numel() for v in theirs.values()))  # the figures docs/real-models.md gives
+
+    small = {**PUBLISHED[name], "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 320}
+    small["num_heads"] = PUBLISHED[name]["num_heads"] if 32 % PUBLISHED[name]["num_heads"] == 0 else 4
+    src = tmp_path / name
+    GLAForCausalLM(GLAConfig(**small)).to(torch.bfloat16).save_pretrained(str(src))  # stored as published
+    (src / "config.json").write_text(json.dumps(small))  # as published, not as fla 0.6 would rewrite it
+    llama_style_tokenizer(src / "tokenizer.json")
+    import_checkpoint(src, tmp_path / "imported")
+    export_hf(tmp_path / "imported", tmp_path / "hf")
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    original = load_file(str(src / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in original.items())
 
 
 # --------------------------------------------------------------------------- fine-tuning (model.init)
@@ -356,3 +418,35 @@ def test_tokenizer_from_a_directory_without_one_is_one_line(tmp_path):
             0,
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_the_real_models_doc_commands_and_figures_for_the_published_checkpoints(tmp_path, capsys, monkeypatch):
+    """docs/real-models.md's `laplace info` / `laplace plan` lines, as printed (in a project whose
+    models/<name> holds the published config), give the figures its memory table states."""
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "real-models.md").read_text()
+    table = {row.split("|")[1].strip(): row.split("|")[2:4] for row in doc.splitlines() if row.startswith("| ")}
+    shutil.copy(root / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.chdir(tmp_path)
+    lines = [
+        line.split("#")[0].strip() for line in doc.splitlines() if line.startswith(("laplace info", "laplace plan"))
+    ]
+    for column, name in enumerate(sorted(PUBLISHED)):
+        cfg, bos, eos = config_from_hf(PUBLISHED[name])
+        (tmp_path / "models" / name).mkdir(parents=True)
+        config = {"model": dataclasses.asdict(cfg), "bos_id": bos, "eos_id": eos}
+        (tmp_path / "models" / name / "config.json").write_text(json.dumps(config))
+        mine = [shlex.split(line)[1:] for line in lines if f"model.init=models/{name}" in line]
+        assert {args[0] for args in mine} == {"info", "plan"}, (name, mine)
+        printed = ""
+        for args in mine:
+            assert cli.main(args) == 0, args
+            printed += capsys.readouterr().out
+        assert f"{table['parameters'][column].strip()} (" in printed, (name, printed[:400])
+        state = re.search(r"state per sequence\s+[\d,]+ bytes \(([\d.]+) MB\)", printed).group(1)
+        assert table["decode state per sequence (fp32)"][column].strip() == f"{float(state):.1f} MB"
+        before = re.search(r"total before activations\s+([\d.]+) GiB", printed).group(1)
+        row = next(v for k, v in table.items() if k.startswith("fine-tuning on one rank"))
+        assert row[column].strip() == f"{float(before):.1f} GiB", (name, before)

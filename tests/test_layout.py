@@ -383,6 +383,7 @@ WHOLE_HOUSE_SUITES = {
     "pipeline_dvc",  # the pipeline end to end through each front door
     "pipeline_frame",
     "pipeline_prefect",
+    "pipeline_real_model",  # an fla checkpoint through import, the pipeline, serve and lm-eval
 }
 
 

@@ -461,3 +461,16 @@ def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
         assert metrics[key] > 0, key
     for name in ("probes_mqar.png", "probes_memory.png", "probes_mqar.json", "probes_passkey.json"):
         assert (tmp_path / "plots" / name).stat().st_size > 0, name
+
+
+def test_recall_lengths_follow_the_training_length_above_the_configured_floor():
+    from laplace.evals.probes import recall_lengths
+
+    def lengths(seq_len, contexts):
+        raw = {"train": {"seq_len": seq_len}, "probes": {"recall_contexts": contexts}}
+        return recall_lengths(config_from_dict(raw))
+
+    assert lengths(256, [256, 1024, 4096]) == [256, 1024, 4096]  # the default: already there
+    assert lengths(2048, [256, 1024, 4096]) == [256, 1024, 2048, 4096, 8192]  # a fine-tune at 2,048 tokens
+    assert lengths(32, [320, 640]) == [320, 640]  # below the floor: not added
+    assert lengths(512, []) == [512, 2048]

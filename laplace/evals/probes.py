@@ -58,6 +58,15 @@ def _trained_recall(model, cfg: Config, p, progress: bool) -> dict:
     }
 
 
+def recall_lengths(cfg: Config) -> list[int]:
+    """The NIAH lengths: probes.recall_contexts plus the training length and four times it, so a
+    fine-tune at 2,048 tokens is probed at 2,048 and 8,192 without retuning the knob. The shortest
+    configured length is a floor (a shorter prompt may not hold the needles)."""
+    floor = min(cfg.probes.recall_contexts, default=0)
+    trained = (cfg.train.seq_len, 4 * cfg.train.seq_len)
+    return sorted({*cfg.probes.recall_contexts, *(n for n in trained if n >= floor)})
+
+
 def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = True) -> tuple[dict, dict]:
     """MQAR (serving vs eager) and passkey on the exported model, memory accounting, and MQAR on
     a GLA trained here. Returns (metrics, figures): `figures` holds what the plots are drawn from
@@ -116,7 +125,7 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
 
     t = time.perf_counter()
     with torch.compiler.set_stance("fail_on_recompile"):
-        niah = niah_suite(engine, tokenizer, haystack, p.recall_contexts, p.recall_samples, p.seed, bos_id)
+        niah = niah_suite(engine, tokenizer, haystack, recall_lengths(cfg), p.recall_samples, p.seed, bos_id)
     seconds["niah"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -183,6 +192,7 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     }
     by_length = verdicts(recall, chance, samples)
     metrics["recall"] = recall
+    metrics["recall_training_length"] = cfg.train.seq_len
     metrics["recall_chance"] = chance
     metrics["recall_verdict"] = by_length
     metrics["recall_summary"] = overall_verdict(by_length)

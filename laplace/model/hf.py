@@ -44,6 +44,7 @@ FLA_GATE_LOW_RANK_DIM = 16
 FLA_GATE_LOGIT_NORMALIZER = 16
 FLA_ATTN_MODES = ("chunk", "fused_recurrent", "fused_chunk")  # three kernels of one function
 FLA_INTERMEDIATE_MULTIPLE = 256
+FLA_NORM_EPS = 1e-6  # GLAConfig's default norm_eps
 
 
 class HFFormatError(InputError):
@@ -127,6 +128,9 @@ REQUIRED_VALUES = {
     "attnres_block_size": (None,),
     "attn_mode": FLA_ATTN_MODES,
 }
+# fields of earlier fla releases that fla 0.6 no longer reads, and the public fla-hub checkpoints
+# (gla-1.3B-100B, gla-2.7B-100B) still carry: accepted only where fla 0.6 computes the same with them
+LEGACY_FIELDS = {"rms_norm_eps", "share_conv_kernel"}
 MAPPED_FIELDS = {
     "vocab_size",
     "hidden_size",
@@ -171,9 +175,21 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, i
     for field, allowed in REQUIRED_VALUES.items():
         if hf.get(field, allowed[0]) not in allowed:
             bad(field, f"is not supported by Laplace (supported: {', '.join(json.dumps(a) for a in allowed)})")
-    unknown = sorted(set(hf) - NEUTRAL_FIELDS - set(REQUIRED_VALUES) - MAPPED_FIELDS)
+    unknown = sorted(set(hf) - NEUTRAL_FIELDS - set(REQUIRED_VALUES) - MAPPED_FIELDS - LEGACY_FIELDS)
     if unknown:
         bad(unknown[0], "is a field Laplace does not know, so cannot promise to compute the same function")
+    norm_eps = hf.get("norm_eps", FLA_NORM_EPS)
+    if "rms_norm_eps" in hf and not (
+        isinstance(hf["rms_norm_eps"], (int, float)) and math.isclose(hf["rms_norm_eps"], norm_eps, rel_tol=1e-9)
+    ):
+        bad(
+            "rms_norm_eps", f"disagrees with norm_eps={norm_eps}, the epsilon fla 0.6 computes with (it reads no other)"
+        )
+    if hf.get("use_short_conv") and hf.get("share_conv_kernel"):
+        bad(
+            "share_conv_kernel",
+            "is a short convolution shared by q/k/v (earlier fla); fla 0.6 and Laplace have one each",
+        )
     for field in ("hidden_size", "num_hidden_layers", "num_heads", "vocab_size"):
         if not isinstance(hf.get(field), int) or hf[field] <= 0:
             bad(field, "must be a positive integer")
@@ -211,7 +227,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, i
                 gate_clamp_min=None if clamp is None else float(clamp),
                 use_short_conv=bool(hf.get("use_short_conv", False)),
                 conv_size=int(hf.get("conv_size", 4)),
-                norm_eps=float(hf.get("norm_eps", 1e-6)),
+                norm_eps=float(norm_eps),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 init_std=float(hf.get("initializer_range", 0.02)),
                 dtype=DTYPE_NAMES[dtype],

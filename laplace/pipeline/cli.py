@@ -28,7 +28,16 @@ def model_facts(preset: str | None, cfg) -> dict:
     """`laplace info`: facts of a preset (or of params.yaml's model) from the real modules on meta."""
     from laplace.model.facts import model_facts as facts
 
-    return {"preset": preset or cfg.model.preset, **facts(_model_config(preset, cfg))}
+    return {
+        "preset": preset or cfg.model.preset,
+        "model": _model_name(preset, cfg),
+        **facts(_model_config(preset, cfg)),
+    }
+
+
+def _model_name(preset: str | None, cfg) -> str:
+    """What the figures describe: a preset, or model.init's import (whose architecture wins)."""
+    return preset or (f"model.init {cfg.model.init}" if cfg.model.init else cfg.model.preset)
 
 
 def stage_description(name: str, dvc_yaml: Path | None = None) -> str:
@@ -185,11 +194,9 @@ def _print_info(facts: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(facts, indent=2))
         return
-    c = facts["config"]
-    print(
-        f"preset {facts['preset']}: {c['n_layers']} layers, hidden {c['d_model']}, {c['n_heads']} heads, "
-        f"vocab {c['vocab_size']}"
-    )
+    c, name = facts["config"], facts["model"]
+    name = name if name.startswith("model.init") else f"preset {name}"
+    print(f"{name}: {c['n_layers']} layers, hidden {c['d_model']}, {c['n_heads']} heads, vocab {c['vocab_size']}")
     print(f"  parameters              {facts['params']:,} ({facts['params'] / 1e9:.3f} B)")
     print(
         f"  state per sequence      {facts['state_bytes_per_sequence']:,} bytes "
@@ -295,7 +302,7 @@ def _run(args) -> int:
             grad_accum_steps=accum,
             activation_checkpoint=args.activation_checkpoint or t.activation_checkpoint,
         )
-        print(json.dumps(result, indent=2) if args.json else as_text(result, args.preset or cfg.model.preset))
+        print(json.dumps(result, indent=2) if args.json else as_text(result, _model_name(args.preset, cfg)))
         return 0
     paths = Paths.at(args.root)
     if args.command == "serve":
