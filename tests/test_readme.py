@@ -51,6 +51,10 @@ RUN_ELSEWHERE = {
     "laplace probes": ("test_pipeline_dvc.py", ['"repro"']),
     "laplace track": ("test_tracking.py", ['"track"']),
     "laplace run": ("test_pipeline_frame.py", ['"laplace", "run"']),
+    "laplace run --set model.init=": (
+        "test_pipeline_real_model.py",
+        ['"run", "--set", f"model.init={INIT}"', '"--set", f"tokenizer.from={INIT}"'],
+    ),
     "laplace import": ("test_hf.py", ['"import"', '"--out"']),
     "laplace export --format hf": ("test_hf.py", ['"export", "--format", "hf"']),
     "laplace eval": ("test_harness.py", ['"eval"', '"--tasks"']),
