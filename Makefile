@@ -27,6 +27,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	# setuptools' "Editable installation." notice is a warning box in every make run's output: not shown
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet -e '.[dev]'
+	# `lm_eval --model laplace`: lm-eval has no plugin discovery (laplace/evals/lm_eval_plugin.py)
+	$(BIN)/python -m laplace.evals.lm_eval_plugin
 	touch $@
 
 run: setup

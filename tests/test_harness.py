@@ -134,13 +134,14 @@ def test_laplace_eval_and_lm_eval_command_lines(setup, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_lm_eval_cli_with_the_laplace_model(setup, tmp_path):
-    """lm-eval's own command line (python -m laplace.evals.harness = lm_eval + the laplace model)."""
+    """lm-eval's own command line, unchanged: `lm_eval --model laplace` (the .pth `make setup` writes
+    registers the model; laplace/evals/lm_eval_plugin.py), in a fresh environment with only PATH."""
+    lm_eval = Path(sys.executable).parent / "lm_eval"
+    assert any((Path(sys.executable).parent.parent / "lib").rglob("laplace_lm_eval.pth")), "run make setup"
     args = ["--model", "laplace", "--model_args", f"export={setup / 'export'},compile=false"]
     args += ["--tasks", "local_rolling", "--include_path", str(setup / "tasks"), "--output_path", str(tmp_path)]
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run(
-        [sys.executable, "-m", "laplace.evals.harness", *args], capture_output=True, text=True, env=env, timeout=300
-    )
+    done = subprocess.run([str(lm_eval), *args], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "local_rolling" in done.stdout and "word_perplexity" in done.stdout
     assert list(Path(tmp_path).rglob("results_*.json"))

@@ -58,6 +58,7 @@ RUN_ELSEWHERE = {
     "laplace import": ("test_hf.py", ['"import"', '"--out"']),
     "laplace export --format hf": ("test_hf.py", ['"export", "--format", "hf"']),
     "laplace eval": ("test_harness.py", ['"eval"', '"--tasks"']),
+    "lm_eval --model laplace": ("test_harness.py", ['"lm_eval"', '"--model", "laplace"', '"--model_args"']),
 }
 RUN_HERE = ("laplace info", "laplace generate", "laplace summary")
 SHELL_SETUP = ("source .venv/bin/activate",)  # not a project command

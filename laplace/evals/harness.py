@@ -15,10 +15,10 @@ is served: padded ladder widths, bucketed prefill, the same state slots.
   (DecodeEngine.complete), cut at the first stop string.
 
 lm-eval (pip install 'laplace[eval]') finds models only among those registered in its process,
-and 0.4 has no plugin discovery: `python -m laplace.evals.harness ARGS` is lm-eval's own command
-line (`lm_eval ARGS`) with this module imported, so
-`python -m laplace.evals.harness --model laplace --model_args export=PATH --tasks ...` works as
-`lm_eval` would; `laplace eval` runs lm-eval's simple_evaluate on the export.
+and 0.4 has no plugin discovery: the .pth that `make setup` writes (laplace/evals/lm_eval_plugin.py)
+registers this model lazily, so `lm_eval --model laplace --model_args export=PATH --tasks ...`
+works unchanged; `python -m laplace.evals.harness ARGS` is the same command line without the .pth,
+and `laplace eval` runs lm-eval's simple_evaluate on the export.
 """
 
 from __future__ import annotations
