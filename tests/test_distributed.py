@@ -421,7 +421,8 @@ def test_accumulating_4_micro_batches_equals_one_batch_4x_the_size(world, tmp_pa
     torchrun(world, [WORKER, "accumulate", str(prefix)])
     report = json.loads(Path(f"{prefix}-report.json").read_text())
     one, four = report["1"], report["4"]
-    assert one["exchanges"] == four["exchanges"] == STEPS
+    # one exchange per optimizer step; one rank exchanges nothing (ShardedMuon orthogonalises in place)
+    assert one["exchanges"] == four["exchanges"] == (STEPS if world > 1 else 0)
     for got, want in zip(four["losses"], one["losses"]):
         assert math.isclose(got, want, rel_tol=5e-5), report
     whole, accumulated = _per_step(f"{prefix}-1.safetensors"), _per_step(f"{prefix}-4.safetensors")

@@ -176,7 +176,11 @@ class ShardedMuon(torch.optim.Optimizer):
         directions = self._directions(entries, grads, bufs)
         settings = [(g["ns_coefficients"], g["ns_steps"], g["eps"]) for _, g in entries]
         shapes = [tuple(p.shape) for p, _ in entries]
-        if self.comm == "alltoall":
+        if self.world == 1:
+            # one rank owns every matrix whole: no [1, segment] exchange buffers (two bf16 copies of
+            # every Muon value). Newton-Schulz casts to bf16 first, so the numbers are the same.
+            ortho = self._orthogonalise(directions, settings)
+        elif self.comm == "alltoall":
             ortho = self._via_owners(shapes, directions, settings)
         else:
             ortho = self._via_allgather(shapes, directions, settings)

@@ -161,7 +161,8 @@ def plan(
         "adamw_moments": [2 * 4 * v for v in adamw_values],
         "muon_momentum": [4 * v for v in muon_values],
         # send, received, back, returned: [W, segment] each
-        "muon_exchange_buffers": [4 * world * exchange.segment * ex_item] * world,
+        # one rank exchanges nothing: it holds only the orthogonalised updates (ShardedMuon.step)
+        "muon_exchange_buffers": [(4 * world if world > 1 else 1) * exchange.segment * ex_item] * world,
         "newton_schulz_workspace": workspace,
         "fsdp_transient_peak": [_fsdp_transient(model, param_item)] * world,
         # grad_accum_steps > 1: FSDP2 reduce-scatters on the last micro-batch only, so until then every
