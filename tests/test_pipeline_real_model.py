@@ -7,7 +7,6 @@ Budget: about 4 minutes on 2 cores (the pipeline run is most of it)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from hf_fixture import fla_checkpoint
-from project import BIN, TINY_PARAMS, copy_project, free_port, run, wait_until_answers
+from project import BIN, TINY_PARAMS, copy_project, env, free_port, run, wait_until_answers
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("fla", reason="flash-linear-attention (dev) builds the fla-format checkpoint")
@@ -86,7 +85,7 @@ def test_the_registered_champion_serves_the_openai_client_and_lm_eval_scores_it(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=env(OMP_NUM_THREADS="1"),  # not os.environ: mlflow.set_tracking_uri exports the last test's store
     )
     try:
         wait_until_answers(server, f"http://127.0.0.1:{port}/health", 240)
