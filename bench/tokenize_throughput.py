@@ -16,7 +16,9 @@ set its memory by the largest record. Both sides use one tokenizer.json
   (`imap(..., chunksize=16)`), the main process fills a preallocated uint16 buffer of
   shard_size tokens and writes each full shard.
 
-Peak RSS is the largest sum over the whole process tree (sampled every 0.1 s with psutil).
+Peak RSS is the largest sum over the whole process tree (sampled every 0.1 s with psutil), and
+each process's own peak: the parent's (laplace: the stage process) and the largest child's (the
+encode workers). `--sides laplace` runs laplace alone (a memory check across sizes).
 Results go to bench/results/tokenize.json; figures are copied by hand into bench/RESULTS.md.
 """
 
@@ -59,18 +61,21 @@ def make_corpus(directory: Path, size_bytes: int, files: int = 32, record_bytes:
     return n
 
 
-def tree_peak_rss(proc: subprocess.Popen) -> tuple[int, float]:
-    peak = 0
+def tree_peak_rss(proc: subprocess.Popen) -> tuple[int, float, dict[int, int]]:
+    """(the largest sum of RSS over the tree, seconds, each process's own peak RSS by pid)."""
+    peak, each = 0, {}
     root = psutil.Process(proc.pid)
     start = time.perf_counter()
     while proc.poll() is None:
         try:
-            total = root.memory_info().rss + sum(c.memory_info().rss for c in root.children(recursive=True))
+            sizes = {p.pid: p.memory_info().rss for p in [root, *root.children(recursive=True)]}
         except psutil.Error:
-            total = 0
-        peak = max(peak, total)
+            sizes = {}
+        for pid, rss in sizes.items():
+            each[pid] = max(each.get(pid, 0), rss)
+        peak = max(peak, sum(sizes.values()))
         time.sleep(0.1)
-    return peak, time.perf_counter() - start
+    return peak, time.perf_counter() - start, each
 
 
 # --------------------------------------------------------------------------- one measured run
@@ -98,8 +103,8 @@ def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: i
     env = {**os.environ, "BENCH_ROOT": str(ROOT), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-    peak = [0]
-    watcher = threading.Thread(target=lambda: peak.__setitem__(0, tree_peak_rss(proc)[0]))
+    peak = [(0, 0.0, {})]
+    watcher = threading.Thread(target=lambda: peak.__setitem__(0, tree_peak_rss(proc)))
     watcher.start()
     stdout, _ = proc.communicate()
     watcher.join()
@@ -112,7 +117,10 @@ def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: i
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "tokens_per_s_per_core": tokens / seconds / workers,
-        "peak_rss_mb": peak[0] / 1e6,
+        "peak_rss_mb": peak[0][0] / 1e6,
+        # the parent (laplace: the stage) and the largest of its children (the encode workers)
+        "parent_peak_rss_mb": peak[0][2].get(proc.pid, 0) / 1e6,
+        "child_peak_rss_mb": max((v for k, v in peak[0][2].items() if k != proc.pid), default=0) / 1e6,
     }
 
 
@@ -123,6 +131,9 @@ def main() -> None:
     p.add_argument("--files", type=int, default=32, help="JSON Lines files the corpus is spread over")
     p.add_argument("--record-mb", type=float, default=0, help="join documents into records of about this size")
     p.add_argument("--scratch", default="/tmp/laplace-bench-tokenize")
+    p.add_argument(
+        "--sides", nargs="+", default=["laplace", "nanogpt"], choices=["laplace", "nanogpt"], help="what to run"
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tokenize.json"))
     args = p.parse_args()
     scratch = Path(args.scratch)
@@ -148,19 +159,22 @@ def main() -> None:
         if not corpus.exists():
             make_corpus(corpus, size * 1_000_000, args.files, int(args.record_mb * 1_000_000))
         row = {}
-        for which in ("laplace", "nanogpt"):
+        for which in args.sides:
             out = scratch / f"out-{which}-{size}mb"
             subprocess.run(["rm", "-rf", str(out), str(out.parent / f".{out.name}.partial")], check=True)
             row[which] = run_one(which, corpus, str(tokenizer_path), out, args.workers)
             print(size, which, json.dumps(row[which]), flush=True)
-        row["ratio_tokens_per_s"] = row["laplace"]["tokens_per_s"] / row["nanogpt"]["tokens_per_s"]
-        row["ratio_peak_rss"] = row["laplace"]["peak_rss_mb"] / row["nanogpt"]["peak_rss_mb"]
+        if len(row) == 2:
+            row["ratio_tokens_per_s"] = row["laplace"]["tokens_per_s"] / row["nanogpt"]["tokens_per_s"]
+            row["ratio_peak_rss"] = row["laplace"]["peak_rss_mb"] / row["nanogpt"]["peak_rss_mb"]
         row["load_average_after"] = os.getloadavg()
         results["runs"][f"{size}MB"] = row
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")  # each row kept as it is measured
 
     # 100B tokens on 64 cores, from the largest run's per-core rate and per-worker memory.
+    if "laplace" not in args.sides:
+        return
     largest = results["runs"][f"{max(args.sizes_mb)}MB"]["laplace"]
     per_core = largest["tokens_per_s_per_core"]
     seconds = 100e9 / (per_core * 64)
