@@ -30,7 +30,7 @@ def model_facts(preset: str | None, cfg) -> dict:
 
     return {
         "preset": preset or cfg.model.preset,
-        "model": _model_name(preset, cfg),
+        "model": _model_name(preset, cfg) if cfg.model.init and not preset else f"preset {preset or cfg.model.preset}",
         **facts(_model_config(preset, cfg)),
     }
 
@@ -194,9 +194,9 @@ def _print_info(facts: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(facts, indent=2))
         return
-    c, name = facts["config"], facts["model"]
-    name = name if name.startswith("model.init") else f"preset {name}"
-    print(f"{name}: {c['n_layers']} layers, hidden {c['d_model']}, {c['n_heads']} heads, vocab {c['vocab_size']}")
+    c = facts["config"]
+    print(f"{facts['model']}: {c['n_layers']} layers, hidden {c['d_model']}, {c['n_heads']} heads, ", end="")
+    print(f"vocab {c['vocab_size']}")
     print(f"  parameters              {facts['params']:,} ({facts['params'] / 1e9:.3f} B)")
     print(
         f"  state per sequence      {facts['state_bytes_per_sequence']:,} bytes "
