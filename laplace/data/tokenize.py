@@ -419,6 +419,7 @@ def _train(job: _TrainJob) -> str:
 
 def _tokenizer_bytes(
     tok_cfg: TokenizerSection,
+    given: Path | None,
     surveys: list[_Survey],
     settings: dict,
     previous: dict,
@@ -427,10 +428,9 @@ def _tokenizer_bytes(
     workers: Workers,
 ) -> tuple[bytes, str]:
     """tokenizer.json's bytes and the key of what made it: reused when the key is unchanged."""
-    if tok_cfg.from_:
-        source = given_tokenizer_file(tok_cfg.from_)
-        load_tokenizer(source)  # validate before copying
-        raw = source.read_bytes()
+    if given is not None:  # tokenizer.from
+        load_tokenizer(given)  # validate before copying
+        raw = given.read_bytes()
         return raw, hashlib.sha256(raw).hexdigest()
     sample_file = staging / "sample.jsonl"
     sample_sha, count, size = _merge_samples(surveys, tok_cfg.sample_bytes, sample_file)
@@ -538,9 +538,10 @@ def _tokenize(
         for survey in progress_bar(survey_of, total=len(jobs), desc="survey slices", unit="slice"):
             surveys.append(survey)
         surveys.sort(key=lambda s: s.slice)
-        raw_tokenizer, tokenizer_key = _tokenizer_bytes(tok_cfg, surveys, settings, previous, out_dir, staging, pool)
-
         given = given_tokenizer_file(tok_cfg.from_) if tok_cfg.from_ else None
+        raw_tokenizer, tokenizer_key = _tokenizer_bytes(
+            tok_cfg, given, surveys, settings, previous, out_dir, staging, pool
+        )
         tokenizer = _tokenizer_from(raw_tokenizer, str(given or staging / TOKENIZER_NAME))
         eos_id = document_end_id(tokenizer, given)
         start_ids = document_start_ids(tokenizer)
