@@ -290,6 +290,8 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
     if m.dtype not in MODEL_DTYPES:
         bad("dtype", f"must be one of {', '.join(MODEL_DTYPES)}, got {m.dtype!r}")
     _check_attention(m, prefix)
+    if m.attn is not None:  # fla's normal form (defaults filled, lists): exports and fingerprints agree
+        m = dataclasses.replace(m, attn=parse_attention_config(m.attn, m.n_layers))
     return m
 
 
