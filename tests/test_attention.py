@@ -120,7 +120,16 @@ def _model(attn, dtype="float64", n_layers=4, **over) -> LaplaceLM:
 HYBRID = {"layers": [1, 3], "num_heads": 4, "num_kv_heads": 2, "window_size": 9}
 
 
-@pytest.mark.parametrize("attn", [HYBRID, {"layers": [0, 1, 2, 3], "num_heads": 2}], ids=["hybrid", "softmax"])
+@pytest.mark.parametrize(
+    "attn",
+    [
+        HYBRID,
+        {"layers": [0, 1, 2, 3], "num_heads": 2},
+        # two specs of different K/V widths share one cache tensor (the narrower one a view of part of it)
+        [{"layers": [1], "num_heads": 4, "num_kv_heads": 1}, {"layers": [3], "num_heads": 2, "rope_theta": 100.0}],
+    ],
+    ids=["hybrid", "softmax", "two-specs"],
+)
 def test_prefill_in_pieces_and_decode_equal_the_full_forward(attn):
     model = _model(attn)
     tokens = torch.randint(0, 97, (3, 40), generator=torch.Generator().manual_seed(2))
@@ -131,7 +140,7 @@ def test_prefill_in_pieces_and_decode_equal_the_full_forward(attn):
         lengths = torch.tensor([20, 13, 7])
         last = model.prefill(tokens[:, :20], state, slots, lengths)
         assert (last - full[torch.arange(3), lengths - 1]).abs().max() < 1e-10
-        assert state.positions.tolist() == [13, 0, 20, 7]
+        assert state.positions.tolist() == [[13, 0, 20, 7]]
         # each row goes on from its own length, one token at a time
         for row, n in enumerate(lengths.tolist()):
             for t in range(n, n + 4):
@@ -147,7 +156,7 @@ def test_a_gla_model_is_unchanged_by_the_knob():
     hybrid = _model({"layers": [3], "num_heads": 4})
     assert plain.cfg.gla_layers == (0, 1, 2, 3) and hybrid.cfg.gla_layers == (0, 1, 2)
     state = plain.allocate_state(2)
-    assert state.keys == [] and state.positions is None and state.recurrent.shape[0] == 4
+    assert state.keys is None and state.positions is None and state.recurrent.shape[0] == 4
     names = {n for n, _ in hybrid.named_parameters() if n.startswith("blocks.3.attn.")}
     assert names == {f"blocks.3.attn.{p}_proj.weight" for p in "qkvo"}
     with pytest.raises(ValueError, match="max_context"):

@@ -11,9 +11,9 @@ to construct without flash-attn; this one is `scaled_dot_product_attention`, wit
 optional fast path of the training forward on CUDA (the torch form is the reference).
 
 Decoding keeps each layer's K/V in a static-shape cache [rows, max_context, H_kv, head dim] (the
-State's `keys` / `values`, gpt-fast's KVCache): keys are cached after RoPE, written in place at
-each row's position, and every call attends over the whole buffer under a mask, so the compiled
-graphs never change shape with the context.
+State's `keys` / `values`, gpt-fast's KVCache, viewed per layer by `cache_view`): keys are cached
+after RoPE, written in place at each row's position, and every call attends over the whole buffer
+under a mask, so the compiled graphs never change shape with the context.
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ class SoftmaxAttention(nn.Module):
         self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, D, bias=False)
+
+    def cache_view(self, buffer: Tensor) -> Tensor:
+        """This layer's K or V as [rows, max_context, H_kv, head dim]: a view of the first
+        H_kv * head dim values of a State's [rows, max_context, W] layer slice (writes go through)."""
+        width = self.n_kv_heads * self.head_dim
+        return buffer[..., :width].view(*buffer.shape[:2], self.n_kv_heads, self.head_dim)
 
     def _qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T = x.shape[:2]

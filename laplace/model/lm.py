@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -37,21 +37,24 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class State:
-    """Fixed-size decode state of a batch of sequences, all layers.
+    """Fixed-size decode state of a batch of sequences, all layers. Every field is a tensor with
+    the sequence (the row, a serving slot) at dimension 1, or None: rows are picked, copied and
+    zeroed the same way for all of them.
 
     recurrent: [L_gla, B, H, K/H, V/H] the GLA layers' matrix state, always fp32 (fp64 for references).
     conv:      [L_gla, B, conv_size-1, 2K+V] the last inputs of the short convolutions, in the
                activation dtype (None without short convolutions).
-    keys, values: per softmax attention layer, [B, max_context, H_kv, head dim] K (after RoPE) and
-               V, in the activation dtype: a static-shape cache (empty lists for a GLA model).
-    positions: [B] int64 tokens each sequence has consumed (None for a GLA model, whose state
+    keys, values: [L_attn, B, max_context, W] the softmax attention layers' K (after RoPE) and V,
+               in the activation dtype, a static-shape cache; layer a uses the first H_kv * head dim
+               of W (W is the widest layer's; every layer's when they share a spec). None for GLA.
+    positions: [1, B] int64 tokens each sequence has consumed (None for a GLA model, whose state
                does not depend on where it is).
     """
 
     recurrent: Tensor
     conv: Tensor | None
-    keys: list[Tensor] = field(default_factory=list)
-    values: list[Tensor] = field(default_factory=list)
+    keys: Tensor | None = None
+    values: Tensor | None = None
     positions: Tensor | None = None
 
     @classmethod
@@ -70,20 +73,17 @@ class State:
         state_dtype = state_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)
         n_gla = len(cfg.gla_layers)
         rec = torch.zeros(n_gla, batch, cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim, device=device, dtype=state_dtype)
-        conv = None
+        conv = keys = values = positions = None
         if cfg.use_short_conv:
             width = 2 * cfg.key_dim + cfg.value_dim
             conv = torch.zeros(n_gla, batch, cfg.conv_size - 1, width, device=device, dtype=dtype)
-        keys, values, positions = [], [], None
         if cfg.attn_layers:
             if max_context is None:
                 raise ValueError("a model with attention layers needs max_context for its K/V cache")
-            for layer in cfg.attn_layers:
-                spec = cfg.attention_spec(layer)
-                shape = (batch, max_context, spec["num_kv_heads"], cfg.d_model // spec["num_heads"])
-                keys.append(torch.zeros(shape, device=device, dtype=dtype))
-                values.append(torch.zeros(shape, device=device, dtype=dtype))
-            positions = torch.zeros(batch, device=device, dtype=torch.long)
+            shape = (len(cfg.attn_layers), batch, max_context, kv_width(cfg))
+            keys = torch.zeros(shape, device=device, dtype=dtype)
+            values = torch.zeros(shape, device=device, dtype=dtype)
+            positions = torch.zeros(1, batch, device=device, dtype=torch.long)
         return cls(rec, conv, keys, values, positions)
 
     @property
@@ -92,20 +92,17 @@ class State:
 
     @property
     def max_context(self) -> int:
-        return self.keys[0].shape[1] if self.keys else 0
+        return 0 if self.keys is None else self.keys.shape[2]
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the fixed-size state tensors (recurrent and conv; the K/V cache apart)."""
-        total = self.recurrent.numel() * self.recurrent.element_size()
-        if self.conv is not None:
-            total += self.conv.numel() * self.conv.element_size()
-        return total
+        return sum(_bytes(t) for t in (self.recurrent, self.conv))
 
     @property
     def kv_nbytes(self) -> int:
         """Bytes held by the attention layers' K/V cache (the 8-byte position counters apart)."""
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(_bytes(t) for t in (self.keys, self.values))
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -115,54 +112,50 @@ class State:
     def kv_bytes_per_sequence(self) -> int:
         return self.kv_nbytes // self.batch_size
 
+    def tensors(self) -> dict[str, Tensor]:
+        """The fields that hold a tensor, by name (row at dimension 1)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
     def zero_(self, rows: Tensor | None = None) -> State:
-        for t in self._tensors():
+        for t in self.tensors().values():
             if rows is None:
                 t.zero_()
             else:
                 t.index_fill_(1, rows, 0)
-        for t in self._per_row():
-            if rows is None:
-                t.zero_()
-            else:
-                t.index_fill_(0, rows, 0)
         return self
 
     def select(self, rows: Tensor, kv_tokens: int | None = None) -> State:
         """A copy of the given rows (a batch of sequences); with `kv_tokens`, only the first that
         many positions of the K/V cache (all a sequence of that many tokens has written)."""
-        conv = None if self.conv is None else self.conv.index_select(1, rows)
-        keys = [k.index_select(0, rows)[:, :kv_tokens].clone() for k in self.keys]
-        values = [v.index_select(0, rows)[:, :kv_tokens].clone() for v in self.values]
-        positions = None if self.positions is None else self.positions.index_select(0, rows)
-        return State(self.recurrent.index_select(1, rows), conv, keys, values, positions)
+        out = {k: t.index_select(1, rows) for k, t in self.tensors().items()}
+        for k in ("keys", "values"):
+            if k in out and kv_tokens is not None:
+                out[k] = out[k][:, :, :kv_tokens].clone()
+        return State(**{f.name: out.get(f.name) for f in fields(self)})
 
     def restore(self, rows: Tensor, saved: State) -> None:
         """Write a `select`ed copy back into rows `rows` (its K/V into the first positions of the
-        cache; the positions after them are left as they are, masked until written)."""
-        self.recurrent.index_copy_(1, rows, saved.recurrent)
-        if self.conv is not None:
-            self.conv.index_copy_(1, rows, saved.conv)
-        for mine, theirs in zip(self.keys + self.values, saved.keys + saved.values):
-            mine[:, : theirs.shape[1]].index_copy_(0, rows, theirs)
-        if self.positions is not None:
-            self.positions.index_copy_(0, rows, saved.positions)
+        cache; the positions after them stay as they are: masked until the sequence writes them)."""
+        theirs = saved.tensors()
+        for k, mine in self.tensors().items():
+            if k in ("keys", "values"):
+                mine = mine[:, :, : theirs[k].shape[2]]
+            mine.index_copy_(1, rows, theirs[k])
 
     def clone(self) -> State:
         return State(
-            self.recurrent.clone(),
-            None if self.conv is None else self.conv.clone(),
-            [k.clone() for k in self.keys],
-            [v.clone() for v in self.values],
-            None if self.positions is None else self.positions.clone(),
+            **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).clone() for f in fields(self)}
         )
 
-    def _tensors(self):
-        return [self.recurrent] + ([self.conv] if self.conv is not None else [])
 
-    def _per_row(self):
-        """Tensors whose first dimension is the row."""
-        return self.keys + self.values + ([self.positions] if self.positions is not None else [])
+def _bytes(t: Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def kv_width(cfg: ModelConfig) -> int:
+    """Values per token per layer of each of K and V in the cache: the widest attention layer's
+    H_kv * head dim (layers of one spec, the usual case, all have it)."""
+    return max(s["num_kv_heads"] * (cfg.d_model // s["num_heads"]) for s in cfg.attn_specs)
 
 
 def analytic_state_bytes(cfg: ModelConfig, dtype: torch.dtype | None = None) -> int:
@@ -180,15 +173,12 @@ def analytic_state_bytes(cfg: ModelConfig, dtype: torch.dtype | None = None) -> 
 
 def analytic_kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype | None = None) -> int:
     """The formula behind State.allocate's K/V cache, per sequence holding `tokens` positions:
-    sum over attention layers of 2 * tokens * H_kv * head_dim * itemsize (a windowed layer keeps
-    every position too: Laplace's cache is not a ring buffer). 0 for a GLA model."""
-    dtype = dtype or torch_dtype(cfg.dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for layer in cfg.attn_layers:
-        spec = cfg.attention_spec(layer)
-        total += 2 * tokens * spec["num_kv_heads"] * (cfg.d_model // spec["num_heads"]) * itemsize
-    return total
+    2 (K and V) * L_attn * tokens * W * itemsize, W = H_kv * head_dim (the widest layer's when specs
+    differ). A windowed layer keeps every position too: Laplace's cache is not a ring buffer. 0 for GLA."""
+    if not cfg.attn_layers:
+        return 0
+    itemsize = torch.empty((), dtype=dtype or torch_dtype(cfg.dtype)).element_size()
+    return 2 * len(cfg.attn_layers) * tokens * kv_width(cfg) * itemsize
 
 
 def sequence_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype | None = None) -> dict[str, int]:
@@ -518,7 +508,7 @@ class LaplaceLM(nn.Module):
         self._write(state, slots, new_rec, new_conv)
         if state.positions is not None:
             consumed = torch.full_like(start, tokens.shape[1]) if lengths is None else lengths
-            state.positions.index_copy_(0, rows, start + consumed)
+            state.positions.index_copy_(1, rows, (start + consumed).view(1, -1))
         if all_logits:
             return self._logits(x)
         if lengths is None:
@@ -543,7 +533,7 @@ class LaplaceLM(nn.Module):
             new_conv.append(c)
         self._write(state, slots, new_rec, new_conv)
         if state.positions is not None:
-            state.positions.index_copy_(0, rows, start + 1)
+            state.positions.index_copy_(1, rows, (start + 1).view(1, -1))
         return self._logits(x[:, 0])
 
     @staticmethod
@@ -552,14 +542,14 @@ class LaplaceLM(nn.Module):
         if state.positions is None:
             return slots, None
         rows = torch.arange(tokens.shape[0], device=tokens.device) if slots is None else slots
-        return rows, state.positions.index_select(0, rows)
+        return rows, state.positions.index_select(1, rows)[0]
 
     def _layers(self, state: State, rows: Tensor | None, start: Tensor | None):
         """(block, its K/V cache arguments or None) in order; the i-th attention layer owns keys[i]."""
         a = 0
         for block in self.blocks:
             if block.is_attention:
-                yield block, (state.keys[a], state.values[a], rows, start)
+                yield block, (block.attn.cache_view(state.keys[a]), block.attn.cache_view(state.values[a]), rows, start)
                 a += 1
             else:
                 yield block, None
