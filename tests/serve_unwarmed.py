@@ -19,7 +19,7 @@ if __name__ == "__main__":
     export_dir, port = sys.argv[1], int(sys.argv[2])
     cfg = config_from_dict({"engine": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32}})
     model, tokenizer, config = load_export(export_dir)
-    engine = DecodeEngine.for_policy(model, cfg.engine, "padded")  # ladder [1, 2], compiled
+    engine = DecodeEngine(model, cfg.engine, "padded")  # ladder [1, 2], compiled
     configure_compiler(engine.graphs_needed())
     sys.exit(
         serve(
