@@ -86,13 +86,13 @@ class StepGraphs(nn.Module):
         super().__init__()
         self.model = model
         tensors = state_tensors(state)
-        self._fields = {f.name: f.name in tensors for f in dataclasses.fields(state)}  # name: has a tensor
+        self._state_fields = {f.name: f.name in tensors for f in dataclasses.fields(state)}  # name: has a tensor
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor, persistent=False)
 
     def state(self) -> State:
         """The buffers as a State (views of the same memory)."""
-        return State(**{name: getattr(self, name) if present else None for name, present in self._fields.items()})
+        return State(**{name: getattr(self, name) if present else None for name, present in self._state_fields.items()})
 
     def decode_step(self, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
         """Returns (next tokens [W], logits [W, V])."""
