@@ -108,7 +108,9 @@ class DecodeEngine:
         self.exact_widths = policy != "padded"
         self.pad_id = pad_id
         self.on_logits = None  # optional callback(logits of a step's real rows), for inspection
-        self.cache = CacheManager(model, self.max_slots, params.prefix_cache_bytes, params.prefix_cache_min_tokens)
+        self.cache = CacheManager(
+            model, self.max_slots, params.prefix_cache_bytes, params.prefix_cache_min_tokens, params.max_context
+        )
         self.scheduler = Scheduler(
             ladder=self.ladder,
             exact_widths=self.exact_widths,
@@ -116,6 +118,7 @@ class DecodeEngine:
             max_prompt_tokens=params.max_prompt_tokens,
             vocab_size=model.cfg.vocab_size,
             release=self.cache.release,
+            max_context=self.cache.max_context,
         )
         self.reset()
         compile_scope = params.compile_scope if compiled and policy != "eager" else None
