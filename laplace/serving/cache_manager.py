@@ -20,6 +20,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from laplace.errors import InputError
 from laplace.model.lm import LaplaceLM, State
 from laplace.serving.prefix_cache import PrefixCache
 
@@ -149,6 +150,16 @@ class CacheManager:
 
     def release(self, slot: int) -> None:
         self.pool.release(slot)
+
+    def check_room(self, slot: int, tokens: int) -> None:
+        """Raise InputError unless `slot`'s K/V cache has room for `tokens` more (attention models)."""
+        if self.max_context is None:
+            return
+        held = int(self.state.positions[0, slot])
+        if held + tokens > self.max_context:
+            raise InputError(
+                f"{held} + {tokens} tokens do not fit the slot's K/V cache: engine.max_context={self.max_context}"
+            )
 
     def reset(self) -> None:
         """Every slot free and zeroed, the prefix cache empty (its counters too)."""

@@ -267,7 +267,14 @@ class DecodeEngine:
 
     def prefill(self, slot: int, prompt_ids) -> Tensor:
         """Run a prompt of any length into `slot`, continuing its state: its last logits [1, V]."""
+        self.cache.check_room(slot, len(prompt_ids))
         return self.runner.prefill(slot, prompt_ids)
+
+    @property
+    def max_context(self) -> int | None:
+        """The tokens a sequence may reach (engine.max_context) on a model with attention layers;
+        None for a GLA model, whose state does not grow."""
+        return self.cache.max_context
 
     def padded_tokens(self, n: int) -> int:
         return self.runner.padded_tokens(n)
