@@ -127,3 +127,23 @@ def test_a_hybrids_plan_counts_its_attention_layers_and_their_growth_with_the_le
 def meta_params(cfg) -> int:
     with torch.device("meta"):
         return LaplaceLM(cfg).num_parameters()
+
+
+def test_the_readme_hybrid_plan_command_runs_and_shows_the_attention_layers_growth():
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    (line,) = [
+        x for x in (root / "README.md").read_text().splitlines() if x.startswith("laplace plan --preset tiny-hybrid")
+    ]
+    args = shlex.split(line.split("  #")[0])
+    assert args[:4] == ["laplace", "plan", "--preset", "tiny-hybrid"]
+    out = subprocess.run(
+        [sys.executable, "-m", "laplace.pipeline.cli", *args[1:]], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "activations of one sequence as it grows" in out.stdout
+    assert all(f"{n:>8,} tokens" in out.stdout for n in (1024, 2048, 4096)), out.stdout
