@@ -143,3 +143,19 @@ def test_a_compiled_hybrid_engine_never_compiles_while_serving():
     eager = hybrid()
     for req, c in zip(reqs, done):
         assert c.output_ids == full_forward_greedy(eager, req.prompt_ids, req.max_new_tokens)[0], req.id
+
+
+def test_the_numerics_checks_decode_paths_run_unchanged_on_a_hybrid():
+    """evals/numerics.py's teacher-forced decode at ladder widths with pad rows (NaN-free) equals
+    the fp32 full forward, and its fp64 reference of the same weights agrees with both."""
+    from laplace.evals.numerics import decode_logits, prefill_logits
+
+    m = hybrid()
+    tokens = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
+    want = m(tokens)[:, 12:19].transpose(0, 1).reshape(-1, VOCAB)  # position-major, as decode_logits
+    for width in (2, 4):  # 2 live rows: width 2 exact, width 4 with two pad rows on the dummy slot
+        got = decode_logits(engine(m), tokens[:, :12], tokens[:, 12:19], width, real=2)
+        ref = want.view(7, 3, VOCAB)[:, :2].reshape(-1, VOCAB)
+        assert (got - ref).abs().max() < 1e-4 * ref.abs().max(), width
+    fp64 = hybrid().double()
+    assert (prefill_logits(fp64, tokens).float() - prefill_logits(m, tokens)).abs().max() < 1e-4
