@@ -106,10 +106,10 @@ def build_tiny_artifacts(root):
 def tiny_pipeline(tmp_path_factory):
     """The main job once per session: `laplace run` (dvc repro + the summary) on the tests' tiny
     params in a real git + DVC repo: (repo, its output). End-to-end tests that read a finished
-    pipeline's outputs use this one run, in the xdist group "tiny_pipeline" (a session fixture is
-    per worker under xdist: the group keeps its users on one). tests/test_pipeline_dvc.py changes
-    the repo after its reading tests (an experiment, a second run, push/pull): a test that needs
-    another state copies it (`cp -a` of the repo takes seconds; docs/testing.md)."""
+    pipeline's outputs use this one run; their modules are TINY_PIPELINE_MODULES, one xdist work
+    unit (a session fixture is per worker under xdist: the unit keeps its users on one).
+    tests/test_pipeline_dvc.py changes the repo after its reading tests (an experiment, a second
+    run, push/pull): a test that needs another state copies it (`cp -a` of the repo takes seconds; docs/testing.md)."""
     from project import BIN, PIPELINE_RUN_S, TINY_PARAMS, copy_project, run
 
     repo = copy_project(tmp_path_factory.mktemp("tiny-pipeline"), TINY_PARAMS)
@@ -117,28 +117,46 @@ def tiny_pipeline(tmp_path_factory):
     return repo, out.stdout + out.stderr
 
 
-# --------------------------------------------------------------------------- xdist groups, order
+# --------------------------------------------------------------------------- xdist work units, order
 
 SHARED_RUN_GROUP = "tiny_pipeline"
+# The modules whose tests use the tiny_pipeline fixture: they share one worker, so one pipeline run.
+TINY_PIPELINE_MODULES = {"tests/test_pipeline_dvc.py"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the marks into "@group" ids
+def group_of(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or the tiny_pipeline group."""
+    module = nodeid.split("::", 1)[0]
+    return SHARED_RUN_GROUP if module in TINY_PIPELINE_MODULES else module
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which would pick its scheduler by --dist
+def pytest_xdist_make_scheduler(config, log):
+    """Each work unit (group_of) runs whole on one worker, so its module fixtures (servers, tokenized
+    projects, pipeline runs) are built once. xdist's loadgroup does this through "@group" node ids,
+    which pytest 9 no longer lets a plugin set; loadscope splits by module, so it is the base."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ModuleGroups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """pytest-xdist (`--dist loadgroup`) sends each group to one worker. Each module is a group
-    (its module fixtures, servers and pipeline runs, are built once), except that every test of the
-    tiny_pipeline fixture joins the group of that name (one `laplace run` for all). Groups run
-    heaviest first by tests/durations.json, so the longest does not start last (the run's tail
-    is one group long); within a group, the file's order."""
+    """Work units run heaviest first by tests/durations.json, so the longest does not start last
+    (the run's tail is one unit long); within a unit, the file's order. A test of tiny_pipeline
+    outside TINY_PIPELINE_MODULES would run the pipeline again on the other worker: refused."""
+    strays = sorted(
+        {i.nodeid.split("::")[0] for i in items if "tiny_pipeline" in i.fixturenames} - TINY_PIPELINE_MODULES
+    )
+    if strays:
+        raise pytest.UsageError(f"{', '.join(strays)} use tiny_pipeline: add them to TINY_PIPELINE_MODULES (conftest)")
     weights = suite_timing.recorded_walls()
     groups: dict[str, list] = {}
     for item in items:
-        marked = item.get_closest_marker("xdist_group")
-        if marked:
-            name = marked.args[0] if marked.args else marked.kwargs["name"]
-        else:
-            name = SHARED_RUN_GROUP if "tiny_pipeline" in item.fixturenames else item.module.__name__
-            item.add_marker(pytest.mark.xdist_group(name))
-        groups.setdefault(name, []).append(item)
+        groups.setdefault(group_of(item.nodeid), []).append(item)
     ranked = sorted(groups.values(), key=lambda g: -sum(weights.get(i.nodeid, 0.0) for i in g))
     items[:] = [item for group in ranked for item in group]
 

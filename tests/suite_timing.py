@@ -63,7 +63,7 @@ class Timings:
 def record(timings: Timings, workers: int) -> dict:
     data = {
         "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "how": "make test (pytest -n 2 --dist loadgroup) with --record-durations; a full run",
+        "how": "make test PYTEST_ARGS=--record-durations (pytest -n 2, tests/conftest.py's work units); a full run",
         "workers": workers,
         "load_average_at_end": [round(x, 1) for x in os.getloadavg()],
         "totals": timings.totals(),
