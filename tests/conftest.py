@@ -130,7 +130,7 @@ def group_of(nodeid: str) -> str:
     return SHARED_RUN_GROUP if module in TINY_PIPELINE_MODULES else module
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which would pick its scheduler by --dist
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (it picks one by --dist)
 def pytest_xdist_make_scheduler(config, log):
     """Each work unit (group_of) runs whole on one worker, so its module fixtures (servers, tokenized
     projects, pipeline runs) are built once. xdist's loadgroup does this through "@group" node ids,
