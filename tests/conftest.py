@@ -145,7 +145,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Work units run heaviest first by tests/durations.json, so the longest does not start last
+    """Work units run heaviest first by tests/durations.json (without it: most slow-marked tests
+    first), so the longest does not start last
     (the run's tail is one unit long); within a unit, the file's order. A test of tiny_pipeline
     outside TINY_PIPELINE_MODULES would run the pipeline again on the other worker: refused."""
     strays = sorted(
@@ -157,7 +158,11 @@ def pytest_collection_modifyitems(config, items):
     groups: dict[str, list] = {}
     for item in items:
         groups.setdefault(group_of(item.nodeid), []).append(item)
-    ranked = sorted(groups.values(), key=lambda g: -sum(weights.get(i.nodeid, 0.0) for i in g))
+
+    def weight(group: list) -> tuple[float, int]:  # recorded seconds; without a record, slow tests
+        return sum(weights.get(i.nodeid, 0.0) for i in group), sum(bool(i.get_closest_marker("slow")) for i in group)
+
+    ranked = sorted(groups.values(), key=weight, reverse=True)
     items[:] = [item for group in ranked for item in group]
 
 
