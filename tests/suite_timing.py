@@ -106,7 +106,7 @@ def new_slow_tests(timings: Timings, recorded: dict) -> list[str]:
 def summary(timings: Timings, write) -> None:
     """Compare the run with tests/durations.json; `write(line)` prints to the terminal."""
     if not RECORD.exists():
-        write(f"no {RECORD.name} to compare with: run a full `make test` with --record-durations")
+        write(f"no {RECORD.name} to compare with: a full `make test PYTEST_ARGS=--record-durations` writes it")
         return
     recorded = json.loads(RECORD.read_text())
     now, then = timings.totals(), recorded.get("totals", {})
