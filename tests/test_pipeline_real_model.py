@@ -2,7 +2,8 @@
 own GLAConfig + save_pretrained) through `laplace import`, the whole pipeline with
 `laplace run --set model.init=... --set tokenizer.from=...` in a real git + DVC repo, `laplace serve`
 of the champion it registers hit by the openai client, and `laplace eval` (lm-eval) on it.
-Budget: about 4 minutes on a quiet 2-core machine, 15-25 at load 16 (the pipeline run is most of it)."""
+Budget: the pipeline run is most of it: past 900 s in CI's 76-minute run (load 1-8), past 2,400 s
+at load 16-19 (measured on 2026-12-01, serve-check not finished)."""
 
 from __future__ import annotations
 
