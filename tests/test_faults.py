@@ -17,9 +17,10 @@ import torch
 
 from laplace.training import checkpoint as ckpt
 
-from project import BIN, TINY_PARAMS, copy_project, descendants, env, run
+from project import BIN, PIPELINE_TIMEOUT_S, TINY_PARAMS, copy_project, descendants, env, run
 
-pytestmark = pytest.mark.slow
+# the module fixtures tokenize and train two reference runs before the first fault
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(PIPELINE_TIMEOUT_S)]
 
 STEPS = 24
 FAULT_PARAMS = {
