@@ -453,6 +453,7 @@ def _loop(
                 )
                 if on_log:
                     on_log(row)
+        saver.finish_if_written()  # an async checkpoint every rank has written goes into place now
         stopping = lifecycle.stop_requested(device)  # collective: every rank stops after the same step
         if done % t.checkpoint_every == 0 or done == t.steps or (stop_at_step is not None and done >= stop_at_step):
             if not stopping or lifecycle.time_to_save(save_seconds, device):
@@ -462,7 +463,8 @@ def _loop(
         if stopping:
             saver.close()  # an async write is put in place before the job ends
             kept = f"checkpoint {last_path.name} kept" if last_path is not None else "no checkpoint written"
-            raise lifecycle.TrainingStopped(f"stopped by SIGTERM after step {done}; {kept}; rerun to resume")
+            name, signum = lifecycle.stop_signal()
+            raise lifecycle.TrainingStopped(f"stopped by {name} after step {done}; {kept}; rerun to resume", signum)
         if stop_at_step is not None and done >= stop_at_step:
             break
     bar.close()
