@@ -91,7 +91,7 @@ def run_worker(
 
     status, tail = run_streaming(cmd, cwd, env, on_line)
     if status != 0:
-        from laplace.training.launch import FAILED_MARK  # torchrun's agent: its one-line verdict on a dead rank
+        from laplace.processes import AGENT_FAILED_MARK as FAILED_MARK  # torchrun's agent: its verdict on a dead rank
 
         lines = tail.splitlines()
         verdicts = [line[len(FAILED_MARK) :] for line in lines if line.startswith(FAILED_MARK)]

@@ -184,7 +184,7 @@ def owner_reduce_applies(muon_comm: str, precision: str) -> bool:
     return muon_comm == "owner_reduce" and precision == "fp32"
 
 
-def shard_model(model: torch.nn.Module, mesh, precision: str, muon_comm: str = "alltoall") -> None:
+def shard_model(model: torch.nn.Module, mesh, precision: str, ignored_params: set | None = None) -> None:
     """FSDP2 over `mesh`, by rows, in torchtitan's units: the embedding, each block, the final norm
     with the head, then the root (which then holds no parameters of its own). Tied embeddings
     put the embedding, norm and head in one unit (one parameter, one all-gather). The head's
@@ -194,9 +194,9 @@ def shard_model(model: torch.nn.Module, mesh, precision: str, muon_comm: str = "
     embedding and head are gathered only while they run, not through the whole step.
     bf16: parameters gathered and computed in bf16, gradients reduced in fp32, fp32 master
     weights in the shards; fp32: everything fp32.
-    muon.comm owner_reduce (fp32): the Muon matrices stay out of FSDP2 (`ignored_params`),
-    whole on every rank: their gradients go to their owners by `dist.reduce` and the
-    updated matrices come back by `dist.broadcast` (laplace.optim.sharded)."""
+    `ignored_params` stay out of FSDP2, whole on every rank: muon.comm owner_reduce's Muon
+    matrices (fp32; laplace.training.loop.build_model picks them), whose gradients go to their
+    owners by `dist.reduce` and come back updated by `dist.broadcast` (laplace.optim.sharded)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (
@@ -204,12 +204,7 @@ def shard_model(model: torch.nn.Module, mesh, precision: str, muon_comm: str = "
         if precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    ignored = None
-    if owner_reduce_applies(muon_comm, precision):
-        from laplace.optim.muon import route_parameters
-
-        ignored = {p for _, p in route_parameters(model)["muon"]}
-    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy, ignored_params=ignored_params or None)
     blocks = list(model.blocks)
     if model.cfg.tie_embeddings:  # one parameter: gathered once, kept through forward and backward
         shard([model.embed, model.norm, model.lm_head], reshard_after_forward=False)

@@ -21,9 +21,8 @@ import os
 import signal
 import sys
 
+from laplace.processes import AGENT_FAILED_MARK as FAILED_MARK  # the verdict line laplace.pipeline.workers reads
 from laplace.training.lifecycle import AGENT_PID_ENV, LAUNCHER_PID_ENV, die_with_parent
-
-FAILED_MARK = "laplace.training.launch: failed: "  # the agent's verdict line (laplace.pipeline.workers reads it)
 
 
 def describe_failure(failures: dict) -> str:

@@ -237,7 +237,12 @@ def build_model(
     if t.compile:
         for block in model.blocks:
             compile_static(block, compile_backend(device))
-    distributed.shard_model(model, mesh, t.precision, muon_comm)
+    ignored = None
+    if distributed.owner_reduce_applies(muon_comm, t.precision):  # the Muon matrices stay whole
+        from laplace.optim.muon import route_parameters
+
+        ignored = {p for _, p in route_parameters(model)["muon"]}
+    distributed.shard_model(model, mesh, t.precision, ignored)
     model.to_empty(device=device)
     model.reset_parameters()
     if init:
