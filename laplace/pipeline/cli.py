@@ -258,6 +258,8 @@ def _run(args) -> int:
                 f"laplace import: {args.src} -> {out}: {result['parameters']:,} parameters, {m['n_layers']} layers, "
                 f"hidden {m['d_model']}, vocab {m['vocab_size']} (train from it with --set model.init={out})"
             )
+            for key in result["ignored_keys"]:  # computed as fla computes, which does not obey them
+                print(f"laplace import: note: config.json {key}; imported as fla computes it")
         return 0
     if args.command == "export" and args.format == "hf":
         from laplace.model.hf import export_hf
