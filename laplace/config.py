@@ -321,7 +321,13 @@ class ServeCheckSection:
 
     requests: int = knob(48, _positive, "requests per replayed workload")
     workloads: list[str] = knob(["batch", "poisson", "bursty"], doc="arrival processes replayed")
-    exact_workloads: list[str] = knob(["poisson"], doc="also replayed with the exact (compile-on-first-sight) policy")
+    exact_workloads: list[str] = knob(
+        ["poisson"],
+        lambda v: (
+            None if v else "must name at least one workload (its exact vs padded replay is the headline comparison)"
+        ),
+        doc="also replayed with the exact (compile-on-first-sight) policy",
+    )
     shared_prefix_tokens: int = knob(
         128, _positive, "the shared_prefix workload (padded, prefix cache off vs on): the system prompt's length"
     )

@@ -1,0 +1,31 @@
+"""The `laplace` command line as a newcomer meets it: no arguments, options before the command, a
+knob value that would crash a stage later."""
+
+from __future__ import annotations
+
+import subprocess
+
+from project import BIN, ROOT
+
+
+def laplace(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "laplace"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_no_arguments_lists_the_commands():
+    done = laplace()
+    assert done.returncode == 2
+    for command in ("run", "summary", "serve", "import", "train", "eval"):
+        assert f"\n    {command} " in done.stdout, command  # each with its help line
+
+
+def test_options_before_the_command_are_the_commands():
+    done = laplace("--set", "model.d_model=abc", "info")  # understood as `laplace info --set ...`
+    assert done.returncode == 2 and "invalid choice" not in done.stderr
+    assert done.stderr.strip() == "laplace info: error: model.d_model: expected int, got str 'abc'"
+
+
+def test_an_empty_exact_workload_list_is_refused_before_anything_runs():
+    done = laplace("info", "--set", "serve_check.exact_workloads=[]")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "serve_check.exact_workloads: must name at least one workload" in done.stderr
