@@ -439,7 +439,8 @@ class TrackingSection:
     champion_recall_tolerance: float = knob(
         0.05,
         _unit_interval,
-        "nor if its recall (probes' recall suite) at any length both measured falls below the champion's by more",
+        "nor if its recall (probes' recall suite) at any length both measured falls below the champion's by more "
+        "(and by more than two binomial standard errors of the difference, from each side's recall_samples)",
     )
     register: bool = knob(True, doc="register the exported model (alias candidate; champion when it earns it)")
     retry_seconds: float = knob(
