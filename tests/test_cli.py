@@ -29,3 +29,22 @@ def test_an_empty_exact_workload_list_is_refused_before_anything_runs():
     done = laplace("info", "--set", "serve_check.exact_workloads=[]")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert "serve_check.exact_workloads: must name at least one workload" in done.stderr
+
+
+def test_serving_a_registered_model_before_anything_is_tracked_is_one_line_and_creates_nothing(tmp_path):
+    import os
+    import shutil
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    clean = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    done = subprocess.run(
+        [str(BIN / "laplace"), "serve", "--model", "models:/laplace-gla@champion"],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "nothing is tracked yet" in done.stderr and "run `laplace run` first" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # no empty mlflow.db
