@@ -48,3 +48,18 @@ def test_serving_a_registered_model_before_anything_is_tracked_is_one_line_and_c
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "nothing is tracked yet" in done.stderr and "run `laplace run` first" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # no empty mlflow.db
+
+
+def test_the_summary_of_an_unfinished_run_says_so_and_that_nothing_is_tracked(tmp_path):
+    import json
+    import shutil
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "corpus.json").write_text(json.dumps({"documents": 10}))  # a run stopped after corpus
+    done = subprocess.run([str(BIN / "laplace"), "summary"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    status = [line for line in done.stdout.splitlines() if line.startswith("status")]
+    assert status and "UNFINISHED: no results yet from tokenize, warmup, train" in status[0], done.stdout
+    assert "nothing is tracked in MLflow yet" in done.stdout
+    assert done.stdout.index("UNFINISHED") < done.stdout.index("next ")  # before the next steps
