@@ -32,12 +32,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from laplace import manifest
 from laplace.config import DataSection, TokenizerSection
-from laplace.data.pool import Workers, process_pool, sigterm_unwinds
+from laplace.data.pool import Workers, process_pool, runs_repeated, sigterm_unwinds
 from laplace.data.readers import (
     SliceStats,
     Unit,
@@ -62,6 +63,9 @@ from laplace.data.tokenizer import (
 from laplace.errors import DataError
 from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsync_file
 from laplace.progress import progress_bar
+
+if TYPE_CHECKING:
+    from laplace.data.dask_executor import DaskWorkers
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,8 @@ class _SurveyJob:
     quota: int
     sample_bytes: int  # 0: no sample needed (tokenizer.from)
     sample_file: str = ""  # where the slice's sample goes, sorted by keyed hash (JSON lines [hash, text])
+    result_file: str = ""  # where the survey's result is persisted before it is returned
+    run: str = ""  # this stage run: a result persisted by the same run is returned as it is
 
 
 @dataclass
@@ -130,7 +136,22 @@ def _bounded_sample(texts: Iterator[str], seed: int, budget: int) -> list[tuple[
     return sorted((-k, t) for k, t in heap)
 
 
+def _persisted_survey(job: _SurveyJob) -> _Survey | None:
+    """The survey this stage run already finished for the slice (a job run again after its worker
+    died, or resubmitted), when its result and sample are still there."""
+    try:
+        saved = json.loads(Path(job.result_file).read_text())
+        if saved.pop("run") != job.run or (saved["sample_file"] and not Path(saved["sample_file"]).is_file()):
+            return None
+        return _Survey(**saved)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _survey(job: _SurveyJob) -> _Survey:
+    """One slice's survey; its result persisted (job.result_file) before it is returned."""
+    if job.result_file and (done := _persisted_survey(job)) is not None:
+        return done
     data = job.data
     found = {u.name: unit_fingerprint(u, data) for u in job.units}
     problems = {name: problem for name, (_, problem) in found.items() if problem}
@@ -151,6 +172,9 @@ def _survey(job: _SurveyJob) -> _Survey:
                 f.write(json.dumps([key, text], ensure_ascii=False) + "\n")
         os.replace(f"{path}.tmp", path)
         survey.sample_file = str(path)
+    if job.result_file:
+        Path(job.result_file).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(job.result_file), {**asdict(survey), "run": job.run})
     return survey
 
 
@@ -377,11 +401,20 @@ def _read_sample(path: str) -> Iterator[tuple[int, str]]:
             yield key, text
 
 
-def _merge_samples(surveys: list[_Survey], budget: int, out: Path) -> tuple[str, int, int]:
+@dataclass
+class _MergeJob:
+    sample_files: list[str]
+    budget: int
+    out: str
+
+
+def _merge_samples(job: _MergeJob) -> tuple[str, int, int]:
     """The global sample, streamed: the smallest keyed hashes over all slices (a k-way merge of the
-    slices' sorted files), at most `budget` bytes, written to `out` as JSON lines of text. The stage
-    holds one document per slice, never the sample. Returns (sha256 of the sample, documents, bytes)."""
-    streams = [_read_sample(s.sample_file) for s in surveys if s.sample_file]
+    slices' sorted files), at most `budget` bytes, written to `out` as JSON lines of text. The
+    process holds one document per slice, never the sample. Returns (sha256 of the sample,
+    documents, bytes). On a Dask worker under executor: dask (the head reads no corpus text)."""
+    budget, out = job.budget, Path(job.out)
+    streams = [_read_sample(path) for path in job.sample_files]
     digest = hashlib.sha256()
     count = size = 0
     with open(f"{out}.tmp", "w", encoding="utf-8") as f:
@@ -425,7 +458,7 @@ def _tokenizer_bytes(
     previous: dict,
     out_dir: Path,
     staging: Path,
-    workers: Workers,
+    workers: Workers | DaskWorkers,
 ) -> tuple[bytes, str]:
     """tokenizer.json's bytes and the key of what made it: reused when the key is unchanged."""
     if given is not None:  # tokenizer.from
@@ -433,7 +466,8 @@ def _tokenizer_bytes(
         raw = given.read_bytes()
         return raw, hashlib.sha256(raw).hexdigest()
     sample_file = staging / "sample.jsonl"
-    sample_sha, count, size = _merge_samples(surveys, tok_cfg.sample_bytes, sample_file)
+    merge = _MergeJob([s.sample_file for s in surveys if s.sample_file], tok_cfg.sample_bytes, str(sample_file))
+    sample_sha, count, size = workers.small(_merge_samples, merge, "tokenizer sample (merge)")
     key = _digest([settings["tokenizer"], settings["seed"], sample_sha])
     if previous.get("tokenizer_key") == key and (out_dir / TOKENIZER_NAME).is_file():
         return (out_dir / TOKENIZER_NAME).read_bytes(), key
@@ -509,6 +543,19 @@ def tokenize_corpus(
     return metrics
 
 
+@contextlib.contextmanager
+def _executor(data: DataSection, busy: int, staging: Path, ledger: Path, map_slices: MapSlices | None):
+    """Where the slices run: data.executor's pool (the local one, or a Dask cluster), closed on the way out."""
+    if data.executor == "dask" and map_slices is None:
+        from laplace.data.dask_executor import dask_pool  # distributed only when asked for
+
+        with dask_pool(data.dask_address, data.num_proc, ledger, data.dask_in_flight) as pool:
+            yield pool
+        return
+    with process_pool(max(1, min(data.num_proc, busy)), staging / "workers", ledger) as pool:
+        yield pool
+
+
 def _tokenize(
     data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, staging: Path, seed: int, map_slices: MapSlices | None
 ) -> dict:
@@ -525,14 +572,21 @@ def _tokenize(
     tokens_quota = {i: _quota(data.max_tokens, k, len(busy)) for k, i in enumerate(busy)}
     settings = _settings(data, tok_cfg, seed)
     previous = _previous(out_dir)
-    workers = max(1, min(data.num_proc, len(busy)))
+    ledger = staging / "runs"
+    shutil.rmtree(ledger, ignore_errors=True)  # runs are counted per stage run
+    ledger.mkdir(parents=True)
+    run = os.urandom(8).hex()
 
-    with process_pool(workers, staging / "workers") as pool:
+    with _executor(data, len(busy), staging, ledger, map_slices) as pool:
+        workers = pool.num_proc
         sample_bytes = 0 if tok_cfg.from_ else tok_cfg.sample_bytes
         jobs = [
-            _SurveyJob(i, slices[i], data, seed, docs_quota[i], sample_bytes, str(staging / f"samples/{i:05d}.jsonl"))
+            _SurveyJob(
+                i, slices[i], data, seed, docs_quota[i], sample_bytes, str(staging / f"samples/{i:05d}.jsonl"),
+                str(staging / f"surveys/{i:05d}.json"), run,
+            )
             for i in busy
-        ]
+        ]  # fmt: skip
         surveys = []
         survey_of = pool.map_unordered(_survey, jobs, lambda j: f"slice {j.slice:05d} (survey)")
         for survey in progress_bar(survey_of, total=len(jobs), desc="survey slices", unit="slice"):
@@ -591,6 +645,9 @@ def _tokenize(
                 progress.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:.3g}", refresh=False)
                 progress.update(1)
 
+    repeated = runs_repeated(ledger)  # a job run again in this run: a recompute after a lost worker
+    for name, n in repeated.items():
+        log.info("%s ran %d more time(s) (its worker was lost)", name, n)
     bad = [line for i in busy for line in records[i]["stats"]["bad"]]
     for line in bad:
         log.warning("skipped %s", line)
@@ -646,7 +703,9 @@ def _tokenize(
         "slices_reused": len(reused),
         "shards_resumed": shards_resumed,
         "vocab_size": vocab_size,
+        "executor": data.executor if map_slices is None else "map_slices",
         "workers": workers,
+        "slices_rerun": sum(repeated.values()),
         "seconds": seconds,
         "tokens_per_s": (totals["train"] + totals["val"]) / max(seconds, 1e-9),
     }
