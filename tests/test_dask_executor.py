@@ -213,7 +213,8 @@ def test_dvc_repro_reads_the_executor_from_params(tmp_path):
 
 def test_the_prefect_yaml_has_a_dask_deployment():
     """The tiny-dask deployment sets the knob through the flow's overrides (the flow writes them into
-    params.yaml, and `dvc repro` runs `laplace tokenize`; test_pipeline_prefect runs a deployment with that override)."""
+    params.yaml, and `dvc repro` runs `laplace tokenize`; test_pipeline_prefect runs a deployment
+    with that override)."""
     import yaml
 
     deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}

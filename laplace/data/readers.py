@@ -489,36 +489,60 @@ class _Where:
         return f"{self.unit.location}:{self._before + number}"
 
 
+def _gzip_problem(exc: BaseException) -> str:
+    if isinstance(exc, EOFError):
+        return f"a truncated gzip file ({one_line(exc)}); the records before the cut are kept"
+    return f"not a valid gzip file ({one_line(exc)})"
+
+
+def _parse_record(raw: bytes | bytearray, where: str):
+    """A JSON line -> the parsed value, or a BadInput saying why not (not UTF-8, not JSON, too deep)."""
+    try:
+        line = raw.decode("utf-8")  # strict; then the bytes are let go (a record may be huge)
+        raw = None
+        return json.loads(line)
+    except UnicodeDecodeError as exc:
+        return BadInput(where, f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+    except ValueError as exc:
+        return BadInput(where, f"not a JSON record ({one_line(exc)})")
+    except RecursionError:  # json's C scanner recurses per nesting level (a line nested 100,000 deep)
+        return BadInput(where, "not a JSON record (nested too deeply to parse)")
+
+
 def _jsonl_texts(unit: Unit, text_field: str) -> Iterator[str | None | BadInput]:
     if unit.kind == "jsonl-gz":
         import gzip
+        import zlib
 
         opened, start, stop = gzip.open(unit.location, "rb"), 0, None
+        broken: tuple = (EOFError, gzip.BadGzipFile, zlib.error)
     else:
         opened = open(unit.location, "rb")
         start, stop = byte_range(unit, opened)
         opened.seek(start)
+        broken = ()
     where = _Where(unit, start)
     number, pos = 0, start
     with opened as f:
         while stop is None or pos < stop:
-            raw = _read_line(f)
+            try:
+                raw = _read_line(f)
+            except broken as exc:
+                yield BadInput(unit.location, _gzip_problem(exc))
+                return
             if not raw:
                 break
+            if pos == 0 and raw.startswith(codecs.BOM_UTF8):  # a UTF-8 byte order mark is not part of the record
+                del raw[:3]
+                pos += 3
             pos += len(raw)
             number += 1
             if not raw.strip():
                 continue
-            try:
-                line = raw.decode("utf-8")  # strict; then the bytes are let go (a record may be huge)
-                raw = None
-                record = json.loads(line)
-                line = None
-            except UnicodeDecodeError as exc:
-                yield BadInput(where(number), f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
-                continue
-            except ValueError as exc:
-                yield BadInput(where(number), f"not a JSON record ({one_line(exc)})")
+            record = _parse_record(raw, where(number))
+            raw = None
+            if isinstance(record, BadInput):
+                yield record
                 continue
             if not isinstance(record, dict):
                 yield BadInput(where(number), f"a JSON {type(record).__name__}, not an object")
@@ -536,19 +560,25 @@ def _jsonl_texts(unit: Unit, text_field: str) -> Iterator[str | None | BadInput]
 
 def _json_texts(path: Path, text_field: str) -> Iterator[str | None | BadInput]:
     with open(path, "rb") as f:
-        head = f.read(64).lstrip()
+        head = f.read(64).removeprefix(codecs.BOM_UTF8).lstrip()
     if not head.startswith(b"["):
         yield from _jsonl_texts(Unit(path.name, "jsonl", str(path)), text_field)
         return
-    try:  # a JSON array is parsed whole: keep large corpora in JSON Lines or Parquet
-        records = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, ValueError) as exc:
-        yield BadInput(str(path), f"not valid JSON ({one_line(exc)})")
+    # a JSON array is parsed whole: keep large corpora in JSON Lines or Parquet
+    records = _parse_record(path.read_bytes().removeprefix(codecs.BOM_UTF8), str(path))
+    if isinstance(records, BadInput):
+        yield BadInput(str(path), records.why.replace("not a JSON record", "not valid JSON"))
+        return
+    if not isinstance(records, list):
+        yield BadInput(str(path), f"a JSON {type(records).__name__}, not an array of records")
         return
     for i, record in enumerate(records):
         where = f"{path}[{i}]"
-        if not isinstance(record, dict) or text_field not in record:
-            raise DataError(f"{where}: no field {text_field!r} (data.text_field)")
+        if not isinstance(record, dict):  # skipped and named, as the same line in JSON Lines is
+            yield BadInput(where, f"a JSON {type(record).__name__}, not an object")
+            continue
+        if text_field not in record:
+            raise DataError(f"{where}: no field {text_field!r} (data.text_field; fields: {', '.join(record)})")
         yield _checked_record(record[text_field], where, text_field)
 
 
@@ -613,12 +643,17 @@ def unit_texts(unit: Unit, data: DataSection, problem: str = "") -> Iterator[str
             yield BadInput(unit.location, problem)
         else:
             yield from _text_documents(unit, data.max_document_chars)
+    elif problem:  # unreadable (the survey could not hash it)
+        yield BadInput(unit.location, problem)
     else:
-        for record in _records(unit, data):
-            if isinstance(record, str) and len(record) > data.max_document_chars:
-                yield from record_pieces(record, data.max_document_chars)
-            else:
-                yield record
+        try:
+            for record in _records(unit, data):
+                if isinstance(record, str) and len(record) > data.max_document_chars:
+                    yield from record_pieces(record, data.max_document_chars)
+                else:
+                    yield record
+        except (PermissionError, IsADirectoryError, FileNotFoundError) as exc:  # gone or closed since the survey
+            yield BadInput(unit.location, f"unreadable ({one_line(exc)})")
 
 
 def slice_documents(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import hashlib
 import heapq
 import json
@@ -60,7 +61,7 @@ from laplace.data.tokenizer import (
     tokenizer_sha256,
     train_reaching,
 )
-from laplace.errors import DataError
+from laplace.errors import DataError, Failure, one_line
 from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsync_file
 from laplace.progress import progress_bar
 
@@ -83,6 +84,14 @@ def _val_score(text: str, seed: int) -> float:
     key = str(seed).encode()[:64]
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=key).digest()
     return int.from_bytes(digest, "little") / 2.0**64
+
+
+class DiskFull(Failure):
+    """No space left for the shards or the manifest: one line naming the file, not a traceback;
+    a crash (retried), and the run resumes from the shards it finished once there is room."""
+
+
+_FULL_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
 def staging_dir(out_dir: Path) -> Path:
@@ -525,6 +534,14 @@ def tokenize_corpus(
     try:
         with sigterm_unwinds(), _datasets_cache_in(staging / "hf-cache"):
             metrics = _tokenize(data, tok_cfg, out_dir, staging, seed, map_slices)
+    except OSError as exc:
+        if exc.errno not in _FULL_DISK_ERRNOS:
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        raise DiskFull(
+            f"tokenize: no space left on device{where} ({one_line(exc)}); {out_dir} left as it was, "
+            "free some space and rerun to resume"
+        ) from None
     except (SystemExit, KeyboardInterrupt):
         finished = sum(1 for split in SPLITS for _ in staging.glob(f"{split}/*/manifest.json"))
         if finished:
