@@ -136,6 +136,11 @@ class DataSection:
     max_document_chars: int = knob(
         1_000_000, _positive, "longer text files and records are cut at blank lines (or at this size) into documents"
     )
+    max_record_bytes: int = knob(
+        512_000_000,
+        _positive,
+        "a longer JSON line (or .json file) is skipped, named and counted; a worker holds about 2x a record",
+    )
     split_bytes: int = knob(
         32_000_000, _positive, "a larger .jsonl or text file is split by byte ranges (at line starts) over slices"
     )

@@ -258,6 +258,22 @@ def _worker_tokenizer(tokenizer_json: str):
     return _TOKENIZER[tokenizer_json]
 
 
+def _encoded(tokenizer, pieces: list[str]) -> Iterator:
+    """The encodings of the pieces, in order, the encoder given at most about _ENCODE_BATCH_CHARS
+    characters per call: it holds ~300 bytes per character of what it is given (a 1M-character
+    document at once took ~300 MB), so a long document's pieces go a few at a time."""
+    group: list[str] = []
+    size = 0
+    for piece in pieces:
+        if group and size + len(piece) > _ENCODE_BATCH_CHARS:
+            yield from tokenizer.encode_batch_fast(group, add_special_tokens=False)
+            group, size = [], 0
+        group.append(piece)
+        size += len(piece)
+    if group:
+        yield from tokenizer.encode_batch_fast(group, add_special_tokens=False)
+
+
 def encode_slice(job: _EncodeJob) -> tuple[dict, int]:
     """Encode one slice: its record (what the manifest keeps) and how many of its shards were
     adopted from an interrupted run (a figure of this run, not of the slice)."""
@@ -278,7 +294,7 @@ def encode_slice(job: _EncodeJob) -> tuple[dict, int]:
 
     def flush() -> None:
         pieces = [list(_encoder_pieces(text, _ENCODE_PIECE_CHARS)) for *_, text in batch]
-        encodings = iter(tokenizer.encode_batch_fast([p for ps in pieces for p in ps], add_special_tokens=False))
+        encodings = _encoded(tokenizer, [p for ps in pieces for p in ps])
         for (split, index, skip, _), parts in zip(batch, pieces):
             done = [next(encodings).ids for _ in parts]
             count = len(job.start_ids) + sum(map(len, done)) + 1
@@ -371,6 +387,7 @@ def _settings(data: DataSection, tok_cfg: TokenizerSection, seed: int) -> dict:
         "seed": seed,
         "min_chars": data.min_chars,
         "max_document_chars": data.max_document_chars,
+        "max_record_bytes": data.max_record_bytes,
         "split_bytes": data.split_bytes,
         "val_fraction": data.val_fraction,
         "on_bad_file": data.on_bad_file,
@@ -670,7 +687,8 @@ def _tokenize(
         log.warning("skipped %s", line)
     totals = {s: sum(sh["tokens"] for i in busy for sh in records[i]["shards"][s]) for s in SPLITS}
     documents = {s: sum(records[i]["documents"][s] for i in busy) for s in SPLITS}
-    stats = {k: sum(records[i]["stats"][k] for i in busy) for k in ("read", "empty", "too_short", "undecodable")}
+    kinds = ("read", "empty", "too_short", "undecodable", "too_large")  # too_large: absent in older records
+    stats = {k: sum(records[i]["stats"].get(k, 0) for i in busy) for k in kinds}
     if totals["train"] == 0 or totals["val"] == 0:
         raise DataError(
             f"corpus has no usable text for both splits: {stats['read']} documents read, {documents['train']} "
@@ -696,8 +714,8 @@ def _tokenize(
             "tokenizer_key": tokenizer_key,
             "source": {"kind": data.source, "description": _describe_source(data, units), "files": len(units)},
             "settings": settings,
-            "documents": {**documents, "total_read": stats["read"] + stats["undecodable"]},
-            "skipped": {k: stats[k] for k in ("empty", "too_short", "undecodable")},
+            "documents": {**documents, "total_read": stats["read"] + stats["undecodable"] + stats["too_large"]},
+            "skipped": {k: stats[k] for k in ("empty", "too_short", "undecodable", "too_large")},
             "bad_input": bad[:_LISTED_BAD],
             "tokens": totals,
         },
@@ -705,13 +723,14 @@ def _tokenize(
     seconds = time.perf_counter() - started
     shards = {s: sum(len(records[i]["shards"][s]) for i in busy) for s in SPLITS}
     metrics = {
-        "documents_read": stats["read"] + stats["undecodable"],
+        "documents_read": stats["read"] + stats["undecodable"] + stats["too_large"],
         "documents_train": documents["train"],
         "documents_val": documents["val"],
         "documents_cut_by_max_tokens": sum(records[i]["cut_by_max_tokens"] for i in busy),
         "skipped_empty": stats["empty"],
         "skipped_too_short": stats["too_short"],
         "skipped_undecodable": stats["undecodable"],
+        "skipped_too_large": stats["too_large"],
         "tokens_train": totals["train"],
         "tokens_val": totals["val"],
         "shards_train": shards["train"],
@@ -732,7 +751,7 @@ def _tokenize(
         "tokenized %d documents (of %d read; %d skipped) into %d train + %d val tokens in %d+%d shards "
         "(%d of %d slices reused) in %.1fs (%.0f tokens/s)",
         documents["train"] + documents["val"], metrics["documents_read"],
-        stats["empty"] + stats["too_short"] + stats["undecodable"], totals["train"], totals["val"],
+        stats["empty"] + stats["too_short"] + stats["undecodable"] + stats["too_large"], totals["train"], totals["val"],
         shards["train"], shards["val"], len(reused), len(busy), seconds, metrics["tokens_per_s"],
     )  # fmt: skip
     return metrics
