@@ -244,3 +244,72 @@ def test_sigterm_handler_is_not_left_installed():
         tokenize_corpus(DataSection(source="files", path="/nonexistent/corpus"), TokenizerSection(), Path("/tmp/x"), 0)
     assert signal.getsignal(signal.SIGTERM) is before
     assert os.environ.get("HF_DATASETS_CACHE") is None or "partial" not in os.environ["HF_DATASETS_CACHE"]
+
+
+def staged_bytes(staging: Path) -> tuple[int, int]:
+    """(bytes of the tokenizer sample, bytes of everything else but shards and the staged tokenizer)."""
+    sample = other = 0
+    for path in list(staging.rglob("*")) if staging.is_dir() else []:
+        try:
+            size = path.stat().st_size if path.is_file() else 0
+        except OSError:  # removed while we looked
+            continue
+        rel = path.relative_to(staging).parts
+        if rel[0] == "samples":
+            sample += size
+        elif rel[0] not in ("train", "val") and path.name not in ("tokenizer.json", "tokenizer.key"):
+            other += size
+    return sample, other
+
+
+def stage_in(tmp_path: Path, **tokenizer) -> subprocess.Popen:
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 3, files=8)
+    params = {"seed": 0, "data": {"source": "files", "path": "corpus", "slices": 4, "num_proc": 2}}
+    params["tokenizer"] = {"vocab_size": 400, "sample_bytes": 300_000, **tokenizer}
+    (tmp_path / "params.yaml").write_text(json.dumps(params))
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "laplace"), "tokenize"],
+        cwd=tmp_path,
+        env=env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_staging_holds_at_most_the_tokenizer_sample_besides_the_shards(tmp_path):
+    """3 MB of corpus, tokenizer.sample_bytes 300 KB: the slices' sample files (the only copy of the
+    sample) never add up to more, sampled every 10 ms through the run; the quota binds."""
+    proc = stage_in(tmp_path)
+    staging = staging_dir(tmp_path / "data" / "tokenized")
+    peak_sample = peak_other = 0
+    while proc.poll() is None:
+        sample, other = staged_bytes(staging)
+        peak_sample, peak_other = max(peak_sample, sample), max(peak_other, other)
+        time.sleep(0.01)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert 150_000 < peak_sample <= 300_000, peak_sample
+    assert peak_other < 64_000, peak_other  # survey results, the run ledger, the workers' tags
+    assert not staging.exists()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "refusal"])
+def test_staging_is_gone_after_sigterm_and_after_a_refusal(tmp_path, how):
+    """SIGTERM once the sample is on disk (no shard finished yet), or a refusal (a vocabulary the
+    sample cannot reach, exit status 2): no staging directory is left behind."""
+    proc = stage_in(tmp_path, **({"vocab_size": 60_000} if how == "refusal" else {}))
+    staging = staging_dir(tmp_path / "data" / "tokenized")
+    if how == "sigterm":
+        deadline = time.monotonic() + 120
+        while not list((staging / "samples").glob("*.jsonl")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == (2 if how == "refusal" else 128 + signal.SIGTERM), err[-3000:]
+    if how == "refusal":
+        assert "tokenizer.vocab_size" in err, err[-3000:]
+    assert not staging.exists(), sorted(str(p.relative_to(staging)) for p in staging.rglob("*"))
+    assert not (tmp_path / "data" / "tokenized").exists()

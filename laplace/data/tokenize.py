@@ -61,7 +61,7 @@ from laplace.data.tokenizer import (
     tokenizer_sha256,
     train_reaching,
 )
-from laplace.errors import DataError, Failure, one_line
+from laplace.errors import DataError, Failure, InputError, one_line
 from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsync_file
 from laplace.progress import progress_bar
 
@@ -94,6 +94,9 @@ class DiskFull(Failure):
 _FULL_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
+_PER_RUN = ("samples", "surveys", "runs", "workers")  # staging folders of one run, removed on every exit
+
+
 def staging_dir(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.partial"
 
@@ -115,7 +118,7 @@ class _SurveyJob:
     data: DataSection
     seed: int
     quota: int
-    sample_bytes: int  # 0: no sample needed (tokenizer.from)
+    sample_bytes: int  # the slice's quota of tokenizer.sample_bytes, on disk; 0: no sample (tokenizer.from)
     sample_file: str = ""  # where the slice's sample goes, sorted by keyed hash (JSON lines [hash, text])
     result_file: str = ""  # where the survey's result is persisted before it is returned
     run: str = ""  # this stage run: a result persisted by the same run is returned as it is
@@ -129,20 +132,29 @@ class _Survey:
     sample_file: str = ""  # the slice's share of the sample (see _SurveyJob), read back streaming
 
 
+def _sample_line(key: int, text: str) -> bytes:
+    """A sample document as the slice's sample file holds it (its bytes count against the quota)."""
+    return (json.dumps([key, text], ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def _bounded_sample(texts: Iterator[str], seed: int, budget: int) -> list[tuple[int, str]]:
-    """The texts with the smallest keyed hashes whose sizes add up to at most `budget` bytes."""
-    heap: list[tuple[int, str]] = []  # max-heap on the hash (negated)
+    """The texts with the smallest keyed hashes whose sample lines add up to at most `budget` bytes
+    (so the slice's file, and what this worker holds, stay within its quota)."""
+    heap: list[tuple[int, int, str]] = []  # max-heap on the hash (negated), with each line's size
     size = 0
     for text in texts:
         key = stable_hash("sample", str(seed), text)
         if heap and size >= budget and key > -heap[0][0]:
             continue
-        heapq.heappush(heap, (-key, text))
-        size += len(text.encode("utf-8"))
+        line = len(_sample_line(key, text))
+        if line > budget:
+            continue
+        heapq.heappush(heap, (-key, line, text))
+        size += line
         while size > budget and heap:
-            _, dropped = heapq.heappop(heap)
-            size -= len(dropped.encode("utf-8"))
-    return sorted((-k, t) for k, t in heap)
+            _, dropped, _ = heapq.heappop(heap)
+            size -= dropped
+    return sorted((-k, t) for k, _, t in heap)
 
 
 def _persisted_survey(job: _SurveyJob) -> _Survey | None:
@@ -176,9 +188,9 @@ def _survey(job: _SurveyJob) -> _Survey:
         sample = _bounded_sample(train, job.seed, job.sample_bytes)
         path = Path(job.sample_file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+        with open(f"{path}.tmp", "wb") as f:
             for key, text in sample:
-                f.write(json.dumps([key, text], ensure_ascii=False) + "\n")
+                f.write(_sample_line(key, text))
         os.replace(f"{path}.tmp", path)
         survey.sample_file = str(path)
     if job.result_file:
@@ -427,53 +439,37 @@ def _read_sample(path: str) -> Iterator[tuple[int, str]]:
             yield key, text
 
 
-@dataclass
-class _MergeJob:
-    sample_files: list[str]
-    budget: int
-    out: str
+def _sample(sample_files: list[str]) -> Iterator[tuple[int, str]]:
+    """The global sample, streamed: the slices' sorted files merged by keyed hash (a k-way merge:
+    one document per slice in memory, never the sample). Each slice kept at most its quota of
+    tokenizer.sample_bytes, so the whole is within it, on disk as in memory: no merged copy is
+    written (the training reads the slices' files through this merge too)."""
+    return heapq.merge(*(_read_sample(path) for path in sample_files))
 
 
-def _merge_samples(job: _MergeJob) -> tuple[str, int, int]:
-    """The global sample, streamed: the smallest keyed hashes over all slices (a k-way merge of the
-    slices' sorted files), at most `budget` bytes, written to `out` as JSON lines of text. The
-    process holds one document per slice, never the sample. Returns (sha256 of the sample,
-    documents, bytes). On a Dask worker under executor: dask (the head reads no corpus text)."""
-    budget, out = job.budget, Path(job.out)
-    streams = [_read_sample(path) for path in job.sample_files]
+def _sample_digest(sample_files: list[str]) -> tuple[str, int, int]:
+    """(sha256 of the sample, documents, bytes of text). On a Dask worker under executor: dask."""
     digest = hashlib.sha256()
     count = size = 0
-    with open(f"{out}.tmp", "w", encoding="utf-8") as f:
-        for key, text in heapq.merge(*streams):
-            size += len(text.encode("utf-8"))
-            if size > budget:
-                size -= len(text.encode("utf-8"))
-                break
-            line = json.dumps([key, text], ensure_ascii=False)
-            digest.update(line.encode("utf-8") + b"\n")
-            f.write(json.dumps(text, ensure_ascii=False) + "\n")
-            count += 1
-    os.replace(f"{out}.tmp", out)
+    for key, text in _sample(sample_files):
+        digest.update(_sample_line(key, text))
+        size += len(text.encode("utf-8"))
+        count += 1
     return digest.hexdigest(), count, size
 
 
 @dataclass
 class _TrainJob:
-    sample: str
+    sample_files: list[str]
     vocab_size: int
     min_frequency: int
     note: str
 
 
 def _train(job: _TrainJob) -> str:
-    """In a child process of its own (SIGTERM stops it at once): the BPE trained on the sample file."""
-
-    def texts() -> Iterator[str]:
-        with open(job.sample, encoding="utf-8") as f:
-            for line in f:
-                yield json.loads(line)
-
-    return train_reaching(texts(), job.vocab_size, job.min_frequency, job.note).to_str(pretty=True)
+    """In a child process of its own (SIGTERM stops it at once): the BPE trained on the sample."""
+    texts = (text for _, text in _sample(job.sample_files))
+    return train_reaching(texts, job.vocab_size, job.min_frequency, job.note).to_str(pretty=True)
 
 
 def _tokenizer_bytes(
@@ -491,9 +487,8 @@ def _tokenizer_bytes(
         load_tokenizer(given)  # validate before copying
         raw = given.read_bytes()
         return raw, hashlib.sha256(raw).hexdigest()
-    sample_file = staging / "sample.jsonl"
-    merge = _MergeJob([s.sample_file for s in surveys if s.sample_file], tok_cfg.sample_bytes, str(sample_file))
-    sample_sha, count, size = workers.small(_merge_samples, merge, "tokenizer sample (merge)")
+    sample_files = [s.sample_file for s in surveys if s.sample_file]
+    sample_sha, count, size = workers.small(_sample_digest, sample_files, "tokenizer sample (digest)")
     key = _digest([settings["tokenizer"], settings["seed"], sample_sha])
     if previous.get("tokenizer_key") == key and (out_dir / TOKENIZER_NAME).is_file():
         return (out_dir / TOKENIZER_NAME).read_bytes(), key
@@ -507,7 +502,7 @@ def _tokenizer_bytes(
         )
     log.info("training the tokenizer on a sample of %d documents (%.1f MB)", count, size / 1e6)
     note = f"the sample ({count} documents, {size:,} bytes; tokenizer.sample_bytes={tok_cfg.sample_bytes:,})"
-    job = _TrainJob(str(sample_file), tok_cfg.vocab_size, tok_cfg.min_frequency, note)
+    job = _TrainJob(sample_files, tok_cfg.vocab_size, tok_cfg.min_frequency, note)
     raw = workers.call(_train, job, "tokenizer training").encode("utf-8")
     atomic_write_bytes(staged, raw)
     atomic_write_bytes(staging / "tokenizer.key", key.encode())
@@ -569,7 +564,13 @@ def tokenize_corpus(
         else:
             log.warning("tokenize interrupted: %s left as it was; no finished shard to resume from", out_dir)
         raise
+    except InputError:  # refused: the input changes before a rerun, so nothing but finished shards is kept
+        for name in (TOKENIZER_NAME, "tokenizer.key"):
+            (staging / name).unlink(missing_ok=True)
+        raise
     finally:
+        for name in _PER_RUN:  # the sample, the surveys' results, the run ledger, the workers' tags
+            shutil.rmtree(staging / name, ignore_errors=True)
         _remove_temporaries(staging)
         shutil.rmtree(_next_dir(out_dir), ignore_errors=True)  # never the live output (see _swap)
     _assembly_step("removing the staging directory")
@@ -613,10 +614,14 @@ def _tokenize(
 
     with _executor(data, len(busy), staging, ledger, map_slices) as pool:
         workers = pool.num_proc
-        sample_bytes = 0 if tok_cfg.from_ else tok_cfg.sample_bytes
+        # each slice's quota of the sample (an even share, like max_documents): the whole sample is
+        # within tokenizer.sample_bytes on disk, and a survey worker holds at most its slice's quota
+        sample_quota = {
+            i: 0 if tok_cfg.from_ else _quota(tok_cfg.sample_bytes, k, len(busy)) for k, i in enumerate(busy)
+        }
         jobs = [
             _SurveyJob(
-                i, slices[i], data, seed, docs_quota[i], sample_bytes, str(staging / f"samples/{i:05d}.jsonl"),
+                i, slices[i], data, seed, docs_quota[i], sample_quota[i], str(staging / f"samples/{i:05d}.jsonl"),
                 str(staging / f"surveys/{i:05d}.json"), run,
             )
             for i in busy
