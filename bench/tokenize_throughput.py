@@ -89,15 +89,18 @@ def tree_peak_rss(proc: subprocess.Popen) -> tuple[int, float, dict[int, int]]:
 # --------------------------------------------------------------------------- one measured run
 
 
-def dir_bytes(directory: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(directory):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
+def dir_bytes(*directories: Path) -> int:
+    """Bytes on disk under the directories, each inode once (the assembly hard-links the staged shards)."""
+    seen: dict[tuple[int, int], int] = {}
+    for directory in directories:
+        for root, _, files in os.walk(directory):
+            for name in files:
+                try:
+                    st = os.lstat(os.path.join(root, name))
+                except OSError:
+                    continue
+                seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
 
 
 def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: int) -> dict:
@@ -131,7 +134,9 @@ def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: i
 
     def watch_disk() -> None:  # the staging directory and the output, what the run holds on disk
         while proc.poll() is None:
-            disk[0] = max(disk[0], dir_bytes(out.parent / f".{out.name}.partial") + dir_bytes(out))
+            disk[0] = max(
+                disk[0], dir_bytes(out.parent / f".{out.name}.partial", out, out.parent / f".{out.name}.next")
+            )
             time.sleep(0.5)
 
     disk_watcher = threading.Thread(target=watch_disk)

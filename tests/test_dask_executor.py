@@ -187,6 +187,7 @@ def test_a_killed_dask_worker_costs_only_the_slice_it_held(tmp_path, monkeypatch
     rerun = set(re.findall(r"slice (\d{5}) \(encode\) ran \d+ more time", err))
     assert metrics["slices_rerun"] == len(rerun) <= 1, err[-3000:]  # at most the slice the dead worker held
     assert not rerun & finished_before, (rerun, finished_before)
+    print(f"the killed worker held a slice: {busy_before_kill}; slices run again: {sorted(rerun)}")
     if busy_before_kill:  # the dead worker held a slice: a KilledWorker at once, that slice resubmitted
         assert len(rerun) == 1 and "submitted again" in err, err[-3000:]
     local = tmp_path / "local"
