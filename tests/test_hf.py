@@ -177,7 +177,7 @@ def _import_cli(src, out: Path, capsys) -> tuple[int, str]:
         (lambda d: _edit_config(d, model_type="llama"), r'model_type="llama" is not a GLA checkpoint'),
         (lambda d: _edit_config(d, feature_map="relu"), r'feature_map="relu" is not supported'),
         (lambda d: _edit_config(d, use_output_gate=False), r"use_output_gate=false is not supported"),
-        (  # a GLA layer's weights where the config now says attention (tests/test_hf_hybrid.py: hybrids)
+        (  # a GLA layer's weights where the config now says attention (tests/test_export.py: hybrids)
             lambda d: _edit_config(d, attn={"layers": [1], "num_heads": 2}),
             r"unexpected weight model\.layers\.1\.attn\.\S+ for this config\.json",
         ),
