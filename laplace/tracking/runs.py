@@ -3,7 +3,7 @@
 Stages never talk to MLflow while they work: each writes plain metrics and plots to
 disk, and the last stage (`track`) logs the whole pipeline run at once: every
 effective param, the headline figures under short names (`eval_loss`, `tps`, ...:
-laplace.pipeline.headline; the loss curves as step histories), every detailed figure as
+laplace.tracking.headline; the loss curves as step histories), every detailed figure as
 artifacts (the metrics/*.json files and one table, `figures.json`), plots as images, the
 tokenizer, the dataset (with its DVC hash as digest) and the model. So an MLflow outage
 never stops training, and every front door (dvc repro, the Prefect flow, the CLI)
@@ -14,13 +14,13 @@ The run starts when the pipeline run did: at the first stage measured in it. A s
 DVC did not run this time (up to date, or restored from its run-cache) carries the
 measurement stamp of the run that did, and the MLflow run says so: the tag
 `source.<stage>` reads "cached from run NAME (ID), measured TIME" instead of presenting
-old timings as new (laplace.pipeline.provenance).
+old timings as new (laplace.tracking.provenance).
 
 The model is registered with the alias `candidate`, and takes `champion` when the champion
-rule (laplace.pipeline.champion) says so; the decision and its reason are the run's tags
+rule (laplace.tracking.champion) says so; the decision and its reason are the run's tags
 `registered_as` and `registered_reason`, and the summary prints them. What the run looks
-like in the UI (metric names, the headline view, links) is laplace.pipeline.mlflow_views;
-where each stage's figures came from is laplace.pipeline.provenance.
+like in the UI (metric names, the headline view, links) is laplace.tracking.views;
+where each stage's figures came from is laplace.tracking.provenance.
 
 The metrics/ and plots/ files are the spool: when the tracking server is down, `track`
 retries with backoff for `tracking.retry_seconds`, then fails with one line
@@ -43,20 +43,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from laplace.config import Config
-from laplace.pipeline.champion import COMPARABLE_TAGS, champion_decision
-from laplace.pipeline.headline import GATE_NAMES, HEADLINE, gates, gates_word, mlflow_metrics, rounded
-from laplace.pipeline.mlflow_views import (
-    EXPERIMENT_KIND,
-    HEADLINE_VIEW,
-    VIEW_TAG_PREFIX,
-    figures_table,
-    headline_view,
-    ui_url,
-    varied_params,
-)
-from laplace.pipeline.provenance import measured_tag, measurement_sources, pipeline_started, source_text
-from laplace.pipeline.redact import redact, secret_values
-from laplace.pipeline.store import (
+from laplace.tracking.champion import COMPARABLE_TAGS, champion_decision
+from laplace.tracking.headline import GATE_NAMES, HEADLINE, gates, gates_word, mlflow_metrics, rounded
+from laplace.tracking.provenance import measured_tag, measurement_sources, pipeline_started, source_text
+from laplace.tracking.redact import redact, secret_values
+from laplace.tracking.store import (
     TrackingUnavailable,
     _connection_lost,
     _retrying,
@@ -65,6 +56,15 @@ from laplace.pipeline.store import (
     tracking_uri,
     unavailable_message,
     wait_for_tracking,
+)
+from laplace.tracking.views import (
+    EXPERIMENT_KIND,
+    HEADLINE_VIEW,
+    VIEW_TAG_PREFIX,
+    figures_table,
+    headline_view,
+    ui_url,
+    varied_params,
 )
 
 log = logging.getLogger(__name__)
@@ -389,7 +389,7 @@ def _log_run_contents(
     )
     info = mlflow.pyfunc.log_model(
         name="model",
-        python_model=str(Path(laplace.__file__).parent / "pipeline" / "mlflow_model.py"),  # from code: no pickle
+        python_model=str(Path(laplace.__file__).parent / "tracking" / "mlflow_model.py"),  # from code: no pickle
         artifacts={"export": str(export_dir)},
         signature=signature,
         input_example=(example, example_params),
