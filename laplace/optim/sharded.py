@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from laplace.errors import ConfigError
-from laplace.model.lm import local_rows
 from laplace.optim.exchange import COLLECTIVES, ExchangePlan
 from laplace.optim.muon import (
     CompiledMuonUpdate,
@@ -42,6 +41,7 @@ from laplace.optim.muon import (
     momentum_direction,
     zeropower_via_newtonschulz,
 )
+from laplace.sharding import local_rows
 
 COMMS = ("alltoall", "allgather")
 EXCHANGE_DTYPE = torch.bfloat16  # EXCHANGE_BYTES wide (laplace.optim.exchange)

@@ -194,7 +194,7 @@ def load_init_weights(model: LaplaceLM, init: str) -> None:
     from safetensors import safe_open
 
     from laplace import manifest as manifests
-    from laplace.model.lm import local_rows
+    from laplace.sharding import local_rows
 
     ok, reason = manifests.verify(Path(init), "export")  # every byte as the export wrote it
     if not ok:
