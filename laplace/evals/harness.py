@@ -5,7 +5,7 @@ through the serving engine (laplace.serving.engine), so an evaluation measures t
 is served: padded ladder widths, bucketed prefill, the same state slots.
 
 - loglikelihood(context, continuation): the context is prefilled into a slot, then the
-  continuation is fed one token per decode step; up to serve.max_slots requests decode together
+  continuation is fed one token per decode step; up to max_slots (a model_arg) requests decode together
   at the smallest ladder width that holds them. Returns (sum of log-probs, all greedy).
 - loglikelihood_rolling(text): the same with the model's own start token as the only context
   (BOS where the model has one, Llama's convention; else the end-of-text token that separates

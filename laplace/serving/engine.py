@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from laplace.config import EngineSection
+from laplace.config import EngineSection, width_ladder  # the widths' one rule lives with the knob
 from laplace.errors import ConfigError, InputError, one_line
 from laplace.model.kernels import resolve_kernel
 from laplace.model.lm import LaplaceLM, State
@@ -113,19 +113,6 @@ class StepRecord:
     width: int  # rows computed (decode) or padded prompt length (prefill)
     live: int  # real rows
     compiled: bool  # a graph was compiled during this step
-
-
-def width_ladder(max_slots: int, widths: list[int] | None = None) -> list[int]:
-    """The decode widths: `widths` sorted, or powers of two up to max_slots (max_slots included)."""
-    if widths:
-        ladder = sorted(set(widths))
-        if ladder[0] < 1:
-            raise ConfigError(f"engine.widths: widths must be >= 1, got {ladder}")
-        if ladder[-1] < max_slots:
-            raise ConfigError(f"engine.widths: the largest width {ladder[-1]} cannot hold max_slots={max_slots}")
-        return ladder
-    ladder = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots]
-    return ladder + [max_slots]
 
 
 def fit(n: int, ladder: list[int]) -> int:
