@@ -34,11 +34,17 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(BIN)/laplace run
 
+# pytest-xdist workers: each test module (or the tiny_pipeline group) runs on one, the heaviest first by
+# tests/durations.json (tests/conftest.py, docs/testing.md); TEST_WORKERS=0 runs in one process.
+# PYTEST_ARGS=--record-durations rewrites that file from the run.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .

@@ -244,8 +244,10 @@ class MuonSection:
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = knob(
         "original", doc="original (scale by sqrt(max(1, rows/cols))) | match_rms_adamw (0.2 * sqrt(max(rows, cols)))"
     )
-    comm: Literal["alltoall", "allgather"] = knob(
-        "alltoall", doc="sharded Newton-Schulz: alltoall (owner ranks, the article's) | allgather (baseline)"
+    comm: Literal["owner_reduce", "alltoall", "allgather"] = knob(
+        "owner_reduce",
+        doc="owner_reduce (gradients reduced straight to each matrix's owner, no exchange of its own; fp32, "
+        "else alltoall) | alltoall (owner ranks, one all-to-all each way) | allgather (baseline)",
     )
 
 

@@ -24,7 +24,7 @@ TESTS = ROOT / "tests"
 
 # command (a prefix of the README line) -> (test file, words that file must contain to run it)
 RUN_ELSEWHERE = {
-    "make run": ("test_pipeline_dvc.py", ['"laplace"', '"run"']),  # `make run` is `laplace run`
+    "make run": ("conftest.py", ['"laplace"', '"run"']),  # `make run` is `laplace run` (the tiny_pipeline fixture)
     "make test": (".ci/run", ["make test"]),  # CI is `make lint` and `make test`
     "dvc repro": ("test_pipeline_dvc.py", ['"repro"']),
     "git add -A": ("project.py", ['"add", "-A"', '"commit"']),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     except Failure as exc:  # a full disk, a killed worker, a server down: one line, retried by Prefect
         print(f"laplace {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_status if exc.exit_status > 0 else 1
+    except KeyboardInterrupt:  # Ctrl-C outside a training job (which stops at a step boundary): one line
+        print(f"laplace {args.command}: error: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def _run(args) -> int:
