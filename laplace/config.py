@@ -325,7 +325,13 @@ class ServeCheckSection:
 
     requests: int = knob(48, _positive, "requests per replayed workload")
     workloads: list[str] = knob(["batch", "poisson", "bursty"], doc="arrival processes replayed")
-    exact_workloads: list[str] = knob(["poisson"], doc="also replayed with the exact (compile-on-first-sight) policy")
+    exact_workloads: list[str] = knob(
+        ["poisson"],
+        lambda v: (
+            None if v else "must name at least one workload (its exact vs padded replay is the headline comparison)"
+        ),
+        doc="also replayed with the exact (compile-on-first-sight) policy",
+    )
     shared_prefix_tokens: int = knob(
         128, _positive, "the shared_prefix workload (padded, prefix cache off vs on): the system prompt's length"
     )
@@ -437,7 +443,8 @@ class TrackingSection:
     champion_recall_tolerance: float = knob(
         0.05,
         _unit_interval,
-        "nor if its recall (probes' recall suite) at any length both measured falls below the champion's by more",
+        "nor if its recall (probes' recall suite) at any length both measured falls below the champion's by more "
+        "(and by more than two binomial standard errors of the difference, from each side's recall_samples)",
     )
     register: bool = knob(True, doc="register the exported model (alias candidate; champion when it earns it)")
     retry_seconds: float = knob(

@@ -17,11 +17,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
+from test_layout import CONFIG_FILE, closure, knob_keys, module_file, params_read, used_definitions
 
 from laplace.config import DataSection, TokenizerSection, config_from_dict
 from laplace.data.pydocs import python_docs_documents
 from laplace.data.tokenize import staging_dir, tokenize_corpus
 from laplace.data.tokenizer import train_tokenizer
+from laplace.pipeline.layout import KNOB_FILE_DEPS
+from laplace.pipeline.stages import STAGES
 
 from project import ROOT, TINY_MODEL, TINY_PARAMS, commit_all, copy_project, descendants, env, run
 
@@ -291,3 +295,62 @@ def test_dask_fan_out_gives_the_local_runs_shards_byte_for_byte(tmp_path, monkey
     assert names == sorted(p.relative_to(fanned) for p in fanned.rglob("*") if p.is_file())
     for name in names:
         assert (fanned / name).read_bytes() == (local / name).read_bytes(), name
+
+
+# --------------------------------------------------------------------------- files knobs name are DVC deps
+# Every file a knob names is a DVC dependency of every stage that reads the knob (the declared-params
+# check of tests/test_layout.py, for files), and a tokenizer replaced in place under models/ marks
+# tokenize changed in `dvc status` (a real git + DVC repo).
+
+DVC = ["python", "-m", "dvc"]
+
+
+def knob_file_problems(dvc: dict) -> list[str]:
+    sections, problems = knob_keys(), []
+    for name, stage in STAGES.items():
+        if name == "track":  # logs every knob's value (cfg.flat()) to MLflow, reads none of their files
+            continue
+        entry = {stage.module.__name__, "laplace.pipeline.params"}
+        files = closure(entry) - {CONFIG_FILE}
+        runs = used_definitions(files, {module_file(m) for m in entry})
+        read = set().union(*(params_read(path, sections, runs[path]) for path in files))
+        read = {key.removesuffix("_") for key in read}  # tokenizer.from_ is the field of tokenizer.from
+        deps = dvc[name].get("deps", [])
+        problems += [
+            f"{name}: reads {key}, but {dep} (where its files live) is not among its deps"
+            for key, dep in sorted(KNOB_FILE_DEPS.items())
+            if key in read and dep not in deps
+        ]
+    return problems
+
+
+def test_every_stage_depends_on_the_files_its_knobs_name():
+    from laplace.config import Config, project_path_knobs
+
+    # every file knob has its dependency (data.hub_path names a hub dataset: its id is the param)
+    keys = {key for key, _ in project_path_knobs(Config())}
+    assert keys - set(KNOB_FILE_DEPS) == {"data.hub_path"}
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    assert knob_file_problems(dvc) == []
+    # and the check can fail: tokenize without models/ is what let a replaced tokenizer go unseen
+    dvc["tokenize"]["deps"] = [d for d in dvc["tokenize"]["deps"] if d != "models"]
+    assert knob_file_problems(dvc) == [
+        "tokenize: reads tokenizer.from, but models (where its files live) is not among its deps"
+    ]
+
+
+def test_replacing_a_given_tokenizer_in_place_marks_tokenize_changed(tmp_path):
+    repo = copy_project(tmp_path / "repo", {**TINY_PARAMS, "tokenizer.from": "models/tok/tokenizer.json"})
+    texts = ["the quick brown fox jumps over the lazy dog " * 4, "a key is a word, the value its number " * 4]
+    (repo / "models" / "tok").mkdir(parents=True)
+    train_tokenizer(texts, 280, 1).save(str(repo / "models" / "tok" / "tokenizer.json"))
+    # tokenize's outputs and corpus as a run would leave them (the status compares hashes, not contents)
+    for rel in ("data/python-docs/doc.md", "data/tokenized/manifest.json", "metrics/tokenize.json"):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text("{}")
+    run([*DVC, "commit", "--force", "tokenize"], repo)  # dvc.lock as after `dvc repro tokenize`
+    assert "tokenize" not in run([*DVC, "status", "tokenize"], repo).stdout
+
+    train_tokenizer(texts, 300, 1).save(str(repo / "models" / "tok" / "tokenizer.json"))  # another, same path
+    status = run([*DVC, "status", "tokenize"], repo).stdout
+    assert "tokenize:" in status and "changed deps" in status and "models" in status, status

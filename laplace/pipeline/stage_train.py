@@ -33,13 +33,7 @@ def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
 
     # `laplace train` under DVC or a Prefect task: stop (gracefully) when that parent dies
     lifecycle.die_with_parent(signal.SIGTERM)
-    if cfg.model.init and not Path(cfg.model.init).resolve().is_relative_to(paths.models_dir):
-        log.warning(
-            "model.init %s is outside %s: DVC sees only the path, so replacing it in place reruns nothing "
-            "(dvc repro --force train does); imports under models/ are tracked",
-            cfg.model.init,
-            paths.models_dir,
-        )
+    paths.warn_if_untracked("model.init", cfg.model.init, log)
     metrics, history, checkpoint = run_training(cfg, paths, resume=resume)
     if (kept := _already_trained(cfg, paths, metrics, history)) is not None:
         return kept
