@@ -138,6 +138,11 @@ class DataSection:
     max_document_chars: int = knob(
         1_000_000, _positive, "longer text files and records are cut at blank lines (or at this size) into documents"
     )
+    max_record_bytes: int = knob(
+        512_000_000,
+        _positive,
+        "a longer JSON line (or .json file) is skipped, named and counted; a worker holds about 2x a record",
+    )
     split_bytes: int = knob(
         32_000_000, _positive, "a larger .jsonl or text file is split by byte ranges (at line starts) over slices"
     )
@@ -151,7 +156,20 @@ class DataSection:
         16, _positive, "input slices (files hashed by path, hub shards): the unit of parallel work and of reuse"
     )
     shard_tokens: int = knob(100_000_000, _positive, "tokens per shard file (the last shard of each slice is shorter)")
-    num_proc: int = knob(2, _positive, "tokenizer worker processes")
+    num_proc: int = knob(
+        2, _positive, "tokenize worker processes: the local pool's, or a LocalCluster's (executor: dask, no address)"
+    )
+    executor: Literal["local", "dask"] = knob(
+        "local",
+        doc="where tokenize's slices run (survey, sample, encode): local (a process pool) | dask (a Dask cluster; "
+        "every worker must see the project directory)",
+    )
+    dask_address: str = knob(
+        "", doc="executor: dask: a running scheduler (tcp://HOST:8786); empty = a LocalCluster of data.num_proc workers"
+    )
+    dask_in_flight: int = knob(
+        256, _positive, "executor: dask: slices submitted to the scheduler at a time (its memory stays bounded)"
+    )
 
 
 @dataclass(frozen=True)
