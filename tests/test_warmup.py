@@ -44,6 +44,9 @@ def test_settings_mismatch_names_the_thread_count(tmp_path):
     assert settings_mismatch(tmp_path, {"threads": 2, "torch": "2.13.0"}) is None
     why = settings_mismatch(tmp_path, {"threads": 1, "torch": "2.13.0"})
     assert "threads 2 there, 1 here" in why and "every graph will compile" in why
+    assert "--set server.threads=2 as warmup had it" in why  # the knob, with the value that matches
+    other_torch = settings_mismatch(tmp_path, {"threads": 2, "torch": "2.14.0"})
+    assert "torch 2.13.0 there, 2.14.0 here" in other_torch and "--set" not in other_torch  # no knob for that
     assert settings_mismatch(tmp_path / "none", {"threads": 1}) is None  # a cache that says nothing
 
 

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from laplace import manifest
-from laplace.data.tokenizer import load_tokenizer, tokenizer_sha256
 from laplace.errors import InputError
 from laplace.fileio import atomic_write_json, replace_dir, staging_dir
 from laplace.model.config import ModelConfig, validate_model_config
 from laplace.model.lm import LaplaceLM, torch_dtype
+from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
 FORMAT = 1
 KIND = "export"

@@ -31,12 +31,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from laplace.data.tokenizer import load_tokenizer, tokenizer_sha256
 from laplace.errors import InputError, one_line
 from laplace.fileio import atomic_write_json, replace_dir, staging_dir
 from laplace.model.config import ModelConfig, validate_model_config
 from laplace.model.export import FORMAT, load_export_tensors, write_export
 from laplace.model.lm import LaplaceLM
+from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -57,8 +57,8 @@ def export_dir_of(model: str | None, paths: Paths, scratch: Path) -> Path:
     if model is None:
         return paths.export_dir
     if model.startswith(REGISTRY_SCHEMES):
-        from laplace.pipeline.mlflow_model import download_export
-        from laplace.pipeline.store import tracking_uri
+        from laplace.tracking.mlflow_model import download_export
+        from laplace.tracking.store import tracking_uri
 
         uri = tracking_uri(paths.root)
         if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():

@@ -31,7 +31,7 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class Limits:
-    max_tokens: int  # serve.max_new_tokens
+    max_tokens: int  # server.max_new_tokens
     max_request_bytes: int
     max_stop_chars: int
 
