@@ -81,6 +81,7 @@ class EngineLoop:
         self._t0 = time.perf_counter()
         self._graphs_after_warmup = 0
         self._done_rate: deque[float] = deque(maxlen=64)  # finish times, for Retry-After
+        self._refused = 0  # requests refused for a full queue since it last had room (for Retry-After)
         self.warmup_s: float | None = None
         self.warmup_summary = ""
 
@@ -124,7 +125,9 @@ class EngineLoop:
                 raise Draining()
             waiting = len(self._shared.inbox) + self._shared.queued
             if waiting + len(tickets) > self.engine.max_queue:
-                raise QueueFull(waiting, self._retry_after(waiting))
+                self._refused += len(tickets)
+                raise QueueFull(waiting, self._retry_after(waiting + self._refused))
+            self._refused = 0
             for t in tickets:
                 t.request.arrival_s = self.clock()
                 self._shared.inbox.append(t)
@@ -135,12 +138,16 @@ class EngineLoop:
             self._shared.cancels.append((request_id, reason))
             self._cv.notify()
 
-    def _retry_after(self, waiting: int) -> int:
-        """Seconds until the queue has likely room: the wait at the recent completion rate."""
+    def _retry_after(self, ahead: int) -> int:
+        """Seconds until the queue likely has room for a client refused now: the time to drain the
+        `ahead` requests before it (those waiting beyond the queue's room, and those refused since
+        the queue last had room, who retry too) at the recent completion rate (1 request/s before
+        two have finished). So a burst of refused clients is told to come back spread over the
+        drain time, not all after 1 s. Clamped to [1, 60]."""
+        rate = 1.0
         if len(self._done_rate) >= 2 and self._done_rate[-1] > self._done_rate[0]:
             rate = (len(self._done_rate) - 1) / (self._done_rate[-1] - self._done_rate[0])
-            return max(1, min(60, math.ceil(max(1, waiting - self.engine.max_queue + 1) / rate)))
-        return 1
+        return max(1, min(60, math.ceil(max(1, ahead - self.engine.max_queue + 1) / rate)))
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -244,6 +251,11 @@ class EngineLoop:
                     len(failed),
                     str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
                 )
+        if self.drain_deadline is not None and engine.queue:
+            # SIGTERM: a request still waiting for a slot will not get one before the end; 503 now, not
+            # a cancellation with 0 tokens at the end of the grace period
+            for req in list(engine.queue):
+                engine.cancel(req.id, "server shutting down: the request was still waiting for a slot")
         compiled = compiled_graph_count() - self._graphs_after_warmup
         if compiled > 0:
             self.metrics.compile_events.inc(compiled)
