@@ -132,7 +132,18 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
             max_request_bytes=cfg.server.max_request_bytes,
             max_stop_chars=cfg.server.max_stop_chars,
             sock=sock,
+            chat_template=config.get("chat_template"),
+            special_tokens=special_token_strings(tokenizer, config),
         )
+
+
+def special_token_strings(tokenizer, config: dict) -> dict[str, str]:
+    """bos_token / eos_token as text, for the chat template (transformers passes its special tokens map)."""
+    out = {}
+    for key, token_id in (("bos_token", config.get("bos_id")), ("eos_token", config.get("eos_id"))):
+        if token_id is not None and (token := tokenizer.id_to_token(token_id)) is not None:
+            out[key] = token
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -90,21 +90,29 @@ class CompletionsService:
         req, ignored = parse_request(raw)
         if ignored:
             log.info(ignored_fields_note(ignored))
+        self.check_model(req)
+        prompts, texts = self._prompts(req, self.loop.engine)
+        return self.params_for(req, prompts, texts, req.max_tokens, "max_tokens")
+
+    def check_model(self, req) -> None:
         if req.model != self.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.model_name!r}", "model")
+
+    def params_for(self, req, prompts, texts, max_tokens: int | None, max_tokens_field: str) -> CompletionParams:
+        """The checks both kinds of request share, once the prompts are token ids."""
         engine = self.loop.engine
-        max_tokens = req.max_tokens if req.max_tokens is not None else min(16, self.limits.max_tokens)
+        max_tokens = max_tokens if max_tokens is not None else min(16, self.limits.max_tokens)
         if max_tokens > self.limits.max_tokens:
-            raise bad("max_tokens", f"must be in [1, {self.limits.max_tokens}], got {max_tokens}")
+            raise bad(max_tokens_field, f"must be in [1, {self.limits.max_tokens}], got {max_tokens}")
         stop = self._stop(req.stop)
         stop_ids = [] if req.ignore_eos or self.eos_id is None else [self.eos_id]
         for t in req.stop_token_ids or []:
             if not 0 <= t < self.vocab_size:
                 raise bad("stop_token_ids", f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
             stop_ids.append(t)
-        prompts, texts = self._prompts(req, engine)
         if len(prompts) * req.n > engine.max_queue:
             raise bad("n", f"{len(prompts)} prompt(s) x n={req.n} choices in one request, at most {engine.max_queue}")
+        _refuse_unwired(req)
         options = req.stream_options
         return CompletionParams(
             request=req,
@@ -118,6 +126,14 @@ class CompletionsService:
             include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
         )
+
+    def check_prompt(self, ids: list[int], where: str) -> None:
+        """A prompt of token ids the engine will serve, or a 400 naming it."""
+        try:
+            self.loop.engine.check(Request(0, ids, 1))
+        except Rejected as exc:
+            reason = "prompt_too_long" if "the limit is" in str(exc) else "invalid_request"
+            raise ApiError(400, f"{where}: {exc}", "prompt", reason=reason) from None
 
     def _stop(self, stop) -> list[str]:
         if stop is None:
@@ -171,11 +187,7 @@ class CompletionsService:
             p_ids = next(encoded).ids if isinstance(p, str) else list(p)
             if keep is not None:
                 p_ids = p_ids[-keep:]
-            try:
-                engine.check(Request(0, p_ids, 1))
-            except Rejected as exc:
-                reason = "prompt_too_long" if "the limit is" in str(exc) else "invalid_request"
-                raise ApiError(400, f"{where[i]}: {exc}", "prompt", reason=reason) from None
+            self.check_prompt(p_ids, where[i])
             ids.append(p_ids)
         return ids, texts
 
@@ -207,12 +219,14 @@ class CompletionsService:
 
     # -- the HTTP request, on the event loop ---------------------------------------------------------
 
-    async def create(self, http_request):
+    async def create(self, http_request, prepare=None, answer_kind=None):
+        """Answer one HTTP request: `prepare` (raw body -> CompletionParams, on a worker thread;
+        default: a completions request) and `answer_kind` (the _Answer class that shapes the JSON)."""
         from fastapi.responses import JSONResponse, StreamingResponse
 
         try:
             raw = await read_body(http_request, self.limits.max_request_bytes)
-            params = await asyncio.get_running_loop().run_in_executor(self.executor, self.prepare, raw)
+            params = await asyncio.get_running_loop().run_in_executor(self.executor, prepare or self.prepare, raw)
             if self.loop.fatal:
                 raise ApiError(503, f"server unavailable: {self.loop.fatal}", reason="unavailable")
             if not self.loop.ready.is_set():
@@ -227,7 +241,7 @@ class CompletionsService:
         except ApiError as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-        answer = _Answer(self, params, tickets, events)
+        answer = (answer_kind or _Answer)(self, params, tickets, events)
         self.in_flight += 1
         if params.request.stream:
 
@@ -324,12 +338,15 @@ class _Choice:
 
 
 class _Answer:
-    """The answer to one completions request: the whole body, or its event stream."""
+    """The answer to one completions request: the whole body, or its event stream. The chat answer
+    (serving/chat.py) changes only the shapes: `final_choice`, `body`, `chunk_choice`, `prelude`."""
+
+    OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl"
 
     def __init__(self, service: CompletionsService, params: CompletionParams, tickets, events):
         self.service, self.params, self.tickets, self.events_queue = service, params, tickets, events
         self.choices = [_Choice(service, params, t) for t in tickets]
-        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.id = f"{self.ID_PREFIX}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self._cancelled: set[int] = set()
         self._closed = False
@@ -383,7 +400,8 @@ class _Answer:
         from fastapi.responses import JSONResponse
 
         params, choices = self.params, self.choices
-        texts = [self.service.prompt_text(params, i) if params.request.echo else "" for i in range(len(choices))]
+        echo = getattr(params.request, "echo", False)
+        texts = [self.service.prompt_text(params, i) if echo else "" for i in range(len(choices))]
         while self._open():
             index, kind, value = await self.events_queue.get()
             ch = choices[index]
@@ -399,40 +417,53 @@ class _Answer:
         if failed:
             status = max(ch.status for ch in failed)
             return JSONResponse(ApiError(status, f"generation failed: {failed[0].error}").body(), status_code=status)
-        out = []
-        for i, ch in enumerate(choices):
-            choice = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": ch.finish_reason}
-            if params.request.return_token_ids:
-                choice["token_ids"] = ch.token_ids
-                choice["prompt_token_ids"] = params.prompts[params.prompt_of(i)]
-            out.append(choice)
+        return self.body([self.final_choice(i, texts[i], ch) for i, ch in enumerate(choices)])
+
+    def final_choice(self, i: int, text: str, ch: _Choice) -> dict:
+        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": ch.finish_reason}
+        if self.params.request.return_token_ids:
+            choice["token_ids"] = ch.token_ids
+            choice["prompt_token_ids"] = self.params.prompts[self.params.prompt_of(i)]
+        return choice
+
+    def body(self, choices: list[dict]) -> dict:
         return {
             "id": self.id,
-            "object": "text_completion",
+            "object": self.OBJECT,
             "created": self.created,
             "model": self.service.model_name,
-            "choices": out,
+            "choices": choices,
             "usage": self.usage(),
         }
 
     def _chunk(self, choices: list[dict], **extra) -> str:
-        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.service.model_name}
+        body = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.service.model_name}
         body.update(choices=choices, **extra)
         if self.params.continuous_usage and choices:
             body["usage"] = self.usage()
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def _choice(self, i: int, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict:
+        return self.chunk_choice(i, text, finish, ids)
+
+    def chunk_choice(self, i: int, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict:
         out: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
         if self.params.request.return_token_ids and ids is not None:
             out["token_ids"] = ids
         return out
 
+    def prelude(self) -> list[str]:
+        """The chunks before the first token: the prompts, when echoed."""
+        params = self.params
+        if not params.request.echo:
+            return []
+        return [self._chunk([self._choice(i, self.service.prompt_text(params, i)) for i in range(len(self.choices))])]
+
     async def events(self):
         params, choices = self.params, self.choices
         try:
-            if params.request.echo:
-                yield self._chunk([self._choice(i, self.service.prompt_text(params, i)) for i in range(len(choices))])
+            for chunk in self.prelude():
+                yield chunk
             while self._open():
                 index, kind, value = await self.events_queue.get()
                 ch = choices[index]
@@ -458,3 +489,21 @@ class _Answer:
             yield "data: [DONE]\n\n"
         finally:  # a client that went away (or any exit before the end): free the slots at the next step
             self.close()
+
+
+def _refuse_unwired(req) -> None:
+    """Fields the protocol accepts whose engine side is not wired yet: refused at any value but the
+    neutral one, with the reason, never silently ignored."""
+    for field, neutral in (
+        ("top_k", (None, -1, 0)),
+        ("min_tokens", (0,)),
+        ("repetition_penalty", (None, 1.0)),
+        ("presence_penalty", (None, 0.0)),
+        ("frequency_penalty", (None, 0.0)),
+        ("logprobs", (None, False)),
+        ("prompt_logprobs", (None,)),
+        ("top_logprobs", (None, 0)),
+    ):
+        value = getattr(req, field, None)
+        if value not in neutral:
+            raise bad(field, f"not supported by this server yet (only {neutral[-1]!r}), got {value!r}")
