@@ -413,18 +413,20 @@ class DecodeEngine:
         ids = np.asarray(prompt_ids, dtype=np.int64).ravel()
         if not self.prefix_cache.enabled:
             return self.prefill(slot, ids), self.padded_tokens(len(ids))
-        start, cached, split = self.prefix_cache.plan(ids)
+        plan = self.prefix_cache.plan(ids, self.padded_tokens)
         rows = torch.tensor([slot], device=self.device)
-        if cached is not None:
-            self._write_rows(rows, cached)
-        computed = 0
-        if split is not None:
-            self.prefill(slot, ids[start:split])
-            computed += self.padded_tokens(split - start)
-            self.prefix_cache.put(ids[:split], self.state.select(rows))
-            start = split
+        if plan.state is not None:
+            self._write_rows(rows, plan.state)
+        if plan.logits is not None:  # an exact repeat: the state and the last logits are cached
+            return plan.logits.clone(), 0
+        start, computed = plan.start, 0
+        if plan.split is not None:
+            logits = self.prefill(slot, ids[start : plan.split])
+            computed += self.padded_tokens(plan.split - start)
+            self.prefix_cache.put(ids[: plan.split], self.state.select(rows), logits.clone())
+            start = plan.split
         logits = self.prefill(slot, ids[start:])
-        self.prefix_cache.put(ids, self.state.select(rows))
+        self.prefix_cache.put(ids, self.state.select(rows), logits.clone())
         return logits, computed + self.padded_tokens(len(ids) - start)
 
     def _write_rows(self, rows: Tensor, state: State) -> None:
