@@ -92,3 +92,19 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
     eager.prefix_cache.budget_bytes = 0
     done = eager.complete([Request(i, p, 6) for i, p in enumerate(prompts)])
     assert outputs == [tokenizer.decode(c.output_ids) for c in done]
+
+
+def test_a_server_without_a_warmup_cache_compiles_into_a_scratch_cache_of_its_own(tmp_path, monkeypatch):
+    """Never the user's shared default Inductor cache: an empty directory under the server's scratch."""
+    from laplace.pipeline.serve import use_compile_cache
+    from laplace.pipeline.workers import CACHE_ENV
+
+    for name in CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert use_compile_cache(tmp_path / "no-such-cache", tmp_path, "padded") is None
+    for name in CACHE_ENV:
+        assert os.environ[name] == str(tmp_path / "compile-cache")
+    assert (tmp_path / "compile-cache").is_dir() and not any((tmp_path / "compile-cache").iterdir())
+    import torch._inductor.runtime.cache_dir_utils as cache_dirs
+
+    assert cache_dirs.cache_dir() == str(tmp_path / "compile-cache")  # what Inductor will write into

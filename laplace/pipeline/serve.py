@@ -68,15 +68,24 @@ def export_dir_of(model: str | None, paths: Paths, scratch: Path) -> Path:
 
 
 def use_compile_cache(cache: Path | None, scratch: Path, policy: str) -> Path | None:
-    """Point this process's compile cache at a copy of `cache` (the artifact stays untouched)."""
+    """Point this process's compile cache at a copy of `cache` (the artifact stays untouched), or,
+    without one, at an empty scratch directory of its own: a server never compiles into the user's
+    shared default Inductor cache (/tmp/torchinductor_USER), which other processes read."""
     from laplace.pipeline.workers import CACHE_ENV
 
     if policy == "eager":
         return None
-    if cache is None or not cache.is_dir():
-        log.warning("no warmup compile cache at %s (run `laplace warmup`): every graph compiles at startup", cache)
-        return None
     copy = scratch / "compile-cache"
+    if cache is None or not cache.is_dir():
+        log.warning(
+            "no warmup compile cache at %s (run `laplace warmup`): every graph compiles at startup, into a "
+            "scratch cache of this server's own",
+            cache,
+        )
+        copy.mkdir()
+        for name in CACHE_ENV:
+            os.environ[name] = str(copy)
+        return None
     shutil.copytree(cache, copy)
     for name in CACHE_ENV:
         os.environ[name] = str(copy)
