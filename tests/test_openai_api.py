@@ -1,4 +1,6 @@
-"""Chat completions with the model's own chat template, and vLLM's extra routes.
+"""The OpenAI / vLLM API on a served import: chat completions with the model's own chat
+template, log-probs and echo (lm-eval's local-completions scores through them), vLLM's payloads
+and routes.
 
 - the chat template renders as transformers' apply_chat_template renders it (the oracle: the dev
   extra's transformers), for the import's template, the default one and a template using
@@ -8,7 +10,9 @@
 - a real `laplace serve` of that import hit by the official openai client (chat.completions.create,
   plain and streamed): the prompt it tokenized equals apply_chat_template's ids, the answer equals
   a greedy completion of those ids; `vllm bench serve`'s chat payload; /tokenize, /detokenize,
-  /version, /ping, OpenAI-shaped 404 / 405, /v1/models' max_model_len."""
+  /version, /ping, OpenAI-shaped 404 / 405, /v1/models' max_model_len;
+- lm-eval's `local-completions` (echo + logprobs over HTTP) on that server gives the numbers
+  `--model laplace` gives in process; generated tokens' logprobs are the raw log-softmax."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from laplace.model.export import read_export_config
 from laplace.model.hf import export_hf, import_checkpoint
@@ -285,3 +290,182 @@ def test_tokenize_detokenize_version_ping_and_openai_shaped_route_errors(chat_se
         body = {"model": MODEL, "prompt": [5] * prompt, "max_tokens": max_tokens, "ignore_eos": True}
         ok = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert ok.status_code == 200, ok.text
+
+
+DOCS = [
+    {"q": "A key is", "choices": [" a word", " the value"]},
+    {"q": "The value is", "choices": [" its number", " a fox"]},
+    {"q": "The quick", "choices": [" brown", " lazy dog"]},
+]
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_through_the_server_equals_the_laplace_model_in_process(
+    chat_import, chat_server, tmp_path, monkeypatch
+):
+    """lm-eval's own OpenAI-completions client (`--model local-completions`: echo + logprobs=1,
+    max_tokens=1, prompts as token ids from the local tokenizer) against the live server, and
+    `--model laplace` in this process, on a local multiple-choice task: the same log-likelihood
+    for every (context, continuation) within fp32 tolerance, and the same is_greedy."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from laplace.evals.harness import evaluate
+
+    _, export_dir, hf_dir = chat_import
+    url, _ = chat_server
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({**d, "gold": 0}) + "\n" for d in DOCS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "choice.yaml").write_text(
+        f"task: local_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    # the model starts every text with <s> (its bos_id): lm-eval's add_bos_token does the same
+    model_args = (
+        f"base_url={url}/v1/completions,model={MODEL},tokenizer={hf_dir},tokenizer_backend=huggingface,"
+        "add_bos_token=True,tokenized_requests=True,num_concurrent=1,max_retries=1,max_length=200"
+    )
+    http = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=model_args,
+        tasks=["local_choice"],
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+    )
+    local = evaluate(
+        export_dir, ["local_choice"], include_path=str(tasks), model_args={"compile": "false"}, log_samples=True
+    )
+    theirs = {s["doc_id"]: s["resps"] for s in http["samples"]["local_choice"]}
+    ours = {s["doc_id"]: s["resps"] for s in local["samples"]["local_choice"]}
+    assert theirs.keys() == ours.keys() == {0, 1, 2}
+    for doc in ours:
+        for (lp_http, greedy_http), (lp_local, greedy_local) in zip(
+            [r[0] for r in theirs[doc]], [r[0] for r in ours[doc]]
+        ):
+            assert lp_http == pytest.approx(lp_local, rel=1e-5, abs=1e-4)
+            assert greedy_http == greedy_local
+    assert http["results"]["local_choice"]["acc,none"] == local["results"]["local_choice"]["acc,none"]
+
+
+@pytest.mark.slow
+def test_logprobs_of_generated_tokens_and_echo_streamed_and_not(chat_import, chat_server):
+    """logprobs=N: each generated token's raw log-prob and the top N (plus the chosen one, as vLLM
+    returns); echo + logprobs: the prompt's first (None for its first token); streamed the same."""
+    from laplace.model.export import load_export
+
+    _, export_dir, hf_dir = chat_import
+    url, _ = chat_server
+    model, tokenizer, _ = load_export(export_dir)
+    prompt = [1] + tokenizer.encode("The quick brown fox", add_special_tokens=False).ids
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    plain = httpx.post(url + "/v1/completions", json={**body, "echo": True, "return_token_ids": True}, timeout=60)
+    assert plain.status_code == 200, plain.text
+    choice = plain.json()["choices"][0]
+    lp = choice["logprobs"]
+    ids = prompt + choice["token_ids"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids) == len(prompt) + 5
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids]))[0].double(), -1)
+    for pos in range(1, len(ids)):  # the model's parallel forward: the reference for every position
+        assert lp["token_logprobs"][pos] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=2e-4)
+        # the top 3 and the chosen token (keys are token texts: two ids with one text share a key, as in
+        # OpenAI's format, so the values are compared)
+        allowed = ref[pos - 1].topk(3).values.tolist() + [float(ref[pos - 1, ids[pos]])]
+        values = list(lp["top_logprobs"][pos].values())
+        assert max(values) == pytest.approx(allowed[0], abs=2e-4)
+        assert all(min(abs(v - a) for a in allowed) < 2e-4 for v in values)
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and all(b >= a for a, b in zip(offsets, offsets[1:]))
+    # greedy: every generated token is its position's argmax, so its log-prob is the top one
+    for pos in range(len(prompt), len(ids)):
+        assert lp["token_logprobs"][pos] == max(lp["top_logprobs"][pos].values())
+    # streamed: the same log-probs per generated token
+    streamed = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    if c.get("logprobs"):
+                        streamed += c["logprobs"]["token_logprobs"]
+    assert streamed == pytest.approx(lp["token_logprobs"][len(prompt) :], abs=1e-6)
+    # chat: logprobs + top_logprobs in OpenAI's chat shape
+    chat = httpx.post(
+        url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "ignore_eos": True,
+        },
+        timeout=60,
+    ).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["logprob"] == c["top_logprobs"][0]["logprob"] for c in content)  # greedy
+
+
+def _read_like_vllm_bench(url: str, path: str, payload: dict) -> tuple[bool, int | None, str]:
+    """(first chunk received, usage.completion_tokens, text) read as vllm bench serve reads the stream."""
+    text, output_tokens, first = "", None, False
+    with httpx.stream("POST", url + path, json=payload, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for message in r.iter_lines():
+            if not message or message.startswith(":"):
+                continue
+            chunk = message.removeprefix("data: ")
+            if chunk == "[DONE]":
+                continue
+            data = json.loads(chunk)
+            assert "error" not in data, data
+            if choices := data.get("choices"):
+                first = True
+                piece = choices[0]["delta"].get("content") if "delta" in choices[0] else choices[0].get("text")
+                text += piece or ""
+            elif usage := data.get("usage"):
+                output_tokens = usage.get("completion_tokens")
+    return first, output_tokens, text
+
+
+@pytest.mark.slow
+def test_vllm_bench_serve_payloads_with_top_k_logprobs_and_min_tokens_succeed(chat_server):
+    """`vllm bench serve --top-k 50 --logprobs 1` with min_tokens in --extra-body, completions and
+    chat (the payloads of vllm/benchmarks/lib/endpoint_request_func.py; its sampling flags go into
+    extra_body, merged into the payload): every request succeeds, and min_tokens holds without
+    ignore_eos."""
+    url, _ = chat_server
+    extra_body = {"top_k": 50, "top_p": 0.9, "temperature": 1.0, "min_tokens": 8, "repetition_penalty": 1.1}
+    completions = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "repetition_penalty": 1.0,
+        "max_tokens": 12,
+        "logprobs": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra_body,
+    }
+    first, tokens, _ = _read_like_vllm_bench(url, "/v1/completions", completions)
+    assert first and tokens is not None and 8 <= tokens <= 12
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "The quick brown fox"}]}],
+        "max_completion_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra_body,
+    }
+    first, tokens, _ = _read_like_vllm_bench(url, "/v1/chat/completions", chat)
+    assert first and tokens is not None and 8 <= tokens <= 12
+    # min_tokens over max_tokens is a 400 naming it, as vLLM refuses it
+    bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"

@@ -141,3 +141,56 @@ def test_logprobs_are_the_raw_log_softmax():
     assert torch.allclose(chosen.double(), ref[torch.arange(4), tokens], atol=1e-6)
     assert torch.allclose(top.double(), ref.sort(-1, descending=True).values[:, :3], atol=1e-6)
     assert torch.equal(ids, ref.argsort(-1, descending=True)[:, :3])
+
+
+def test_the_engine_applies_the_fields_per_slot_as_the_reference_does_batched_and_seeded():
+    """Greedy requests with penalties and min_tokens decoded together (and with sampled neighbours
+    using other settings) give the tokens of a reference loop: the model's parallel forward over the
+    text so far, vLLM's penalties and min_tokens mask written above, argmax. A sampled request with
+    top_k gives the same tokens alone and in the batch; top_k = 1 is greedy."""
+    from laplace.model.lm import LaplaceLM
+    from laplace.serving.engine import DecodeEngine, Request
+
+    from project import tiny_model_config
+
+    torch.manual_seed(0)
+    vocab = 61
+    model = LaplaceLM(tiny_model_config(vocab, n_layers=2, init_std=0.3)).eval()
+
+    def engine():
+        return DecodeEngine(
+            model, max_slots=4, ladder=[1, 2, 4], prefill_buckets=[16], max_prompt_tokens=16, compile_scope=None
+        )
+
+    def reference(req: Request) -> list[int]:
+        out: list[int] = []
+        for _ in range(req.max_new_tokens):
+            with torch.no_grad():
+                row = model(torch.tensor([req.prompt_ids + out]))[0, -1].double().tolist()
+            row = reference_penalties(
+                row, req.prompt_ids, out, req.repetition_penalty, req.frequency_penalty, req.presence_penalty
+            )
+            if len(out) < req.min_tokens:
+                row = [-math.inf if t in req.stop_ids else x for t, x in enumerate(row)]
+            out.append(int(np.argmax(row)))
+            if out[-1] in req.stop_ids:
+                break
+        return out
+
+    prompt = [3, 7, 7, 11, 2, 5]
+    plain = engine().complete([Request(0, prompt, 10)])[0].output_ids
+    greedy = [
+        Request(1, prompt, 10, repetition_penalty=1.8),
+        Request(2, prompt, 10, frequency_penalty=1.5, presence_penalty=0.5),
+        Request(3, prompt, 10, stop_ids=(plain[0], plain[1]), min_tokens=4, presence_penalty=-1.0),
+    ]
+    sampled = Request(4, [9, 9, 1], 10, temperature=1.0, top_k=3, seed=7, repetition_penalty=1.2)
+    done = {c.request_id: c.output_ids for c in engine().complete([*greedy, sampled])}
+    for req in greedy:
+        assert done[req.id] == reference(req), req
+    assert done[1] != plain and done[2] != plain  # the penalties changed the text
+    assert not {plain[0], plain[1]} & set(done[3][:4])  # no stop token before min_tokens
+    alone = engine().complete([Request(4, [9, 9, 1], 10, temperature=1.0, top_k=3, seed=7, repetition_penalty=1.2)])
+    assert alone[0].output_ids == done[4]
+    top1 = engine().complete([Request(5, prompt, 10, temperature=1.3, top_k=1, seed=3)])[0].output_ids
+    assert top1 == plain

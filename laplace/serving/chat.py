@@ -233,11 +233,28 @@ class _ChatAnswer(_Answer):
 
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
+    def logprobs_object(self, ids: list[int], entries: list, offset: int = 0) -> dict:
+        """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+        svc = self.service
+
+        def item(token: int, lp: float) -> dict:
+            text = svc.token_str(token)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**item(t, e[0]), "top_logprobs": [item(tt, lp) for tt, lp in e[1]]}
+                for t, e in zip(ids, entries)
+                if e is not None
+            ]
+        }
+
     def final_choice(self, i: int, text: str, ch: _Choice) -> dict:
+        logprobs = self.logprobs_object(*self.token_entries(i, ch)) if self.params.logprobs is not None else None
         choice = {
             "index": i,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": ch.finish_reason,
         }
         if self.params.request.return_token_ids:

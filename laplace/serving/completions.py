@@ -50,6 +50,8 @@ class CompletionParams:
     stop_ids: tuple[int, ...]
     include_usage: bool
     continuous_usage: bool
+    logprobs: int | None = None  # top-N log-probs per generated token (None: not asked for)
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's too
 
     @property
     def n(self) -> int:
@@ -83,6 +85,14 @@ class CompletionsService:
             1, max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(vocab))
         )
         self.vocab_size = vocab
+        self._token_strs: dict[int, str] = {}
+
+    def token_str(self, token: int) -> str:
+        """One token as text, decoded alone (as vLLM names log-prob tokens; a partial UTF-8
+        character decodes to U+FFFD)."""
+        if (text := self._token_strs.get(token)) is None:
+            text = self._token_strs[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     # -- the request, on a worker thread ---------------------------------------------------------
 
@@ -113,7 +123,12 @@ class CompletionsService:
         if len(prompts) * req.n > engine.max_queue:
             raise bad("n", f"{len(prompts)} prompt(s) x n={req.n} choices in one request, at most {engine.max_queue}")
         _refuse_unwired(req)
+        if req.min_tokens > max_tokens:
+            raise bad("min_tokens", f"must be at most {max_tokens_field} ({max_tokens}), got {req.min_tokens}")
         options = req.stream_options
+        logprobs = req.logprobs
+        if isinstance(logprobs, bool):  # chat: a switch, and top_logprobs the N
+            logprobs = (req.top_logprobs or 0) if logprobs else None
         return CompletionParams(
             request=req,
             prompts=prompts,
@@ -125,6 +140,8 @@ class CompletionsService:
             stop_ids=tuple(dict.fromkeys(stop_ids)),
             include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if getattr(req, "echo", False) and logprobs is not None else None,
         )
 
     def check_prompt(self, ids: list[int], where: str) -> None:
@@ -196,7 +213,8 @@ class CompletionsService:
         them. Seeds: `seed + index` (so one prompt with n=1 draws exactly as `seed`), or a fresh random
         seed per choice: four copies of a prompt, or n=4, are four independent draws."""
         events: asyncio.Queue = asyncio.Queue()
-        seed = params.request.seed
+        req = params.request
+        seed = req.seed
         tickets = []
         for k in range(len(params.prompts) * params.n):
             draw = secrets.randbits(63) if seed is None else (seed + k) & _MASK64
@@ -208,8 +226,14 @@ class CompletionsService:
                 params.top_p,
                 params.stop_ids,
                 draw,
+                logprobs=params.logprobs,
+                top_k=req.top_k or 0,
+                min_tokens=req.min_tokens,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
             )
-            tickets.append(Ticket(request, k, events))
+            tickets.append(Ticket(request, k, events, prompt_logprobs=params.prompt_logprobs))
         return tickets, events
 
     def prompt_text(self, params: CompletionParams, choice: int) -> str:
@@ -298,6 +322,7 @@ class _Choice:
             params.stop,
             include_stop=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            min_tokens=req.min_tokens,
         )
         self.include_stop = req.include_stop_str_in_output
         self.finish_reason: str | None = None
@@ -306,6 +331,8 @@ class _Choice:
         self.stop_ids = ticket.request.stop_ids
         self.ended = False
         self.stop_token: list[int] = []  # the stop token that ended it, kept out of the text
+        self.logprobs: list = []  # TokenLogprobs of each generated token, when asked for
+        self.prompt_logprobs: list | None = None  # [None, TokenLogprobs...] of the prompt, with echo
 
     @property
     def token_ids(self) -> list[int]:
@@ -350,6 +377,8 @@ class _Answer:
         self.created = int(time.time())
         self._cancelled: set[int] = set()
         self._closed = False
+        self._offsets: dict[int, int] = {}  # text offset of each streamed choice's next log-prob token
+        self._early: list = []  # events that arrived while the prompt log-probs were awaited
 
     def close(self) -> None:
         """The answer is over (sent, failed, or its client left): cancel what still runs, once."""
@@ -405,9 +434,13 @@ class _Answer:
         while self._open():
             index, kind, value = await self.events_queue.get()
             ch = choices[index]
-            if ch.ended or (ch.finish_reason == "stop" and kind == "token"):
+            if ch.ended or (ch.finish_reason == "stop" and kind in ("token", "logprobs")):
                 continue
-            if kind == "token":
+            if kind == "prompt":
+                ch.prompt_logprobs = value
+            elif kind == "logprobs":
+                ch.logprobs.append(value)
+            elif kind == "token":
                 texts[index] += ch.token(value)
                 if ch.finish_reason == "stop":
                     self._cancel(index, "stop string")
@@ -419,8 +452,43 @@ class _Answer:
             return JSONResponse(ApiError(status, f"generation failed: {failed[0].error}").body(), status_code=status)
         return self.body([self.final_choice(i, texts[i], ch) for i, ch in enumerate(choices)])
 
+    def token_entries(self, i: int, ch: _Choice) -> tuple[list[int], list]:
+        """(token ids, their TokenLogprobs or None) of a choice's log-probs: the prompt's first with
+        echo, then the generated tokens up to the one that ended the choice."""
+        ids = list(ch.token_ids)
+        entries = ch.logprobs[: len(ids)]
+        if ch.prompt_logprobs is not None:
+            ids = self.params.prompts[self.params.prompt_of(i)] + ids
+            entries = ch.prompt_logprobs + entries
+        return ids, entries
+
+    def logprobs_object(self, ids: list[int], entries: list, offset: int = 0) -> dict:
+        """OpenAI's completions `logprobs`: tokens, token_logprobs, top_logprobs (the top N and, as
+        vLLM does, the chosen token), text_offset."""
+        svc = self.service
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in zip(ids, entries):
+            text = svc.token_str(token)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            own, top = entry
+            out["token_logprobs"].append(own)
+            # keyed by text, as OpenAI's format is: two ids with one text share a key, the likelier kept
+            tops: dict[str, float] = {}
+            for t, lp in top:
+                tops.setdefault(svc.token_str(t), lp)
+            tops.setdefault(text, own)
+            out["top_logprobs"].append(tops)
+        return out
+
     def final_choice(self, i: int, text: str, ch: _Choice) -> dict:
-        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": ch.finish_reason}
+        logprobs = self.logprobs_object(*self.token_entries(i, ch)) if self.params.logprobs is not None else None
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason}
         if self.params.request.return_token_ids:
             choice["token_ids"] = ch.token_ids
             choice["prompt_token_ids"] = self.params.prompts[self.params.prompt_of(i)]
@@ -444,7 +512,17 @@ class _Answer:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def _choice(self, i: int, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict:
-        return self.chunk_choice(i, text, finish, ids)
+        out = self.chunk_choice(i, text, finish, ids)
+        if self.params.logprobs is not None and ids:
+            # the log-probs event of a token arrives just before it
+            out["logprobs"] = self.chunk_logprobs(i, ids, self.choices[i].logprobs[-len(ids) :])
+        return out
+
+    def chunk_logprobs(self, i: int, ids: list[int], entries: list):
+        obj = self.logprobs_object(ids, entries, self._offsets.get(i, 0))
+        if obj.get("tokens"):  # completions' shape: the next chunk's offsets continue from here
+            self._offsets[i] = obj["text_offset"][-1] + len(obj["tokens"][-1])
+        return obj
 
     def chunk_choice(self, i: int, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict:
         out: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
@@ -453,21 +531,43 @@ class _Answer:
         return out
 
     def prelude(self) -> list[str]:
-        """The chunks before the first token: the prompts, when echoed."""
+        """The chunks before the first token: the prompts, when echoed (with their log-probs)."""
         params = self.params
         if not params.request.echo:
             return []
-        return [self._chunk([self._choice(i, self.service.prompt_text(params, i)) for i in range(len(self.choices))])]
+        choices = []
+        for i, ch in enumerate(self.choices):
+            choice = self.chunk_choice(i, self.service.prompt_text(params, i))
+            if ch.prompt_logprobs is not None:
+                choice["logprobs"] = self.chunk_logprobs(i, params.prompts[params.prompt_of(i)], ch.prompt_logprobs)
+            choices.append(choice)
+        return [self._chunk(choices)]
 
     async def events(self):
         params, choices = self.params, self.choices
         try:
+            if params.prompt_logprobs is not None:  # echo with log-probs: the prompt's come first
+                while any(ch.prompt_logprobs is None for ch in choices):
+                    event = await self.events_queue.get()
+                    if event[1] == "prompt":
+                        choices[event[0]].prompt_logprobs = event[2]
+                    else:
+                        self._early.append(event)
             for chunk in self.prelude():
                 yield chunk
             while self._open():
-                index, kind, value = await self.events_queue.get()
+                if self._early:
+                    index, kind, value = self._early.pop(0)
+                else:
+                    index, kind, value = await self.events_queue.get()
                 ch = choices[index]
                 if ch.ended or ch.finish_reason is not None:
+                    continue
+                if kind == "prompt":
+                    ch.prompt_logprobs = value
+                    continue
+                if kind == "logprobs":
+                    ch.logprobs.append(value)
                     continue
                 if kind == "token":
                     text = ch.token(value)
@@ -492,18 +592,7 @@ class _Answer:
 
 
 def _refuse_unwired(req) -> None:
-    """Fields the protocol accepts whose engine side is not wired yet: refused at any value but the
+    """Fields the protocol accepts whose engine side does not exist: refused at any value but the
     neutral one, with the reason, never silently ignored."""
-    for field, neutral in (
-        ("top_k", (None, -1, 0)),
-        ("min_tokens", (0,)),
-        ("repetition_penalty", (None, 1.0)),
-        ("presence_penalty", (None, 0.0)),
-        ("frequency_penalty", (None, 0.0)),
-        ("logprobs", (None, False)),
-        ("prompt_logprobs", (None,)),
-        ("top_logprobs", (None, 0)),
-    ):
-        value = getattr(req, field, None)
-        if value not in neutral:
-            raise bad(field, f"not supported by this server yet (only {neutral[-1]!r}), got {value!r}")
+    if getattr(req, "prompt_logprobs", None) is not None:
+        raise bad("prompt_logprobs", "not supported (use echo with logprobs for the prompt's log-probs)")

@@ -43,7 +43,7 @@ from laplace.model.kernels import resolve_kernel
 from laplace.model.lm import LaplaceLM, State
 from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
 from laplace.serving.prefix_cache import PrefixCache
-from laplace.serving.sampling import sample_next, stream_key
+from laplace.serving.sampling import apply_penalties, logprobs_of, sample_next, stream_key
 
 POLICIES = ("padded", "exact", "eager")
 # The `engine:` params that decide an engine's shapes (the MLflow model is logged with them).
@@ -72,6 +72,17 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
     arrival_s: float = 0.0
+    logprobs: int | None = None  # top-N log-probs of each generated token (None: none)
+    # vLLM's sampling fields (serving/sampling.py), at their neutral values by default
+    top_k: int = 0  # 0 or -1: every token
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+# one generated token's log-probs: (its own, [(token id, log-prob) of the top N])
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -85,6 +96,7 @@ class Completion:
     admitted_s: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_s: float | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, when asked for
 
     @property
     def ttft_s(self) -> float | None:
@@ -200,16 +212,43 @@ class SlotStates(nn.Module):
         state = model.allocate_state(rows)
         self.register_buffer("recurrent", state.recurrent, persistent=False)
         self.register_buffer("conv", state.conv, persistent=False)
+        # per slot, for vLLM's sampling fields: the prompt's tokens (repetition_penalty), how often
+        # each token was generated (the penalties), the request's stop tokens (min_tokens)
+        V, device = model.cfg.vocab_size, state.recurrent.device
+        self.register_buffer("seen", torch.zeros(rows, V, dtype=torch.bool, device=device), persistent=False)
+        self.register_buffer("counts", torch.zeros(rows, V, dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer("stops", torch.zeros(rows, V, dtype=torch.bool, device=device), persistent=False)
 
     def state(self) -> State:
         return State(self.recurrent, self.conv)
 
+    def sample(self, logits: Tensor, ints: Tensor, floats: Tensor) -> Tensor:
+        """The next token of each row from its raw logits: min_tokens and the penalties over the
+        slot's history, then temperature / top-k / top-p (serving/sampling.py, vLLM's order). The
+        drawn token is counted in its slot's history. ints [6, W] (tokens, slots, keys, top_k,
+        min_tokens still to go > 0, unused), floats [5, W] (temperature, top_p, repetition,
+        frequency, presence)."""
+        W = ints.shape[1]
+        if ints.shape[0] < 6:  # callers of the plain form (tokens, slots, keys): vLLM's fields neutral
+            ints = torch.cat([ints, ints.new_zeros(6 - ints.shape[0], W)])
+        if floats.shape[0] < 5:
+            neutral = torch.tensor([[1.0], [0.0], [0.0]], device=floats.device).expand(3, W)
+            floats = torch.cat([floats, neutral[floats.shape[0] - 2 :]])
+        _, slots, keys, top_k, before_min, _ = ints.unbind(0)
+        temperature, top_p, repetition, frequency, presence = floats.unbind(0)
+        adjusted = apply_penalties(logits, self.seen[slots], self.counts[slots], repetition, frequency, presence)
+        adjusted = adjusted.masked_fill(self.stops[slots] & (before_min > 0).unsqueeze(-1), float("-inf"))
+        tokens = sample_next(adjusted, temperature, top_p, keys, top_k)
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        return tokens
+
     def decode(self, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
-        """ints [3, W] (tokens, slots, sampling keys), floats [2, W] (temperature, top_p): one token
-        per row, packed so a step copies two small inputs. Returns (next tokens [W], logits [W, V])."""
-        tokens, slots, keys = ints.unbind(0)
+        """ints [6, W] (tokens, slots, sampling keys, top_k, min_tokens to go, unused), floats [5, W]
+        (temperature, top_p, repetition, frequency and presence penalties): one token per row, packed
+        so a step copies two small inputs. Returns (next tokens [W], raw logits [W, V])."""
+        tokens, slots = ints[0], ints[1]
         logits = self.model.decode_step(tokens, State(self.recurrent, self.conv), slots)
-        return sample_next(logits, floats[0], floats[1], keys), logits
+        return self.sample(logits, ints, floats), logits
 
     def prefill(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
         return self.model.prefill(tokens, State(self.recurrent, self.conv), slots, lengths)
@@ -361,10 +400,23 @@ class DecodeEngine:
     # -- the shapes: every caller goes through these four --------------------------------------
 
     def admit(self, owner: int) -> int:
-        """A free slot for `owner`, zeroed: a reused slot must not carry its last sequence's state."""
+        """A free slot for `owner`, zeroed: a reused slot must not carry its last sequence's state
+        (nor its sampling history)."""
         slot = self.pool.acquire(owner)
         self.state.zero_(torch.tensor([slot], device=self.device))
+        ss = self.slot_states
+        ss.seen[slot] = False
+        ss.counts[slot] = 0
+        ss.stops[slot] = False
         return slot
+
+    def set_history(self, slot: int, req: Request) -> None:
+        """The slot's sampling history for vLLM's fields: the prompt's tokens (repetition_penalty)
+        and the request's stop tokens (min_tokens)."""
+        ss = self.slot_states
+        ss.seen[slot, torch.as_tensor(req.prompt_ids, device=self.device)] = True
+        if req.stop_ids:
+            ss.stops[slot, torch.as_tensor(list(req.stop_ids), device=self.device)] = True
 
     def release(self, slot: int) -> None:
         self.pool.release(slot)
@@ -565,6 +617,22 @@ class DecodeEngine:
             )
         if not (_is_int(req.seed) and -(2**63) <= req.seed < 2**64):  # stream_key hashes the low 64 bits
             raise Rejected(f"seed must be an integer in [-2**63, 2**64), got {reprlib.repr(req.seed)}")
+        # vLLM's sampling fields, at vLLM's ranges
+        if not (_is_int(req.top_k) and req.top_k >= -1):
+            raise Rejected(f"top_k must be an integer >= -1 (-1 or 0: all tokens), got {reprlib.repr(req.top_k)}")
+        if not (_is_int(req.min_tokens) and 0 <= req.min_tokens <= req.max_new_tokens):
+            raise Rejected(f"min_tokens must be in [0, max_new_tokens={req.max_new_tokens}], got {req.min_tokens!r}")
+        penalties = (req.repetition_penalty, req.presence_penalty, req.frequency_penalty)
+        if not (
+            all(_is_real(v) and math.isfinite(v) for v in penalties)
+            and req.repetition_penalty > 0
+            and -2 <= req.presence_penalty <= 2
+            and -2 <= req.frequency_penalty <= 2
+        ):
+            raise Rejected(
+                "repetition_penalty must be > 0 and presence_penalty, frequency_penalty in [-2, 2], got "
+                f"{reprlib.repr(penalties)}"
+            )
 
     def _reject(self, req: Request, reason: str) -> Completion:
         prompt_tokens = len(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else 0
@@ -649,6 +717,7 @@ class DecodeEngine:
             req.id, "done", prompt_tokens=len(req.prompt_ids), arrival_s=req.arrival_s, admitted_s=self.now
         )
         live = _Live(req, done, self.admit(req.id))
+        self.set_history(live.slot, req)
         before = compiled_graph_count()
         try:
             (token, padded_length), seconds = self._timed(lambda: self._first_token(live))
@@ -667,7 +736,11 @@ class DecodeEngine:
         if self.on_logits is not None:
             self.on_logits(logits)
         r = live.request
-        return int(sample_next(logits, r.temperature, r.top_p, stream_key(r.seed, 0))[0]), padded_length
+        ints, floats = _sampling_rows([r], [live.slot], [[]], [stream_key(r.seed, 0)], self.device)
+        token = int(self.slot_states.sample(logits, ints, floats)[0])  # eagerly, the decode graph's sampler
+        if r.logprobs is not None:
+            live.completion.logprobs.extend(_logprobs(logits, [token], [r.logprobs]))
+        return token, padded_length
 
     def _decode_step(self) -> None:
         rows = list(self.live)
@@ -687,22 +760,24 @@ class DecodeEngine:
         """One decode step with sampling on the device; the produced tokens are read back once."""
         n, pad = len(rows), width - len(rows)
         reqs = [r.request for r in rows]
-        ints = torch.tensor(
-            [
-                [r.completion.output_ids[-1] for r in rows] + [self.pad_id] * pad,
-                [r.slot for r in rows] + [self.pool.dummy] * pad,
-                # the draw's key: (request seed, index of the token drawn), whatever the batch
-                [stream_key(r.request.seed, len(r.completion.output_ids)) for r in rows] + [0] * pad,
-            ],
-            dtype=torch.long,
-        ).to(self.device)
-        floats = torch.tensor(
-            [[float(q.temperature) for q in reqs] + [0.0] * pad, [float(q.top_p) for q in reqs] + [1.0] * pad]
-        ).to(self.device)
+        ints, floats = _sampling_rows(
+            reqs + [None] * pad,
+            [r.slot for r in rows] + [self.pool.dummy] * pad,
+            [r.completion.output_ids for r in rows] + [[self.pad_id]] * pad,
+            # the draw's key: (request seed, index of the token drawn), whatever the batch
+            [stream_key(r.request.seed, len(r.completion.output_ids)) for r in rows] + [0] * pad,
+            self.device,
+        )
         tokens, logits = self._run_step(ints, floats)
         if self.on_logits is not None:
             self.on_logits(logits[:n].clone())
-        return tokens[:n].tolist()  # the step's one read of device memory
+        out = tokens[:n].tolist()  # the step's one read of device memory
+        wanted = [i for i, q in enumerate(reqs) if q.logprobs is not None]
+        if wanted:  # log-probs only for the rows that asked, read back with them
+            picked = logits[torch.tensor(wanted, device=logits.device)]
+            for i, lp in zip(wanted, _logprobs(picked, [out[i] for i in wanted], [reqs[i].logprobs for i in wanted])):
+                rows[i].completion.logprobs.append(lp)
+        return out
 
     def _finish(self, row: _Live, status: str = "done", reason: str = "") -> None:
         c = row.completion
@@ -719,3 +794,37 @@ class DecodeEngine:
             self._finish(row)
         if self.on_token is not None:
             self.on_token(c, token)
+
+
+def _logprobs(logits: Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:
+    """Each row's raw log-probs (serving/sampling.py logprobs_of): the chosen token's and the top N."""
+    chosen, top, ids = logprobs_of(logits, torch.tensor(tokens, device=logits.device), max(top_n))
+    chosen, top, ids = chosen.tolist(), top.tolist(), ids.tolist()
+    return [(chosen[i], list(zip(ids[i][:n], top[i][:n]))) for i, n in enumerate(top_n)]
+
+
+def _sampling_rows(reqs, slots, outputs, keys, device) -> tuple[Tensor, Tensor]:
+    """The sampler's per-row inputs, ints [6, W] (last token, slot, key, top_k, min_tokens still to
+    go, 0) and floats [5, W] (temperature, top_p, repetition, frequency, presence penalties); a None
+    request is a pad row (greedy, neutral)."""
+    ints, floats = [], []
+    for req, slot, out, key in zip(reqs, slots, outputs, keys):
+        last = out[-1] if out else 0
+        if req is None:
+            ints.append([last, slot, key, 0, 0, 0])
+            floats.append([0.0, 1.0, 1.0, 0.0, 0.0])
+            continue
+        ints.append([last, slot, key, max(0, req.top_k), max(0, req.min_tokens - len(out)), 0])
+        floats.append(
+            [
+                float(req.temperature),
+                float(req.top_p),
+                float(req.repetition_penalty),
+                float(req.frequency_penalty),
+                float(req.presence_penalty),
+            ]
+        )
+    return (
+        torch.tensor(ints, dtype=torch.long).T.contiguous().to(device),
+        torch.tensor(floats, dtype=torch.float32).T.contiguous().to(device),
+    )

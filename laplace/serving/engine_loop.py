@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from laplace.errors import one_line
 from laplace.serving.engine import Completion, DecodeEngine, Request, StepRecord
 from laplace.serving.metrics import ServerMetrics
 
@@ -38,11 +39,14 @@ class Draining(Exception):
 @dataclass
 class Ticket:
     """One engine request seen from the HTTP side: its events arrive on `events` (shared by the
-    choices of one HTTP request) as (index, "token", id) and (index, "end", Completion)."""
+    choices of one HTTP request) as (index, "token", id) and (index, "end", Completion); with
+    log-probs asked for, (index, "logprobs", TokenLogprobs) before each token, and with prompt
+    log-probs (index, "prompt", [None, TokenLogprobs...]) before anything else."""
 
     request: Request
     index: int
     events: asyncio.Queue
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's log-probs, top N, first of all
 
 
 @dataclass
@@ -180,7 +184,10 @@ class EngineLoop:
                 else f"warmup {self.warmup_s:.1f}s (eager)"
             )
         except Exception as exc:  # a broken model or compiler: the server cannot serve
-            self.fatal = f"warmup failed: {type(exc).__name__}: {exc}"
+            if self.draining:  # stopped by a signal during warmup: its compilers were killed, not a failure
+                log.info("warmup stopped: shutting down")
+                return
+            self.fatal = f"warmup failed: {one_line(exc)}"
             log.error(self.fatal)
             if self.on_fatal:
                 self.on_fatal()
@@ -226,9 +233,16 @@ class EngineLoop:
             self._shared.queued += len(inbox)  # still waiting, now in the engine's queue
             cancels, self._shared.cancels = self._shared.cancels, []
         engine.now = self.clock()
+        scored = []
         for t in inbox:
             self._tickets[t.request.id] = t
+            if t.prompt_logprobs is not None:
+                scored.append(
+                    (t, (t.index, "prompt", prompt_logprobs(engine.model, t.request.prompt_ids, t.prompt_logprobs)))
+                )
             engine.submit(t.request)  # checked on the HTTP side already; a rejection ends it below
+        if scored and self._aio is not None:
+            self._aio.call_soon_threadsafe(_deliver, scored)
         for rid, reason in cancels:
             engine.cancel(rid, reason)
         if self.drain_deadline is not None and time.perf_counter() >= self.drain_deadline and engine.has_work():
@@ -277,7 +291,9 @@ class EngineLoop:
         self._publish([], self.engine.take_finished())
 
     def _on_token(self, completion: Completion, token: int) -> None:
-        self._emitted.append((completion, token))
+        # the token's log-probs, when asked for, were appended just before it was emitted
+        asked = completion.logprobs and len(completion.logprobs) == len(completion.output_ids)
+        self._emitted.append((completion, token, completion.logprobs[-1] if asked else None))
 
     def _publish(self, steps: list[StepRecord], finished: list[Completion]) -> None:
         m = self.metrics
@@ -289,8 +305,10 @@ class EngineLoop:
         emitted, self._emitted = self._emitted, []
         if emitted:
             m.count_tokens(len(emitted))
-        for c, token in emitted:
+        for c, token, logprobs in emitted:
             if (t := self._tickets.get(c.request_id)) is not None:
+                if logprobs is not None:
+                    events.append((t, (t.index, "logprobs", logprobs)))
                 events.append((t, (t.index, "token", token)))
         for c in finished:
             t = self._tickets.pop(c.request_id, None)
@@ -302,6 +320,21 @@ class EngineLoop:
                 events.append((t, (t.index, "end", c)))
         if events and self._aio is not None:
             self._aio.call_soon_threadsafe(_deliver, events)
+
+
+def prompt_logprobs(model, prompt_ids: list[int], top_n: int) -> list:
+    """The log-prob of each prompt token given the ones before it, and the top N there (None for the
+    first token, which nothing predicts), from the model's parallel forward over the whole prompt,
+    eagerly (`force_eager`: no graph is compiled for this, whatever the serving stance; the same
+    forward lm-eval's `--model laplace` numbers are checked against in tests/test_harness.py)."""
+    from laplace.serving.engine import _logprobs
+
+    if len(prompt_ids) < 2:
+        return [None] * len(prompt_ids)
+    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
+    with torch.compiler.set_stance("force_eager"), torch.inference_mode():
+        logits = model(ids)[0, :-1]
+    return [None] + _logprobs(logits, prompt_ids[1:], [top_n] * (len(prompt_ids) - 1))
 
 
 def _deliver(events) -> None:
