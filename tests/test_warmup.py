@@ -108,3 +108,43 @@ def test_a_server_without_a_warmup_cache_compiles_into_a_scratch_cache_of_its_ow
     import torch._inductor.runtime.cache_dir_utils as cache_dirs
 
     assert cache_dirs.cache_dir() == str(tmp_path / "compile-cache")  # what Inductor will write into
+
+
+@pytest.mark.slow
+def test_sigterm_during_warmup_ends_within_2_s_and_leaves_no_compiler_running(tiny_artifacts, tmp_path):
+    """A server compiling cold (no warmup cache) gets SIGTERM once warmup has started: the process
+    ends within 2 s with exit 0, no process it started (g++, Inductor's compile workers) outlives it,
+    and the log has no compiler output or traceback."""
+    import signal
+    import time
+
+    import psutil
+
+    from laplace.pipeline.repro import subprocess_env
+
+    _, export_dir = tiny_artifacts
+    cfg = load_config(ROOT / "params.yaml", {"engine.max_slots": 2, "engine.prefill_buckets": [16]})
+    env = subprocess_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    server = ServerProcess(
+        cfg, model=export_dir, policy="padded", compile_cache=tmp_path / "none", root=tmp_path, env=env
+    ).start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any("warmup 1/" in line for line in server.lines) and time.monotonic() < deadline:
+            assert server.proc.poll() is None, "\n".join(server.lines)
+            time.sleep(0.1)
+        time.sleep(3.0)  # into the compile: Dynamo tracing, then g++
+        started = psutil.Process(server.proc.pid).children(recursive=True)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        status = server.proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        server.stop()
+    time.sleep(0.5)
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    log = "\n".join(server.lines)
+    assert elapsed < 2.0, (elapsed, log[-2000:])
+    assert status == 0 and not alive, (status, alive)
+    assert "Traceback" not in log and "g++" not in log and len(server.lines) < 60, log[-3000:]
+    assert "SIGTERM during warmup: stopping" in log

@@ -106,7 +106,7 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
     from laplace.model.export import load_export
     from laplace.runtime import compile_backend, configure_compiler, resolve_device
     from laplace.serving.engine import DecodeEngine
-    from laplace.serving.server import serve
+    from laplace.serving.server import serve, warmup_interrupted
     from laplace.serving.warmup import apply_compile_settings, settings_mismatch
 
     settings = apply_compile_settings(cfg.server.threads)  # as warmup compiled: the thread count is in the cache key
@@ -129,7 +129,7 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
             policy,
             cfg.tracking.model_name,
         )
-        return serve(
+        status = serve(
             engine,
             tokenizer,
             config.get("eos_id"),
@@ -144,6 +144,15 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
             chat_template=config.get("chat_template"),
             special_tokens=special_token_strings(tokenizer, config),
         )
+    if warmup_interrupted.is_set():
+        # A signal during warmup: the abandoned compile's thread (a daemon, mid Dynamo trace) and
+        # Inductor's compile pools would hold the interpreter's exit for seconds; the scratch
+        # directory is already gone and the log is flushed, so nothing is lost by leaving now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def special_token_strings(tokenizer, config: dict) -> dict[str, str]:

@@ -37,6 +37,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 import time
 
 from fastapi import Request  # at module level: FastAPI resolves the route's annotation here
@@ -50,6 +51,19 @@ from laplace.serving.metrics import ServerMetrics
 from laplace.serving.protocol import ApiError, DetokenizeRequest, TokenizeRequest, bad, parse_model
 
 log = logging.getLogger("laplace.serving.server")
+warmup_interrupted = threading.Event()  # a signal arrived during warmup (the process leaves at once)
+
+
+def stop_compilers() -> None:
+    """Kill this process's children (g++ and Inductor's compile workers, during warmup), at once:
+    nothing is left compiling after a SIGTERM, and no compiler's error output floods the log."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=1.0)
 
 
 def max_model_len(service: CompletionsService) -> int:
@@ -77,7 +91,12 @@ def build_app(service: CompletionsService, metrics: ServerMetrics, on_started=No
         finally:
             for t in tasks:
                 t.cancel()
-            loop.stop()
+            # a warmup interrupted by a signal is not waited for: the engine thread is a daemon, and a
+            # Dynamo trace in it cannot be interrupted (its compiler processes were killed already)
+            warming = not loop.ready.is_set()
+            loop.stop(timeout=0.5 if warming else 30.0)
+            if warming:
+                stop_compilers()  # any the abandoned warmup started since the signal
             service.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="laplace", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -248,7 +267,14 @@ def serve(
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            if loop.draining or not loop.ready.is_set():  # a second signal, or nothing to drain: stop now
+            if not loop.ready.is_set() and not loop.fatal:  # during warmup: stop now, compilers included
+                if not loop.draining:
+                    log.info("%s during warmup: stopping (the compile is abandoned)", signal.Signals(sig).name)
+                warmup_interrupted.set()
+                loop.begin_drain(0.0)
+                stop_compilers()
+                return super().handle_exit(sig, frame)
+            if loop.draining:  # a second signal: stop now
                 loop.begin_drain(0.0)
                 return super().handle_exit(sig, frame)
             self._captured_signals.append(sig)  # re-raised once uvicorn is done (see below)
