@@ -4,10 +4,12 @@ full queue is the estimated drain time, and spreads a refused burst over it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 
+from laplace.config import EngineSection
 from laplace.model.lm import LaplaceLM
 from laplace.serving.engine import DecodeEngine, Request
 from laplace.serving.engine_loop import EngineLoop, QueueFull, Ticket
@@ -19,9 +21,8 @@ from project import tiny_model_config
 def test_retry_after_is_the_drain_time_of_what_is_ahead_and_spreads_a_refused_burst():
     torch.manual_seed(0)
     model = LaplaceLM(tiny_model_config(64))
-    engine = DecodeEngine(
-        model, max_slots=2, ladder=[1, 2], prefill_buckets=[16], max_prompt_tokens=16, compile_scope=None, max_queue=4
-    )
+    shapes = dict(max_slots=2, widths=[], prefill_buckets=[16], max_prompt_tokens=16, max_queue=4)
+    engine = DecodeEngine(model, dataclasses.replace(EngineSection(), **shapes), "padded", compiled=False)
     loop = EngineLoop(engine, ServerMetrics(2))  # not started: submissions stay in its inbox
     events: asyncio.Queue = asyncio.Queue()
 

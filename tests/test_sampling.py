@@ -148,6 +148,9 @@ def test_the_engine_applies_the_fields_per_slot_as_the_reference_does_batched_an
     using other settings) give the tokens of a reference loop: the model's parallel forward over the
     text so far, vLLM's penalties and min_tokens mask written above, argmax. A sampled request with
     top_k gives the same tokens alone and in the batch; top_k = 1 is greedy."""
+    import dataclasses
+
+    from laplace.config import EngineSection
     from laplace.model.lm import LaplaceLM
     from laplace.serving.engine import DecodeEngine, Request
 
@@ -158,9 +161,8 @@ def test_the_engine_applies_the_fields_per_slot_as_the_reference_does_batched_an
     model = LaplaceLM(tiny_model_config(vocab, n_layers=2, init_std=0.3)).eval()
 
     def engine():
-        return DecodeEngine(
-            model, max_slots=4, ladder=[1, 2, 4], prefill_buckets=[16], max_prompt_tokens=16, compile_scope=None
-        )
+        shapes = dict(max_slots=4, widths=[], prefill_buckets=[16], max_prompt_tokens=16)
+        return DecodeEngine(model, dataclasses.replace(EngineSection(), **shapes), "padded", compiled=False)
 
     def reference(req: Request) -> list[int]:
         out: list[int] = []

@@ -364,9 +364,22 @@ class _Choice:
         return self.text.flush()
 
 
+@dataclass
+class Delta:
+    """What one engine event adds to a choice: its text, its finish reason once it has one, the
+    token ids behind it (the token's, or [] at the end), and the error of a failed choice."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    token_ids: list[int]
+    error: str | None = None
+
+
 class _Answer:
-    """The answer to one completions request: the whole body, or its event stream. The chat answer
-    (serving/chat.py) changes only the shapes: `final_choice`, `body`, `chunk_choice`, `prelude`."""
+    """The answer to one completions request: the whole body, or its event stream, both from the
+    one event loop `deltas`. The chat answer (serving/chat.py) changes only the shapes:
+    `final_choice`, `body`, `chunk_choice`, `prelude`, `logprobs_object`."""
 
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl"
 
@@ -425,32 +438,59 @@ class _Answer:
             return JSONResponse({}, status_code=499)
         return collecting.result()
 
-    async def _collect(self):
-        from fastapi.responses import JSONResponse
+    async def _next_event(self):
+        return self._early.pop(0) if self._early else await self.events_queue.get()
 
-        params, choices = self.params, self.choices
-        echo = getattr(params.request, "echo", False)
-        texts = [self.service.prompt_text(params, i) if echo else "" for i in range(len(choices))]
+    async def prompt_logprobs(self) -> None:
+        """Echo with log-probs: wait for every choice's prompt log-probs (they come first per choice;
+        other choices' events that arrive meanwhile are kept for `deltas`)."""
+        while any(ch.prompt_logprobs is None for ch in self.choices):
+            event = await self.events_queue.get()
+            if event[1] == "prompt":
+                self.choices[event[0]].prompt_logprobs = event[2]
+            else:
+                self._early.append(event)
+
+    async def deltas(self):
+        """The engine's events for this request as Deltas, until every choice has ended: the one
+        loop both the JSON body and the event stream consume (vLLM's serving_completion.py shape).
+        A choice that has ended (its engine request finished, or a stop string matched and it was
+        cancelled) yields nothing more: the tokens the engine made after the match and its end
+        event are dropped. Log-prob events are kept on their choice (a token's arrives just before
+        it)."""
         while self._open():
-            index, kind, value = await self.events_queue.get()
-            ch = choices[index]
-            if ch.ended or (ch.finish_reason == "stop" and kind in ("token", "logprobs")):
+            index, kind, value = await self._next_event()
+            ch = self.choices[index]
+            if ch.ended or ch.finish_reason is not None:
                 continue
             if kind == "prompt":
                 ch.prompt_logprobs = value
             elif kind == "logprobs":
                 ch.logprobs.append(value)
             elif kind == "token":
-                texts[index] += ch.token(value)
-                if ch.finish_reason == "stop":
+                text = ch.token(value)
+                if ch.finish_reason == "stop":  # a stop string: this choice is done here
                     self._cancel(index, "stop string")
+                yield Delta(index, text, ch.finish_reason, [value])
             else:
-                texts[index] += ch.end(value)
+                text = ch.end(value)
+                yield Delta(index, text, ch.finish_reason, [], ch.error)
+
+    async def _collect(self):
+        from fastapi.responses import JSONResponse
+
+        params, choices = self.params, self.choices
+        echo = getattr(params.request, "echo", False)
+        texts = [self.service.prompt_text(params, i) if echo else "" for i in range(len(choices))]
+        async for delta in self.deltas():
+            texts[delta.index] += delta.text
         failed = [ch for ch in choices if ch.error]
         if failed:
             status = max(ch.status for ch in failed)
             return JSONResponse(ApiError(status, f"generation failed: {failed[0].error}").body(), status_code=status)
         return self.body([self.final_choice(i, texts[i], ch) for i, ch in enumerate(choices)])
+
+    # -- the shapes ------------------------------------------------------------------------------
 
     def token_entries(self, i: int, ch: _Choice) -> tuple[list[int], list]:
         """(token ids, their TokenLogprobs or None) of a choice's log-probs: the prompt's first with
@@ -547,43 +587,17 @@ class _Answer:
         params, choices = self.params, self.choices
         try:
             if params.prompt_logprobs is not None:  # echo with log-probs: the prompt's come first
-                while any(ch.prompt_logprobs is None for ch in choices):
-                    event = await self.events_queue.get()
-                    if event[1] == "prompt":
-                        choices[event[0]].prompt_logprobs = event[2]
-                    else:
-                        self._early.append(event)
+                await self.prompt_logprobs()
             for chunk in self.prelude():
                 yield chunk
-            while self._open():
-                if self._early:
-                    index, kind, value = self._early.pop(0)
-                else:
-                    index, kind, value = await self.events_queue.get()
-                ch = choices[index]
-                if ch.ended or ch.finish_reason is not None:
+            async for d in self.deltas():
+                if d.error is None:
+                    yield self._chunk([self._choice(d.index, d.text, d.finish_reason, d.token_ids)])
                     continue
-                if kind == "prompt":
-                    ch.prompt_logprobs = value
-                    continue
-                if kind == "logprobs":
-                    ch.logprobs.append(value)
-                    continue
-                if kind == "token":
-                    text = ch.token(value)
-                    if ch.finish_reason == "stop":  # a stop string: this choice is done here
-                        self._cancel(index, "stop string")
-                        yield self._chunk([self._choice(index, text, "stop", [value])])
-                    else:
-                        yield self._chunk([self._choice(index, text, None, [value])])
-                    continue
-                text = ch.end(value)
-                if ch.error:
-                    if text:
-                        yield self._chunk([self._choice(index, text)])
-                    yield f"data: {json.dumps(ApiError(ch.status, f'generation failed: {ch.error}').body())}\n\n"
-                else:
-                    yield self._chunk([self._choice(index, text, ch.finish_reason, [])])
+                if d.text:
+                    yield self._chunk([self._choice(d.index, d.text)])
+                status = choices[d.index].status
+                yield f"data: {json.dumps(ApiError(status, f'generation failed: {d.error}').body())}\n\n"
             if params.include_usage:
                 yield self._chunk([], usage=self.usage())
             yield "data: [DONE]\n\n"
