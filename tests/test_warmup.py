@@ -81,9 +81,14 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
     log = "\n".join(server.lines)
     assert counters["laplace_warmup_graphs"] == counters["laplace_warmup_graphs_loaded_from_cache"] == 3, log
     assert counters["laplace_compile_events_total"] == 0
-    # the shared system prompt: request 0 misses, 1 misses and is split where it diverges, 2 and 3 hit
+    # the shared system prompt under one prefill bucket: a split where the prompts diverge cannot save
+    # a bucket (the rest fills the same one), so none is made (it would cost request 1 a second piece
+    # for nothing) and every request misses; the prompts are still looked up, in tokens
     hits = {k: v for k, v in counters.items() if k.startswith("laplace_prefix_cache_hits")}
-    assert list(hits.values()) == [2.0], counters
+    misses = {k: v for k, v in counters.items() if k.startswith("laplace_prefix_cache_misses")}
+    assert list(hits.values()) == [0.0] and list(misses.values()) == [4.0], counters
+    queries = {k: v for k, v in counters.items() if k.startswith("vllm:prefix_cache_queries")}
+    assert list(queries.values()) == [float(sum(len(p) for p in prompts))], counters
     assert "loaded from cache 3/3, compiled 0" in log and "was built under other settings" not in log
     assert "3/3 graphs loaded from the compile cache, 0 compiled" in log  # the server's ready line
 
