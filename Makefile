@@ -34,11 +34,17 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(BIN)/laplace run
 
+# pytest-xdist workers: each test module (or the tiny_pipeline group) runs on one, the heaviest first by
+# tests/durations.json (tests/conftest.py, docs/testing.md); TEST_WORKERS=0 runs in one process.
+# PYTEST_ARGS=--record-durations rewrites that file from the run.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .
@@ -56,20 +62,25 @@ prefect-server: setup
 	$(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 PREFECT_API := http://127.0.0.1:$(PREFECT_PORT)/api
+# how long prefect-worker waits for the server and prefect-ready for the deployments (seconds)
+PREFECT_READY_S ?= 300
 # Waits (up to 5 minutes) for the server, so it may be started right after prefect-server.
 prefect-worker: setup
-	@for i in $$(seq 150); do $(BIN)/python -c "import urllib.request as u; u.urlopen('$(PREFECT_API)/health', timeout=2)" 2>/dev/null && exit 0; sleep 2; done; echo "no Prefect server at $(PREFECT_API): run make prefect-server first" >&2; exit 1
+	@end=$$(($$(date +%s) + $(PREFECT_READY_S))); while [ $$(date +%s) -lt $$end ]; do timeout 20 $(BIN)/python -c "import urllib.request as u; u.urlopen('$(PREFECT_API)/health', timeout=5)" 2>/dev/null && exit 0; sleep 2; done; echo "no Prefect server at $(PREFECT_API): run make prefect-server first" >&2; exit 1
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect work-pool create laplace --type process --overwrite
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect --no-prompt deploy --all
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect worker start --pool laplace
 
-# Waits (up to 5 minutes) until prefect-worker has created the deployments.
+# Waits (up to 5 minutes, each check bounded at 20 s: one hangs while the server starts) until
+# prefect-worker has created the deployments.
 prefect-ready: setup
-	@for i in $$(seq 100); do PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect deployment inspect 'laplace-pipeline/tiny' >/dev/null 2>&1 && exit 0; sleep 3; done; echo "no deployment laplace-pipeline/tiny at $(PREFECT_API): is make prefect-worker running?" >&2; exit 1
+	@end=$$(($$(date +%s) + $(PREFECT_READY_S))); while [ $$(date +%s) -lt $$end ]; do PREFECT_API_URL=$(PREFECT_API) timeout 20 $(BIN)/prefect deployment inspect 'laplace-pipeline/tiny' >/dev/null 2>&1 && exit 0; sleep 3; done; echo "no deployment laplace-pipeline/tiny at $(PREFECT_API) after 5 minutes: is make prefect-worker running?" >&2; exit 1
 
-# MLflow UI on the project's store (artifacts are served from mlartifacts/).
+# MLflow UI on the project's store (artifacts are served from mlartifacts/): one uvicorn worker and
+# no job runner (mlflow's defaults, 4 workers + a job runner + huey consumers, are 16 processes and
+# ~3 GB for a local UI)
 mlflow-ui: setup
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath mlflow.db) --host 127.0.0.1 --port $(MLFLOW_PORT)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath mlflow.db) --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
 
 clean:
 	rm -rf data runs artifacts metrics plots dvc_plots

@@ -7,8 +7,12 @@ matrix) and with `alltoall` (owner ranks, one equal-split all-to-all each way), 
 meters the bytes each rank sends and receives, every rank's, against `laplace plan`'s
 prediction for the same model and N (laplace.training.plan, the optimizer's own
 ExchangePlan: `bytes_equal_the_plan`, which tests/test_exchange.py checks). The analytic
-figures for Laplace 3B at 64 ranks come from the same plan, next to the article's. Prints a
-table and one JSON object.
+figures for Laplace 3B at 64 ranks come from the same plan, next to the article's. Then, for
+muon.comm owner_reduce and alltoall, it counts the bytes of one whole training step with a
+counting hook on every collective (`CollectiveCounter`: each call's own tensors, not the
+plan's arithmetic) and compares every rank's figure, by kind (gradients, parameters,
+optimizer), with `laplace plan`'s (laplace.training.plan.step_traffic). Prints tables and one
+JSON object.
 
     .venv/bin/python bench/muon_comm.py [--worlds 2 4] [--steps 5] [--d-model 512 --layers 4]
 """
@@ -26,6 +30,102 @@ import time
 from pathlib import Path
 
 import torch
+
+
+class CollectiveCounter:
+    """A counting hook on every torch.distributed collective (FSDP2's all-gathers and reduce-
+    scatters, DTensor's and our all-reduces, ShardedMuon's all-to-alls, reduces and
+    broadcasts): bytes this rank sends and receives, by kind, from each call's own tensors and
+    group, not from the plan. The payload rule per call (what a ring or a direct exchange moves):
+    all-gather (W-1) x input each way; reduce-scatter (W-1) x output each way; all-to-all the
+    input's other ranks' part each way; reduce: the root receives (W-1) x the tensor, the others
+    send it once; broadcast the reverse; all-reduce 2 (W-1) / W x the tensor each way."""
+
+    KINDS = {
+        "all_gather_single": "parameters",
+        "all_gather_into_tensor": "parameters",
+        "broadcast": "parameters",
+        "reduce_scatter_single": "gradients",
+        "reduce_scatter_tensor": "gradients",
+        "reduce": "gradients",
+        "all_to_all_single": "optimizer",
+        "all_reduce": "other",
+    }
+
+    def __init__(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self.counting = False
+        self.bytes = {kind: 0 for kind in ("gradients", "parameters", "optimizer", "other")}
+        for name, kind in self.KINDS.items():
+            original = getattr(c10d, name)
+            wrapped = self._wrap(name, kind, original, dist, c10d)
+            setattr(c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+
+    def _wrap(self, name, kind, original, dist, c10d):
+        import inspect
+
+        signature = inspect.signature(original)
+
+        def counted(*args, **kwargs):
+            if self.counting:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                self.bytes[kind] += self._moved(name, list(bound.arguments.values()), bound.arguments, dist)
+            return original(*args, **kwargs)
+
+        return counted
+
+    @staticmethod
+    def _moved(name, values, named, dist) -> int:
+        group = named.get("group")
+        world = dist.get_world_size(group)
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        output, inp = values[0], values[1]
+        if name.startswith("all_gather"):
+            return 2 * (world - 1) * nbytes(inp)
+        if name.startswith("reduce_scatter"):
+            return 2 * (world - 1) * nbytes(output)
+        if name == "all_to_all_single":
+            return 2 * nbytes(inp) * (world - 1) // world  # equal splits (ours)
+        size = nbytes(values[0])
+        if name in ("reduce", "broadcast"):
+            root = named.get("dst") if name == "reduce" else named.get("src")
+            if root is None:
+                root = dist.get_global_rank(group, named.get("group_dst") or named.get("group_src") or 0)
+            return (world - 1) * size if dist.get_rank() == root else size
+        return 2 * (world - 1) * size // world  # all_reduce
+
+
+def count_step_bytes(args, group) -> dict:
+    """Bytes this rank moves in one whole training step (forward, backward, MuonAdamW's step),
+    counted on every collective, for muon.comm owner_reduce and alltoall (fp32)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from laplace.config import AdamWSection, MuonSection, TrainSection
+    from laplace.model.config import preset_model_config
+    from laplace.optim.muon_adamw import MuonAdamW
+    from laplace.training.loop import build_model, cross_entropy
+
+    counter = CollectiveCounter()
+    mesh = init_device_mesh("cpu", (group.world,))
+    cfg = preset_model_config("tiny", vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=4)
+    tokens = torch.randint(0, args.vocab, (1, 129), generator=torch.Generator().manual_seed(group.rank))
+    out = {}
+    for comm in ("owner_reduce", "alltoall"):
+        model = build_model(cfg, mesh, group.device, TrainSection(precision="fp32"), seed=0, muon_comm=comm)
+        opt = MuonAdamW(model, 1e-3, AdamWSection(), MuonSection(comm=comm))
+        for step in range(2):  # the second step is counted: the first initialises FSDP2 and the momentum
+            counter.counting = step == 1
+            counter.bytes = dict.fromkeys(counter.bytes, 0)
+            cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            opt.step(max_grad_norm=1.0)
+            opt.zero_grad()
+        counter.counting = False
+        out[comm] = {"comm": opt.muon.comm, **counter.bytes}
+    return out
 
 
 def worker(args) -> None:
@@ -69,6 +169,10 @@ def worker(args) -> None:
             "muon_bytes_per_rank_min": min(every_rank) / args.steps,
             "params": model.num_parameters(),
         }
+    counted = count_step_bytes(args, group)
+    everyone = [None] * group.world
+    torch.distributed.all_gather_object(everyone, counted)
+    out["step_bytes"] = everyone  # every rank's
     if group.is_main:
         Path(args.out).write_text(json.dumps(out))
     distributed.leave(group)
@@ -91,7 +195,7 @@ def main() -> None:
     from laplace.model.config import preset_model_config
     from laplace.model.lm import LaplaceLM
     from laplace.optim.exchange import model_traffic
-    from laplace.training.plan import ARTICLE, plan
+    from laplace.training.plan import ARTICLE, plan, step_traffic
 
     shape = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=4)
     results = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}", "runs": []}
@@ -120,6 +224,20 @@ def main() -> None:
             subprocess.run(cmd, check=True, capture_output=True)
             r = json.loads(out.read_text())
         predicted = plan(preset_model_config("tiny", **shape), n, precision="fp32")["muon_traffic"]
+        with torch.device("meta"):
+            small = LaplaceLM(preset_model_config("tiny", **shape))
+        step_plan = step_traffic(small, n, "fp32")
+        step_runs = {}
+        for comm in ("owner_reduce", "alltoall"):
+            for kind in ("gradients", "parameters", "optimizer"):
+                measured_kind = [rank[comm][kind] for rank in r["step_bytes"]]
+                step_runs.setdefault(comm, {})[kind] = {"measured": measured_kind, "plan": step_plan[comm][kind]}
+            total = [sum(rank[comm][k] for k in ("gradients", "parameters", "optimizer")) for rank in r["step_bytes"]]
+            step_runs[comm]["total"] = {"measured": total, "plan": step_plan[comm]["total"]}
+            step_runs[comm]["other_measured"] = [rank[comm]["other"] for rank in r["step_bytes"]]
+            step_runs[comm]["worst_relative_error"] = max(
+                abs(m - q) / q for m, q in zip(total, step_plan[comm]["total"]) if q
+            )
         ag, a2a = r["allgather"]["muon_bytes_per_rank_max"], r["alltoall"]["muon_bytes_per_rank_max"]
         # every rank's measured bytes (min, mean and max over the ranks) against the plan's
         measured = [r[c][f"muon_bytes_per_rank_{k}"] for c in ("allgather", "alltoall") for k in ("min", "mean", "max")]
@@ -139,6 +257,7 @@ def main() -> None:
                 "step_seconds_allgather": r["allgather"]["step_seconds"],
                 "step_seconds_alltoall": r["alltoall"]["step_seconds"],
                 "speedup": r["allgather"]["step_seconds"] / r["alltoall"]["step_seconds"],
+                "step_bytes": step_runs,
             }
         )
     with torch.device("meta"):
@@ -159,6 +278,17 @@ def main() -> None:
             f"{r['bytes_ratio']:>6.2f} {r['ideal_ratio']:>6.1f} {r['step_seconds_allgather']:>17.3f} "
             f"{r['step_seconds_alltoall']:>16.3f} {r['speedup']:>8.2f}"
         )
+    print("whole training step, bytes per rank (sent + received), counted on every collective vs the plan:")
+    for r in results["runs"]:
+        for comm, kinds in r["step_bytes"].items():
+            cells = "  ".join(
+                f"{k} {max(kinds[k]['measured']):,} ({max(kinds[k]['plan']):,})"
+                for k in ("gradients", "parameters", "optimizer")
+            )
+            print(
+                f"  N={r['world_size']} {comm:<12} {cells}  other {max(kinds['other_measured']):,}  "
+                f"worst rank off the plan by {kinds['worst_relative_error']:.2%}"
+            )
     print(
         f"Laplace 3B, 64 ranks, bf16: allgather {a['allgather_bytes_per_rank'] / 1e9:.2f} GB/rank (article 10.87), "
         f"alltoall {a['alltoall_bytes_per_rank'] / 1e9:.3f} GB/rank (article 0.45), "

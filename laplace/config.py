@@ -136,6 +136,11 @@ class DataSection:
     max_document_chars: int = knob(
         1_000_000, _positive, "longer text files and records are cut at blank lines (or at this size) into documents"
     )
+    max_record_bytes: int = knob(
+        512_000_000,
+        _positive,
+        "a longer JSON line (or .json file) is skipped, named and counted; a worker holds about 2x a record",
+    )
     split_bytes: int = knob(
         32_000_000, _positive, "a larger .jsonl or text file is split by byte ranges (at line starts) over slices"
     )
@@ -149,7 +154,20 @@ class DataSection:
         16, _positive, "input slices (files hashed by path, hub shards): the unit of parallel work and of reuse"
     )
     shard_tokens: int = knob(100_000_000, _positive, "tokens per shard file (the last shard of each slice is shorter)")
-    num_proc: int = knob(2, _positive, "tokenizer worker processes")
+    num_proc: int = knob(
+        2, _positive, "tokenize worker processes: the local pool's, or a LocalCluster's (executor: dask, no address)"
+    )
+    executor: Literal["local", "dask"] = knob(
+        "local",
+        doc="where tokenize's slices run (survey, sample, encode): local (a process pool) | dask (a Dask cluster; "
+        "every worker must see the project directory)",
+    )
+    dask_address: str = knob(
+        "", doc="executor: dask: a running scheduler (tcp://HOST:8786); empty = a LocalCluster of data.num_proc workers"
+    )
+    dask_in_flight: int = knob(
+        256, _positive, "executor: dask: slices submitted to the scheduler at a time (its memory stays bounded)"
+    )
 
 
 @dataclass(frozen=True)
@@ -242,8 +260,10 @@ class MuonSection:
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = knob(
         "original", doc="original (scale by sqrt(max(1, rows/cols))) | match_rms_adamw (0.2 * sqrt(max(rows, cols)))"
     )
-    comm: Literal["alltoall", "allgather"] = knob(
-        "alltoall", doc="sharded Newton-Schulz: alltoall (owner ranks, the article's) | allgather (baseline)"
+    comm: Literal["owner_reduce", "alltoall", "allgather"] = knob(
+        "owner_reduce",
+        doc="owner_reduce (gradients reduced straight to each matrix's owner, no exchange of its own; fp32, "
+        "else alltoall) | alltoall (owner ranks, one all-to-all each way) | allgather (baseline)",
     )
 
 
@@ -321,7 +341,13 @@ class ServeCheckSection:
 
     requests: int = knob(48, _positive, "requests per replayed workload")
     workloads: list[str] = knob(["batch", "poisson", "bursty"], doc="arrival processes replayed")
-    exact_workloads: list[str] = knob(["poisson"], doc="also replayed with the exact (compile-on-first-sight) policy")
+    exact_workloads: list[str] = knob(
+        ["poisson"],
+        lambda v: (
+            None if v else "must name at least one workload (its exact vs padded replay is the headline comparison)"
+        ),
+        doc="also replayed with the exact (compile-on-first-sight) policy",
+    )
     shared_prefix_tokens: int = knob(
         128, _positive, "the shared_prefix workload (padded, prefix cache off vs on): the system prompt's length"
     )
@@ -433,7 +459,8 @@ class TrackingSection:
     champion_recall_tolerance: float = knob(
         0.05,
         _unit_interval,
-        "nor if its recall (probes' recall suite) at any length both measured falls below the champion's by more",
+        "nor if its recall (probes' recall suite) at any length both measured falls below the champion's by more "
+        "(and by more than two binomial standard errors of the difference, from each side's recall_samples)",
     )
     register: bool = knob(True, doc="register the exported model (alias candidate; champion when it earns it)")
     retry_seconds: float = knob(

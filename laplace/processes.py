@@ -11,6 +11,10 @@ import sys
 from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
+# the line torchrun's agent (laplace.training.launch) prints when a rank died; the stage worker's
+# parent (laplace.pipeline.workers) reads it. Here, below both, so a stage that merely runs a
+# worker does not depend on the training modules.
+AGENT_FAILED_MARK = "laplace.training.launch: failed: "
 
 
 def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:

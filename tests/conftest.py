@@ -3,10 +3,18 @@ import os
 import pytest
 import torch
 
+import suite_timing
 from project import TINY_MODEL
 
-# Tests run on 2 cores; keep torch from oversubscribing when pytest itself is the only job.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tests run on 2 cores, in PYTEST_XDIST_WORKER_COUNT worker processes under `make test` (-n 2): each
+# worker gets its share of the cores, and so do the processes it starts (pipeline stages, servers,
+# torchrun ranks: OMP_NUM_THREADS), so 2 workers never run 4 OpenMP threads on 2 cores. A thread
+# whose sibling is descheduled makes a whole step wait (docs/testing.md).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, str(THREADS))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # fp32 tests compare at 1e-5: TF32 (cuDNN's default for convolutions on CUDA) would give ~1e-3.
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -37,16 +45,41 @@ def seeded():
     yield
 
 
+def shared_by_workers(tmp_path_factory, name: str, build):
+    """`build(dir)` once for the whole run: under xdist the first worker to ask builds it in the
+    run's common temporary directory, the others wait on a file lock and reuse it (pytest-xdist's
+    recipe); without xdist it is a plain temporary directory. Returns the directory."""
+    from filelock import FileLock
+
+    if WORKERS == 1 or "PYTEST_XDIST_WORKER" not in os.environ:
+        out = tmp_path_factory.mktemp(name)
+        build(out)
+        return out
+    common = tmp_path_factory.getbasetemp().parent
+    out, done = common / name, common / f"{name}.done"
+    with FileLock(str(common / f"{name}.lock")):
+        if not done.exists():
+            out.mkdir(exist_ok=True)
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_artifacts(tmp_path_factory):
-    """A tokenized corpus and an exported, briefly trained 1-layer model: (data_dir, export_dir)."""
+    """A tokenized corpus and an exported, briefly trained 1-layer model: (data_dir, export_dir).
+    Built once per run, shared by the xdist workers (read it, do not change it)."""
+    root = shared_by_workers(tmp_path_factory, "tiny-artifacts", build_tiny_artifacts)
+    return root / "tokenized", root / "export"
+
+
+def build_tiny_artifacts(root):
     from laplace.config import config_from_dict
     from laplace.data.tokenize import tokenize_corpus
     from laplace.model.export import export_model
     from laplace.training import checkpoint as ckpt
     from laplace.training.loop import train
 
-    root = tmp_path_factory.mktemp("tiny-artifacts")
     cfg = config_from_dict(
         {
             "data": {"max_documents": 300, "num_proc": 1},
@@ -67,4 +100,115 @@ def tiny_artifacts(tmp_path_factory):
     tokenize_corpus(cfg.data, cfg.tokenizer, data_dir, cfg.seed)
     result = train(cfg, data_dir, root / "run", progress=False)
     export_model(ckpt.load_checkpoint(result.checkpoint), data_dir / "tokenizer.json", export_dir)
-    return data_dir, export_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    """The main job once per session: `laplace run` (dvc repro + the summary) on the tests' tiny
+    params in a real git + DVC repo: (repo, its output). End-to-end tests that read a finished
+    pipeline's outputs use this one run; their modules are TINY_PIPELINE_MODULES, one xdist work
+    unit (a session fixture is per worker under xdist: the unit keeps its users on one).
+    tests/test_pipeline_dvc.py changes the repo after its reading tests (an experiment, a second
+    run, push/pull): a test that needs another state copies it (`cp -a` of the repo takes seconds; docs/testing.md)."""
+    from project import BIN, PIPELINE_RUN_S, TINY_PARAMS, copy_project, run
+
+    repo = copy_project(tmp_path_factory.mktemp("tiny-pipeline"), TINY_PARAMS)
+    out = run([str(BIN / "laplace"), "run"], repo, timeout=PIPELINE_RUN_S)
+    return repo, out.stdout + out.stderr
+
+
+# --------------------------------------------------------------------------- xdist work units, order
+
+SHARED_RUN_GROUP = "tiny_pipeline"
+# The modules whose tests use the tiny_pipeline fixture: they share one worker, so one pipeline run.
+TINY_PIPELINE_MODULES = {"tests/test_pipeline_dvc.py"}
+
+
+def group_of(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or the tiny_pipeline group."""
+    module = nodeid.split("::", 1)[0]
+    return SHARED_RUN_GROUP if module in TINY_PIPELINE_MODULES else module
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (it picks one by --dist)
+def pytest_xdist_make_scheduler(config, log):
+    """Each work unit (group_of) runs whole on one worker, so its module fixtures (servers, tokenized
+    projects, pipeline runs) are built once. xdist's loadgroup does this through "@group" node ids,
+    which pytest 9 no longer lets a plugin set; loadscope splits by module, so it is the base."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ModuleGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Work units run heaviest first by tests/durations.json (without it: most slow-marked tests
+    first), so the longest does not start last
+    (the run's tail is one unit long); within a unit, the file's order. A test of tiny_pipeline
+    outside TINY_PIPELINE_MODULES would run the pipeline again on the other worker: refused."""
+    strays = sorted(
+        {i.nodeid.split("::")[0] for i in items if "tiny_pipeline" in i.fixturenames} - TINY_PIPELINE_MODULES
+    )
+    if strays:
+        raise pytest.UsageError(f"{', '.join(strays)} use tiny_pipeline: add them to TINY_PIPELINE_MODULES (conftest)")
+    weights = suite_timing.recorded_walls()
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(group_of(item.nodeid), []).append(item)
+
+    def weight(group: list) -> tuple[float, int]:  # recorded seconds; without a record, slow tests
+        return sum(weights.get(i.nodeid, 0.0) for i in group), sum(bool(i.get_closest_marker("slow")) for i in group)
+
+    ranked = sorted(groups.values(), key=weight, reverse=True)
+    items[:] = [item for group in ranked for item in group]
+
+
+# --------------------------------------------------------------------------- timing (tests/durations.json)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="rewrite tests/durations.json from this run (a full `make test`)",
+    )
+
+
+# in the controller (or the one process without xdist): every test's wall and CPU seconds
+TIMINGS = suite_timing.Timings()
+CPU_MARK = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[CPU_MARK] = suite_timing.cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the CPU seconds it took (xdist sends user_properties along)."""
+    report = (yield).get_result()
+    now = suite_timing.cpu_seconds()
+    report.user_properties.append(("cpu_s", now - item.stash.get(CPU_MARK, now)))
+    item.stash[CPU_MARK] = now
+
+
+def pytest_runtest_logreport(report):
+    TIMINGS.add(report)  # in a worker too, where nothing reads it
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput") or not TIMINGS.tests:  # an xdist worker (the controller reports); no test ran
+        return
+    if config.getoption("--record-durations"):
+        suite_timing.record(TIMINGS, workers_of(config))
+        terminalreporter.write_line(f"wrote {suite_timing.RECORD}")
+    suite_timing.summary(TIMINGS, terminalreporter.write_line)
+
+
+def workers_of(config) -> int:
+    return int(getattr(config.option, "numprocesses", None) or 1)

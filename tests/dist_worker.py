@@ -1,7 +1,7 @@
 """Run by torchrun from tests/test_distributed.py, on gloo, with a collective spy installed.
 
-step PREFIX     a few training steps of the FSDP2 model with MuonAdamW (both Muon
-                strategies); each rank takes its slice of a global batch. Rank 0 writes the
+step PREFIX     a few training steps of the FSDP2 model with MuonAdamW (every Muon
+                strategy, muon.comm); each rank takes its slice of a global batch. Rank 0 writes the
                 final parameters, the traffic and the spy's report.
 recompute PREFIX [PRECISION COMPILE]
                 the same steps with train.activation_checkpoint none, full and selective; rank 0
@@ -42,6 +42,7 @@ from laplace.training.loop import accumulate_gradients, build_model, cross_entro
 STEPS, VOCAB, GLOBAL_BATCH, SEED = 4, 300, 4, 11
 ADAMW_LR, MUON = 3e-3, MuonSection(lr=0.02)
 CLIP = 0.5  # low enough to clip at least once in the first steps
+COMMS = ("owner_reduce", "alltoall", "allgather")
 
 
 def model_config():
@@ -142,8 +143,8 @@ def step_mode(prefix: str) -> None:
     out = {}
     # split: each rank trains on its slice of the global batch, gradients clipped (the real thing);
     # same: every rank trains on the whole batch, no clipping (the optimizer alone: bitwise)
-    for mode, comm in (("split", "alltoall"), ("split", "allgather"), ("same", "alltoall"), ("same", "allgather")):
-        model = build_model(model_config(), mesh, group.device, TrainSection(precision="fp32"), SEED)
+    for mode, comm in [(mode, comm) for mode in ("split", "same") for comm in COMMS]:
+        model = build_model(model_config(), mesh, group.device, TrainSection(precision="fp32"), SEED, muon_comm=comm)
         opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(lr=MUON.lr, comm=comm))
         opt.set_lr_scale(1.0)
         norms, losses = [], []
@@ -240,14 +241,14 @@ def train_mode(prefix: str, config: str, data_dir: str, run_dir: str) -> None:
         if dumped:
             return
         dumped.append(step)
+        # every rank its own: with muon.comm owner_reduce a Muon momentum lives on its owner only
         state = get_optimizer_state_dict(
             model,
             optimizer.optimizers,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True),
+            options=StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True),
         )
-        if dist.get_rank() == 0:
-            tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
-            save_file(tensors, f"{prefix}-optimizer.safetensors", metadata={"step": str(step)})
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        save_file(tensors, f"{prefix}-optimizer-rank{dist.get_rank()}.safetensors", metadata={"step": str(step)})
 
     result = train(cfg, Path(data_dir), Path(run_dir), before_step=dump_optimizer_state, progress=False)
     if int(os.environ["RANK"]) == 0:  # the process group is gone: train() left it

@@ -8,8 +8,11 @@ where flash-linear-attention is installed (the dev extra), and adds the tokenize
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from pathlib import Path
+from unittest import mock
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -37,8 +40,10 @@ def llama_style_tokenizer(path: Path, vocab_size: int = 300) -> Path:
     return path
 
 
-def fla_checkpoint(out: Path, seed: int = 0, **overrides) -> Path:
-    """An fla GLAForCausalLM saved with save_pretrained (random weights, gates given some spread)."""
+def fla_checkpoint(out: Path, seed: int = 0, strong_gates: bool = False, **overrides) -> Path:
+    """An fla GLAForCausalLM saved with save_pretrained (random weights, gates given some spread;
+    `strong_gates`: gate biases drawn so per-token log decays spread over (-0.5, 0), where the gate's
+    normaliser and clamp change the logits visibly; the attention projections scaled up 10x)."""
     from fla.models import GLAConfig, GLAForCausalLM
 
     fields = dict(
@@ -59,6 +64,12 @@ def fla_checkpoint(out: Path, seed: int = 0, **overrides) -> Path:
         for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        if strong_gates:
+            for name, p in model.named_parameters():
+                if name.endswith("gk_proj.1.bias"):
+                    p.uniform_(-8.0, 0.0)
+                elif re.search(r"\.(q|k|g|o)_proj\.weight$", name):  # the attention branch, not the embeddings, decides
+                    p.mul_(10.0)
     model.save_pretrained(str(out))
     llama_style_tokenizer(out / "tokenizer.json")
     return out
@@ -66,3 +77,113 @@ def fla_checkpoint(out: Path, seed: int = 0, **overrides) -> Path:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# --------------------------------------------------------------------------- fla's forward on CPU
+# fla's layers call Triton kernels, which do not run on CPU. `fla_on_cpu` swaps only those entry
+# points (the names fla's modules look up at call time) for plain-torch transcriptions of what the
+# kernels compute, so fla's own modules, config handling and weight layout run unchanged: the
+# reference is fla's model, not ours. The transcriptions are written from the kernels' definitions
+# (recurrence, RMSNorm, SwiGLU, causal depthwise conv), independently of laplace.model.
+
+
+def _rms(x, weight, bias, eps):
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(dtype)
+    if bias is not None:
+        y = y + bias.to(dtype)
+    return y
+
+
+def _rms_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False, **_):
+    if residual is not None:
+        x = x + residual
+    y = _rms(x, weight, bias, eps).to(x.dtype)
+    return (y, x) if prenorm else y
+
+
+def _rms_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenorm=False, eps=1e-5, **_):
+    if residual is not None:
+        x = x + residual
+    y = _rms(x, weight, bias, eps)
+    gate = g.to(y.dtype)
+    y = (y * gate * torch.sigmoid(gate) if activation in ("swish", "silu") else y * torch.sigmoid(gate)).to(x.dtype)
+    return (y, x) if prenorm else y
+
+
+def _swiglu_linear(x, y, weight, bias):
+    return torch.nn.functional.linear(torch.nn.functional.silu(x) * y, weight, bias)
+
+
+def _causal_conv1d(
+    x, weight, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None, **kw
+):
+    assert initial_state is None and kw.get("cu_seqlens") is None, "the CPU transcription covers a plain prefill"
+    width = weight.shape[-1]  # y_t = sum_w weight[:, w] * x_{t-W+1+w}
+    padded = torch.nn.functional.pad(x.transpose(1, 2), (width - 1, 0))
+    y = torch.nn.functional.conv1d(padded, weight.unsqueeze(1), bias, groups=x.shape[-1]).transpose(1, 2)
+    if activation in ("silu", "swish"):
+        y = torch.nn.functional.silu(y)
+    if residual is not None:
+        y = y + residual
+    final = padded[..., -width:] if output_final_state else None
+    return y, final
+
+
+def _gla_recurrence(q, k, v, g=None, gk=None, scale=None, initial_state=None, output_final_state=False, **kw):
+    """S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale * q_t S_t (per head; [B, T, H, D] inputs)."""
+    assert kw.get("cu_seqlens") is None
+    g = g if g is not None else gk
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    b, t, h, dk = q.shape
+    state = q.new_zeros(b, h, dk, v.shape[-1], dtype=torch.promote_types(q.dtype, torch.float32))
+    if initial_state is not None:
+        state = state + (initial_state.transpose(-1, -2) if kw.get("state_v_first") else initial_state)
+    out = []
+    for i in range(t):
+        state = state * g[:, i].exp()[..., None] + k[:, i, :, :, None] * v[:, i, :, None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, i] * scale, state))
+    o = torch.stack(out, 1).to(v.dtype)
+    final = (state.transpose(-1, -2) if kw.get("state_v_first") else state) if output_final_state else None
+    return o, final
+
+
+@contextlib.contextmanager
+def fla_on_cpu():
+    """fla's GLA modules with their Triton entry points replaced (see above), restored on exit."""
+    import fla.layers.gla as gla_layer
+    import fla.modules.causal_conv1d.ops as conv_ops
+    import fla.modules.mlp as mlp
+    import fla.modules.norm.fused_norm_gate as norm_gate
+    import fla.modules.norm.layernorm as layernorm
+    from fla.modules.activations import ACT2FN
+
+    swaps = [
+        (gla_layer, "chunk_gla", _gla_recurrence),
+        (gla_layer, "fused_chunk_gla", _gla_recurrence),
+        (gla_layer, "fused_recurrent_gla", _gla_recurrence),
+        (conv_ops, "causal_conv1d", _causal_conv1d),
+        (mlp, "swiglu_linear", _swiglu_linear),
+        (mlp, "swiglu", lambda x, y: torch.nn.functional.silu(x) * y),
+        (norm_gate, "rms_norm_gated", _rms_norm_gated),
+        (layernorm, "rms_norm", _rms_norm),
+    ]
+    with contextlib.ExitStack() as stack:
+        for module, name, fn in swaps:
+            stack.enter_context(mock.patch.object(module, name, fn))
+        # the output gate's activation (looked up when a layer is built: build models inside)
+        stack.enter_context(
+            mock.patch.dict(ACT2FN, {"swish": torch.nn.functional.silu, "silu": torch.nn.functional.silu})
+        )
+        yield
+
+
+def fla_logits(model_dir: Path, tokens: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """fla's own GLAForCausalLM (from_pretrained on `model_dir`) run on CPU: the reference logits."""
+    from fla.models import GLAForCausalLM
+
+    with fla_on_cpu(), torch.no_grad():
+        model = GLAForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        return model(input_ids=tokens, use_cache=False).logits

@@ -13,6 +13,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+# pytest-timeout's limit (fixtures included) for a test that may set up a whole pipeline run (a
+# `laplace run`, a Prefect deployment run): the fla import's passed 900 s in CI (load 1-8); the rest get 600 s
+PIPELINE_TIMEOUT_S = 1800
+PIPELINE_RUN_S = 1500  # the subprocess limit of such a run (project.run's default is 900 s)
+
 # The tests' tiny model: the tiny preset cut to one 32-wide layer (the one copy; tests that need
 # more layers or another vocabulary say so with overrides).
 TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "chunk_size": 16, "sub_chunk_size": 8}

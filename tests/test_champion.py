@@ -117,6 +117,28 @@ def test_champion_rule_refuses_a_candidate_that_lost_recall():
     )
 
 
+def test_the_recall_rule_compares_with_the_sampling_error_and_says_the_sample_counts():
+    champion = {"version": "3", "val_loss": 4.5, "recall": {"niah_single": {"256": 1.0}}, **COMPARABLE}
+    champion["recall_samples"] = 4
+    better_loss = {"val_loss": 4.0, "gates": PASSED, **COMPARABLE, "recall_samples": 4}
+    # one prompt of 4 missed: 75% vs 100% is within 2 standard errors (0.47): the loss decides
+    one_off = {**better_loss, "recall": {"niah_single": {"256": 0.75}}}
+    assert champion_decision(one_off, champion, 0.0, 0.05) == (
+        True,
+        "validation loss 4.0000 <= champion v3's 4.5000 + tolerance 0",
+    )
+    # every prompt missed: beyond the sampling error, refused, with the counts in the reason
+    none = {**better_loss, "recall": {"niah_single": {"256": 0.0}}}
+    assert champion_decision(none, champion, 0.0, 0.05) == (
+        False,
+        "recall fell below champion v3's: niah_single at 256 tokens: 0% < 100% "
+        "(4 vs 4 samples, beyond 2 standard errors 0.71) (tolerance 0.05, tracking.champion_recall_tolerance)",
+    )
+    # with many samples the same 25-point drop is far beyond the noise
+    many = {**one_off, "recall_samples": 400}
+    assert not champion_decision(many, {**champion, "recall_samples": 400}, 0.0, 0.05)[0]
+
+
 def test_champion_tolerance_is_a_param():
     assert default_params()["tracking"]["champion_tolerance"] == 0.0
     assert load_config(ROOT / "params.yaml", ["tracking.champion_tolerance=0.02"]).tracking.champion_tolerance == 0.02

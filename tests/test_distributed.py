@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 
 from laplace.config import AdamWSection, config_from_dict
 from laplace.model.lm import LaplaceLM
-from laplace.optim.exchange import muon_traffic
+from laplace.optim.exchange import muon_traffic, owner_reduce_traffic
 from laplace.optim.muon import muon_hyperparameters, route_parameters
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
@@ -45,7 +45,7 @@ from laplace.pipeline.stage_train import run_training
 from laplace.training import checkpoint as ckpt
 from laplace.training.loop import cross_entropy
 
-from dist_worker import ADAMW_LR, CLIP, MUON, SEED, STEPS, batch, model_config
+from dist_worker import ADAMW_LR, CLIP, COMMS, MUON, SEED, STEPS, batch, model_config
 from project import BIN, TINY_MODEL, TINY_PARAMS, copy_project, env, free_port, run
 
 HERE = Path(__file__).resolve().parent
@@ -116,7 +116,7 @@ def test_distributed_step_matches_single_process_torch_muon_and_adamw(world, ref
     torchrun(world, [WORKER, "step", str(prefix)])
     report = json.loads(Path(f"{prefix}-report.json").read_text())
     shapes = [tuple(p.shape) for _, p in route_parameters(LaplaceLM(model_config()))["muon"]]
-    for comm in ("alltoall", "allgather"):
+    for comm in COMMS:
         # the optimizer alone: bit for bit
         same = load_file(f"{prefix}-same-{comm}.safetensors")
         ref = reference["same"]["params"]
@@ -134,14 +134,24 @@ def test_distributed_step_matches_single_process_torch_muon_and_adamw(world, ref
         for got, want in zip(split["norms"], ref["norms"]):
             assert math.isclose(got, want, rel_tol=5e-4), (world, comm, split["norms"], ref["norms"])
         params = load_file(f"{prefix}-split-{comm}.safetensors")
-        for k, want in ref["params"].items():  # a bf16 step's size: lr * 2^-8 relative, a few times
-            assert (params[k] - want).norm() <= 2e-2 * want.norm(), (world, comm, k)
+        # bf16 Newton-Schulz rounding (2^-8) of steps that differ from the reference's in the last fp32
+        # bits (the gradient norm and the batch mean summed in another order): the 64 x 2 gate matrix,
+        # which each step moves by about half its norm, ends 2.2% off at 2 ranks (alltoall and
+        # owner_reduce alike, measured 2026-12-01), every other matrix far less: 3% is the tolerance
+        for k, want in ref["params"].items():
+            assert (params[k] - want).norm() <= 3e-2 * want.norm(), (world, comm, k)
 
-        # the metered Muon bytes are the plan's formula, the same on every rank
+        # the metered Muon bytes are the plan's formula, rank by rank
         traffic = split["traffic"]
         per_rank = [sum(traffic[c]["sent"][r] + traffic[c]["received"][r] for c in traffic) for r in range(world)]
-        expected = muon_traffic(shapes, world)[f"{comm}_bytes_per_rank"] * STEPS
-        assert per_rank == [expected] * world, (comm, per_rank, expected)
+        if comm == "owner_reduce":
+            expected = [b * STEPS for b in owner_reduce_traffic(shapes, world)["bytes_per_rank"]]
+        else:
+            expected = [muon_traffic(shapes, world)[f"{comm}_bytes_per_rank"] * STEPS] * world
+        assert per_rank == expected, (comm, per_rank, expected)
+    # the owners' matrices: 20 of uneven shapes, 10 and 10 at 2 ranks; uneven counts at 4 (3, 3, 7, 7)
+    counts = owner_reduce_traffic(shapes, world)["owned_matrices"]
+    assert sum(counts) == len(shapes) and (world < 4 or len(set(counts)) > 1), counts
 
     spy = report["spy"]
     assert spy["violations"] == []
@@ -186,7 +196,7 @@ def test_a_device_only_process_group_sees_no_host_tensor():
 # --------------------------------------------------------------------------- resume across world sizes
 
 
-def run_cfg(world: int, steps: int = 8):
+def run_cfg(world: int, steps: int = 8, comm: str = "alltoall"):
     return config_from_dict(
         {
             "data": {"max_documents": 300, "num_proc": 1},
@@ -208,6 +218,7 @@ def run_cfg(world: int, steps: int = 8):
                 "warmup_steps": 2,
                 "nproc_per_node": world,
             },
+            "muon": {"comm": comm},
         }
     )
 
@@ -231,19 +242,24 @@ def uninterrupted(tiny_artifacts, tmp_path_factory) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after", [(2, 4), (4, 2)])
+@pytest.mark.parametrize(
+    "before, mode_before, after, mode_after",
+    [(2, "alltoall", 4, "owner_reduce"), (4, "owner_reduce", 2, "alltoall")],
+)
 def test_resume_at_another_world_size_restores_the_optimizer_state(
-    before, after, tiny_artifacts, uninterrupted, tmp_path
+    before, mode_before, after, mode_after, tiny_artifacts, uninterrupted, tmp_path
 ):
+    """Saved at N ranks in one muon.comm, resumed at M != N in either: row-sharded momentum
+    (alltoall) and whole momentum on its owner (owner_reduce) are the same tensors to DCP."""
     data_dir, _ = tiny_artifacts
     paths = project(tmp_path / "run", data_dir)
-    run_training(run_cfg(before), paths, stop_at_step=4)
+    run_training(run_cfg(before, comm=mode_before), paths, stop_at_step=4)
     (step, stopped), *_ = ckpt.list_checkpoints(paths.run_dir / "checkpoints")
     assert step == 4
     saved = ckpt.stored_tensors(stopped, "optim.")
 
     cfg_file = tmp_path / "config.json"
-    cfg_file.write_text(json.dumps(run_cfg(after).to_dict()))
+    cfg_file.write_text(json.dumps(run_cfg(after, comm=mode_after).to_dict()))
     prefix = tmp_path / "resumed"
     torchrun(after, [WORKER, "train", str(prefix), str(cfg_file), str(paths.data_dir), str(paths.run_dir)])
     report = json.loads(Path(f"{prefix}-report.json").read_text())
@@ -251,10 +267,15 @@ def test_resume_at_another_world_size_restores_the_optimizer_state(
     assert report["spy"]["violations"] == []  # the whole run: DCP load and save, FSDP2, Muon, the loop
 
     # what the ranks hold after the resume, gathered whole, is what was saved at the stop
-    with safe_open(f"{prefix}-optimizer.safetensors", "pt") as f:
-        assert f.metadata()["step"] == "4"
-    restored = load_file(f"{prefix}-optimizer.safetensors")
+    restored = {}
+    for rank in range(after):  # each rank's state, whole (a Muon momentum on its owner alone in owner_reduce)
+        with safe_open(f"{prefix}-optimizer-rank{rank}.safetensors", "pt") as f:
+            assert f.metadata()["step"] == "4"
+        for k, t in load_file(f"{prefix}-optimizer-rank{rank}.safetensors").items():
+            assert k not in restored or torch.equal(restored[k], t), k  # ranks that hold a tensor agree on it
+            restored[k] = t
     assert restored.keys() == saved.keys()
+    assert report["metrics"]["muon_comm"] == mode_after
     assert [k for k in saved if not torch.equal(restored[k], saved[k])] == []
     for kind in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
         held = [t for k, t in restored.items() if k.endswith(kind)]
@@ -265,7 +286,7 @@ def test_resume_at_another_world_size_restores_the_optimizer_state(
     resumed = losses(report["history"])
     assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 9))
     for s in range(1, 9):
-        if before == 2 and s <= 4:
+        if before == 2 and mode_before == "alltoall" and s <= 4:
             assert resumed[s] == uninterrupted[s]  # the same 2-rank steps, read back from the checkpoint
         else:
             assert math.isclose(resumed[s], uninterrupted[s], rel_tol=1e-4), (s, resumed, uninterrupted)

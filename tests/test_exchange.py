@@ -1,4 +1,5 @@
-"""bench/muon_comm.py under real torchrun/gloo: every rank's metered Muon bytes equal `laplace plan`'s."""
+"""bench/muon_comm.py under real torchrun/gloo: every rank's metered Muon bytes equal `laplace plan`'s,
+and the bytes of a whole training step, counted on every collective, are the plan's within 5%."""
 
 from __future__ import annotations
 
@@ -29,3 +30,15 @@ def test_measured_alltoall_bytes_per_rank_at_2_and_4_ranks_equal_the_plan(tmp_pa
     assert runs[4]["bytes_per_rank_alltoall"] < runs[4]["bytes_per_rank_allgather"]
     big = result["laplace_3b_at_64_ranks"]
     assert big["alltoall_bytes_per_rank"] <= 0.42e9 < big["article_alltoall_bytes"]
+    # a whole step (forward, backward, optimizer), counted on every collective call, per mode and
+    # rank, against laplace plan's per-kind arithmetic (laplace.training.plan.step_traffic)
+    for n, r in runs.items():
+        for comm in ("owner_reduce", "alltoall"):
+            kinds = r["step_bytes"][comm]
+            assert kinds["worst_relative_error"] <= 0.05, (n, comm, kinds)
+            for kind in ("gradients", "parameters"):
+                assert all(m > 0 for m in kinds[kind]["measured"]), (n, comm, kind)
+        assert r["step_bytes"]["owner_reduce"]["optimizer"]["measured"] == [0] * n  # no exchange of its own
+        assert all(m > 0 for m in r["step_bytes"]["alltoall"]["optimizer"]["measured"])
+        owner, a2a = (sum(r["step_bytes"][c]["total"]["measured"]) for c in ("owner_reduce", "alltoall"))
+        assert owner < a2a, (n, owner, a2a)  # one broadcast per step where FSDP2 gathers twice

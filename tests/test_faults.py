@@ -17,9 +17,10 @@ import torch
 
 from laplace.training import checkpoint as ckpt
 
-from project import BIN, TINY_PARAMS, copy_project, descendants, env, run
+from project import BIN, PIPELINE_TIMEOUT_S, TINY_PARAMS, copy_project, descendants, env, run
 
-pytestmark = pytest.mark.slow
+# the module fixtures tokenize and train two reference runs before the first fault
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(PIPELINE_TIMEOUT_S)]
 
 STEPS = 24
 FAULT_PARAMS = {
@@ -326,3 +327,37 @@ def test_sigkill_of_the_parent_of_laplace_train_stops_the_job_too(tokenized, tmp
     assert gone_within(pids, 10) == [], "processes of the job still alive 10 s after its parent was killed"
     saved = ckpt.list_checkpoints(root / "runs/train/checkpoints")
     assert len(saved) == 1 and saved[0][0] >= 3, saved  # the graceful stop's checkpoint
+
+
+def test_ctrl_c_to_the_process_group_checkpoints_and_ends_with_one_line(tokenized, tmp_path):
+    """Ctrl-C in a terminal is SIGINT to the foreground process group: `laplace train` and
+    torchrun's agent (the ranks run in sessions of their own, the agent forwards SIGINT to them).
+    The ranks stop at a step boundary with the stop checkpoint, as on SIGTERM; the job ends with
+    one line and exit status 130, no traceback, no process left."""
+    root = fresh(tokenized, tmp_path, "sigint", **LONG)
+    proc = start_training(root)  # its own session: killpg reaches it and the agent, as a terminal's Ctrl-C
+    pids = wait_for_ranks(proc, 2, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    log = "".join(proc.stdout)
+    assert proc.wait() == 128 + signal.SIGINT, log[-3000:]
+    assert gone_within(pids, 10) == [], "processes of the job still alive 10 s after Ctrl-C"
+    saved = ckpt.list_checkpoints(root / "runs/train/checkpoints")
+    assert len(saved) == 1 and 3 <= saved[0][0] < LONG["train.steps"], (saved, log[-3000:])
+    assert ckpt.verify_manifest(saved[0][1])[0]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    assert log.strip().splitlines()[-1].startswith("laplace train: error: stopped by SIGINT"), log[-3000:]
+
+
+def test_a_killed_rank_is_named_in_the_one_line_error(tokenized, tmp_path):
+    """kill -9 of rank 1 with no restarts left: `laplace train` fails with one line naming rank 1
+    and its signal (not torchrun's `=====` report rule), and the other rank's own error follows."""
+    root = fresh(tokenized, tmp_path, "dead-rank", **LONG)
+    proc = start_training(root)
+    wait_for_ranks(proc, 2, 3)
+    os.kill(worker_of_rank(proc.pid, 1), signal.SIGKILL)
+    log = "".join(proc.stdout)
+    assert proc.wait() == 1, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("laplace train: error: laplace.pipeline.stage_train worker failed (exit status 1): "), last
+    assert "rank 1 (local rank 1, pid " in last and "was killed by signal SIGKILL (9)" in last, last
+    assert "=====" not in last and "then rank 0 failed too" in last, last

@@ -384,6 +384,7 @@ WHOLE_HOUSE_SUITES = {
     "pipeline_frame",
     "pipeline_prefect",
     "pipeline_real_model",  # an fla checkpoint through import, the pipeline, serve and lm-eval
+    "suite_timing",  # the test suite's own durations record (tests/suite_timing.py)
 }
 
 

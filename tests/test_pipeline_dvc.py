@@ -14,9 +14,10 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from project import BIN, TINY_PARAMS, commit_all, copy_project, env, run
+from project import BIN, PIPELINE_TIMEOUT_S, TINY_PARAMS, commit_all, env, run
 
-pytestmark = pytest.mark.slow
+# the first test sets up the session's pipeline run; the summary's next steps run a Prefect deployment
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(PIPELINE_TIMEOUT_S)]
 
 DVC = ["python", "-m", "dvc"]
 
@@ -25,15 +26,19 @@ def ran_stages(output: str) -> set[str]:
     return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")}
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    return copy_project(tmp_path_factory.mktemp("laplace"), TINY_PARAMS)
+# The session's one run of the main job (`laplace run`: dvc repro, then the summary; tests/conftest.py).
+# This module reads it first, then changes it (baseline commit, experiment, run-cache restore,
+# push/pull, the summary's next steps): its tests run in file order, in the "tiny_pipeline" group.
 
 
 @pytest.fixture(scope="module")
-def first_run(repo):
-    out = run([str(BIN / "laplace"), "run"], repo)  # the main job: dvc repro, then the summary
-    return out.stdout + out.stderr
+def repo(tiny_pipeline):
+    return tiny_pipeline[0]
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_pipeline):
+    return tiny_pipeline[1]
 
 
 HEADLINE = {"eval_loss", "train_loss", "tps", "srv_tps", "ttft_p99", "srv_compile"} | {

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from project import BIN, TINY_PARAMS, copy_project, descendants, env, free_port, run
+from project import BIN, PIPELINE_RUN_S, PIPELINE_TIMEOUT_S, TINY_PARAMS, copy_project, descendants, env, free_port, run
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +46,7 @@ def mlflow_runs(repo):
     return c.search_runs([c.get_experiment_by_name("laplace").experiment_id])
 
 
+@pytest.mark.timeout(PIPELINE_TIMEOUT_S)  # a whole pipeline run, two stages of it twice
 def test_deployment_runs_through_server_and_worker(tmp_path):
     """`prefect deployment run` through a real server and process worker, with overrides as flow
     parameters. Two transient faults: the warmup stage's compile worker (a `python -m
@@ -99,13 +100,13 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
                 "laplace-pipeline/tiny",
                 "--watch",
                 "--watch-timeout",
-                "600",
+                str(PIPELINE_RUN_S - 100),
                 "--params",
-                json.dumps({"overrides": {"train.lr": 0.002}}),
+                json.dumps({"overrides": {"train.lr": 0.002, "data.executor": "dask"}}),
             ],
             repo,
             env=e,
-            timeout=700,
+            timeout=PIPELINE_RUN_S,
         )
         assert "Completed" in out.stdout + out.stderr
     finally:
@@ -123,6 +124,7 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
     assert runs[0].data.params["train.lr"] == "0.002"
     assert "Data and pipelines are up to date" in run(["python", "-m", "dvc", "status"], repo).stdout
     assert json.loads((repo / "metrics" / "train.json").read_text())["steps"] == TINY_PARAMS["train.steps"]
+    assert json.loads((repo / "metrics" / "tokenize.json").read_text())["executor"] == "dask"  # the knob reached it
     import yaml
 
     lock = yaml.safe_load((repo / "dvc.lock").read_text())

@@ -99,3 +99,29 @@ def test_checkpointed_blocks_leave_autograd_only_their_inputs():
     for mode in ("full", "selective"):
         assert kept[mode] == pytest.approx(inputs_only, rel=0.01), (mode, kept, inputs_only)
         assert kept[mode] < 0.1 * kept["none"]
+
+
+def test_owner_reduce_bytes_follow_the_owners_and_3b_at_64_ranks_moves_less_than_adamw_zero():
+    """Our own count from shapes and owners: three matrices on 2 ranks, LPT owners by padded row
+    shards (4x2 -> rank 0; 2x2, 2x2 -> rank 1), fp32: each rank sends the gradients it does not own
+    once and receives the ones it owns from the other rank; the broadcast mirrors it."""
+    from laplace.optim.exchange import owner_reduce_traffic
+    from laplace.training.plan import step_traffic
+
+    t = owner_reduce_traffic([(4, 2), (2, 2), (2, 2)], 2)
+    assert t["owned_matrices"] == [1, 2]
+    assert t["gradient_reduce"] == [{"sent": 32, "received": 32}, {"sent": 32, "received": 32}]
+    assert t["parameter_broadcast"] == t["gradient_reduce"] and t["bytes_per_rank"] == [128, 128]
+    assert owner_reduce_traffic([(4, 2), (2, 2), (2, 2)], 1)["bytes_per_rank"] == [0]
+
+    with torch.device("meta"):
+        model = LaplaceLM(preset_model_config("laplace-3b"))
+    by_mode = step_traffic(model, 64, "fp32")
+    assert set(by_mode) == {"owner_reduce", "alltoall", "adamw_zero"}
+    assert by_mode["owner_reduce"]["optimizer"] == [0] * 64 == by_mode["adamw_zero"]["optimizer"]
+    assert by_mode["alltoall"]["optimizer"] == [396_361_728] * 64  # the owner all-to-alls, 0.396 GB
+    # the same reduce-scatters and all-gathers as AdamW-ZeRO, plus the exchange
+    assert by_mode["alltoall"]["gradients"] == by_mode["adamw_zero"]["gradients"]
+    # one broadcast per step where FSDP2 gathers a block for its forward and again for its backward
+    assert max(by_mode["owner_reduce"]["total"]) < min(by_mode["adamw_zero"]["total"])
+    assert "owner_reduce" not in step_traffic(model, 64, "bf16")  # bf16 runs use alltoall

@@ -44,3 +44,26 @@ def test_a_child_of_run_streaming_dies_when_its_parent_is_sigkilled():
     finally:
         runner.kill()
         runner.wait(timeout=10)
+
+
+def test_a_failed_ranks_error_line_reaches_the_agents_one_line_verdict(tmp_path, monkeypatch):
+    """The file a rank writes (lifecycle.record_error, where torchrun's TORCHELASTIC_ERROR_FILE
+    points) is read by torchrun's own ProcessFailure, and the agent's verdict quotes its line;
+    the agent's SIGTERM of the surviving rank is not taken for the cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from laplace.training.launch import describe_failure
+    from laplace.training.lifecycle import ERROR_FILE_ENV, record_error
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv(ERROR_FILE_ENV, str(error_file))
+    record_error(OSError("No space left on device: 'runs/train/checkpoints'\nmore detail"))
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none.json")),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=str(error_file)),
+    }
+    line = describe_failure(failures)
+    assert line == (
+        "rank 1 (local rank 1, pid 101) exited with status 1; its last error: OSError: No space left on "
+        "device: 'runs/train/checkpoints'; then rank 0 failed too"
+    ), line

@@ -24,7 +24,7 @@ TESTS = ROOT / "tests"
 
 # command (a prefix of the README line) -> (test file, words that file must contain to run it)
 RUN_ELSEWHERE = {
-    "make run": ("test_pipeline_dvc.py", ['"laplace"', '"run"']),  # `make run` is `laplace run`
+    "make run": ("conftest.py", ['"laplace"', '"run"']),  # `make run` is `laplace run` (the tiny_pipeline fixture)
     "make test": (".ci/run", ["make test"]),  # CI is `make lint` and `make test`
     "dvc repro": ("test_pipeline_dvc.py", ['"repro"']),
     "git add -A": ("project.py", ['"add", "-A"', '"commit"']),
@@ -38,7 +38,7 @@ RUN_ELSEWHERE = {
     "export PREFECT_API_URL=": ("test_pipeline_prefect.py", ["PREFECT_API_URL"]),
     "prefect deployment run 'laplace-pipeline/tiny' --watch": ("test_pipeline_prefect.py", ['"deployment"', "--watch"]),
     "prefect deployment run 'laplace-pipeline/tiny' -p": ("test_pipeline_prefect.py", ['"overrides"']),
-    "make mlflow-ui": ("test_readme.py", ['"ui"', '"--backend-store-uri"']),
+    "make mlflow-ui": ("test_readme.py", ['"mlflow-ui"']),
     "laplace plan": ("test_distributed.py", ['"plan"', '"--nproc"']),
     "laplace serve --model models:/laplace-gla@champion": ("test_mlflow_model.py", ['"serve", "--model", uri']),
     "laplace corpus": ("test_pipeline_dvc.py", ['"repro"']),
@@ -195,8 +195,7 @@ def test_the_mlflow_ui_serves_the_runs_table_with_the_headline_columns(project):
 
     port = free_port()
     server = subprocess.Popen(
-        [str(BIN / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{project / 'mlflow.db'}"]
-        + ["--host", "127.0.0.1", "--port", str(port)],
+        make_mlflow_ui(port),
         cwd=project,
         env=env(),
         stdout=subprocess.DEVNULL,
@@ -212,7 +211,7 @@ def test_the_mlflow_ui_serves_the_runs_table_with_the_headline_columns(project):
             return json.loads(r.read())
 
     try:
-        deadline = time.monotonic() + 300  # four uvicorn workers start slowly on a loaded machine
+        deadline = time.monotonic() + 300  # a loaded machine
         while True:
             assert server.poll() is None, "mlflow ui exited"
             try:
@@ -245,3 +244,89 @@ def test_the_mlflow_ui_serves_the_runs_table_with_the_headline_columns(project):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
+
+
+def make_mlflow_ui(port: int) -> list[str]:
+    """`make mlflow-ui` as the README runs it, on this checkout's venv (already set up) and Makefile."""
+    venv = Path(sys.executable).parent.parent
+    return ["make", "-s", "-f", str(ROOT / "Makefile"), f"VENV={venv}", "-o", f"{venv}/.installed"] + [
+        f"MLFLOW_PORT={port}",
+        "mlflow-ui",
+    ]
+
+
+def test_make_mlflow_ui_is_one_server_process_without_job_consumers(tmp_path):
+    """The local UI as `make mlflow-ui` starts it: one uvicorn worker and no job runner or huey
+    consumers (MLflow's defaults were 16 processes, ~2.9 GB), answering on its port."""
+    import os
+    import signal
+    import time
+    import urllib.request
+
+    from project import descendants, free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        make_mlflow_ui(port),
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, "make mlflow-ui exited"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                assert time.monotonic() < deadline, "make mlflow-ui did not answer in 300 s"
+                time.sleep(0.5)
+        time.sleep(3)  # the job runner, when enabled, starts its consumers after the server answers
+        commands = []
+        for pid in descendants(server.pid):
+            try:
+                commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                pass
+        pythons = [c for c in commands if not c.startswith("/bin/sh ")]  # make's shell runs the recipe
+        assert not [c for c in pythons if "huey" in c or "jobs" in c], commands
+        # the `mlflow ui` launcher and the one uvicorn server it runs (make's shell may sit above them)
+        assert len(pythons) <= 2, commands
+        assert (tmp_path / "mlflow.db").is_file()  # the project's store, where make ran
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+
+
+def test_make_prefect_ready_gives_up_in_its_bound_when_the_server_never_answers(tmp_path):
+    """Every check of `make prefect-ready` is bounded: against a port that accepts connections and
+    never answers (a server still starting), it stops after PREFECT_READY_S plus one check's bound,
+    with one line saying what to start."""
+    import socket
+    import time
+
+    venv = Path(sys.executable).parent.parent
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(64)  # connections complete in the backlog; nothing is ever read or answered
+        started = time.monotonic()
+        done = subprocess.run(
+            ["make", "-s", "-f", str(ROOT / "Makefile"), f"VENV={venv}", "-o", f"{venv}/.installed"]
+            + [f"PREFECT_PORT={mute.getsockname()[1]}", "PREFECT_READY_S=5", "prefect-ready"],
+            cwd=tmp_path,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        took = time.monotonic() - started
+    assert done.returncode != 0 and "is make prefect-worker running?" in done.stderr, done.stderr
+    assert took < 5 + 20 + 15, took  # the deadline, one bounded check, and slack for a loaded machine

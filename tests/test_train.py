@@ -247,3 +247,49 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(data_dir, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the loop's only while it runs
     resumed = train(small_config(), data_dir, tmp_path / "run", progress=False)
     assert resumed.metrics["resumed_from_step"] == 3
+
+
+def test_sigint_stops_at_a_step_boundary_as_sigterm_does(data_dir, tmp_path):
+    """Ctrl-C is SIGINT, and torchrun's agent forwards SIGINT to the ranks: the loop treats it as
+    SIGTERM (the step finishes, its checkpoint is written) and the stop exits 130, not 143."""
+    import os
+    import signal
+
+    from laplace.training.lifecycle import TrainingStopped
+
+    def interrupt_at_2(step, model, optimizer):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(TrainingStopped, match="stopped by SIGINT after step 2; checkpoint step_000002 kept") as stop:
+        train(small_config(steps=6), data_dir, tmp_path / "run", before_step=interrupt_at_2, progress=False)
+    assert stop.value.exit_status == 128 + signal.SIGINT
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run/checkpoints")] == [2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
+
+
+def test_an_async_checkpoint_is_in_place_at_the_first_step_boundary_after_its_write(data_dir, tmp_path):
+    """train.async_checkpoint: the write of step 2 runs in the background; once its shards and
+    digests are on disk, the next step boundary renames it into place (before, it waited for the
+    next save, at step 4: a crash at step 3 lost both intervals)."""
+    import time
+
+    root = tmp_path / "run/checkpoints"
+    seen = {}
+
+    def watch(step, model, optimizer):
+        if step == 2:  # the 3rd step starts: the write of step 2 is in flight or done
+            digests = root / ".step_000002.partial" / ".digests-rank00000.json"
+            deadline = time.monotonic() + 60
+            while not digests.exists() and not (root / "step_000002").exists():
+                assert time.monotonic() < deadline, "the background write of step 2 never finished"
+                time.sleep(0.02)
+            time.sleep(0.1)  # the write's future resolves just after its digests land
+        if step == 3:  # the boundary after step 3 has run: step 2 must be in place, step 4 not written yet
+            seen["at_step_4"] = [s for s, _ in ckpt.list_checkpoints(root)]
+
+    cfg = small_config(steps=4, checkpoint_every=2, eval_every=100, async_checkpoint=True)
+    train(cfg, data_dir, tmp_path / "run", before_step=watch, progress=False)
+    assert seen["at_step_4"] == [2]
+    assert ckpt.verify_manifest(root / "step_000002")[0]
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [4, 2]

@@ -4,9 +4,12 @@
 through the serving engine (laplace.serving.engine), so an evaluation measures the model as it
 is served: padded ladder widths, bucketed prefill, the same state slots.
 
-- loglikelihood(context, continuation): the context is prefilled into a slot, then the
-  continuation is fed one token per decode step; up to serve.max_slots requests decode together
-  at the smallest ladder width that holds them. Returns (sum of log-probs, all greedy).
+- loglikelihood(context, continuation): encoded as lm-eval's own HF models encode it (`encode_pair`:
+  the context's trailing spaces moved to the continuation, context+continuation encoded together and
+  split after the context's tokens, the tokenizer's own special tokens, an empty context replaced by
+  the prefix token), so the numbers are comparable with lm-eval's HFLM on the same checkpoint. The
+  context is prefilled into a slot, then the continuation is fed one token per decode step; up
+  to serve.max_slots requests decode together at the smallest ladder width that holds them.
 - loglikelihood_rolling(text): the same with the model's own start token as the only context
   (BOS where the model has one, Llama's convention; else the end-of-text token that separates
   Laplace's training documents), so it equals the model's loss on that token sequence: GLA has no
@@ -85,21 +88,37 @@ class LaplaceHarnessLM(LM):
         start = self.bos_id if self.bos_id is not None else self.eos_id
         if start is None:
             raise ConfigError(f"{export}: the export names neither a bos_id nor an eos_id to start a text with")
-        self.start_id = start
+        self.start_id = start  # lm-eval's prefix_token_id: the tokenizer's BOS, else its EOS
+        self.start_text = self.tokenizer.decode([start], skip_special_tokens=False)
 
-    # -- tokens -------------------------------------------------------------------------------
+    # -- tokens: as lm-eval's HFLM (lm_eval/models/huggingface.py tok_encode, api/model.py) -------------
 
     def encode(self, text: str) -> list[int]:
         """Text as the model reads it inside a document: no special tokens (BOS is the start's)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
 
+    def tok_encode(self, text: str) -> list[int]:
+        """HFLM.tok_encode: the tokenizer's own special tokens (its post-processor puts <s> first in
+        Llama layouts), none where the text already starts with the prefix token's text."""
+        return self.tokenizer.encode(text, add_special_tokens=not text.startswith(self.start_text)).ids
+
     def prompt_ids(self, context: str) -> list[int]:
-        """The model's own convention for a text's start: BOS first where it has one (Llama);
-        else the bare context, or the end-of-text token when the context is empty."""
-        ids = self.encode(context)
-        if self.bos_id is not None:
-            return [self.bos_id] + ids
-        return ids or [self.start_id]
+        """A generation prompt as HFLM encodes it; the prefix token alone for an empty context."""
+        return (self.tok_encode(context) if context else []) or [self.start_id]
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) as lm-eval's loglikelihood and _encode_pair make them.
+        Encoding the continuation alone instead would add a word-start token (Llama's Prepend ▁
+        normaliser) and score tokens lm-eval's models never see."""
+        if context == "":
+            cont = self.encode(continuation)
+            return (cont[:1], cont[1:]) if cont and cont[0] == self.start_id else ([self.start_id], cont)
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole, ctx = self.tok_encode(context + continuation), self.tok_encode(context)
+        # a context of spaces only with a tokenizer that adds nothing: the prefix token conditions it
+        return ctx or [self.start_id], whole[len(ctx) :]
 
     # -- scoring through the engine -------------------------------------------------------------
 
@@ -130,11 +149,7 @@ class LaplaceHarnessLM(LM):
         return out
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        pairs = []
-        for req in requests:
-            context, continuation = req.args
-            pairs.append((self.prompt_ids(context), self.encode(continuation)))
-        return self.score(pairs)
+        return self.score([self.encode_pair(*req.args) for req in requests])
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         pairs = [([self.start_id], self.encode(req.args[0])) for req in requests]

@@ -10,9 +10,11 @@ Every checkpoint of the field enters and leaves through here:
 
 Laplace's GLA language model and fla 0.6's GLAForCausalLM compute the same function, and the
 weights map one to one by renaming (`NAME_MAP`), so both directions move tensors bit for bit
-(no dtype change). config.json is mapped field by field (`config_from_hf`): a field Laplace does
-not implement (a feature map, no output gate, hybrid attention layers, grouped key heads ...)
-is refused by name and value, never ignored. An HF export carries the Laplace export's own
+(no dtype change). config.json is mapped key by key (`config_from_hf`) to what fla 0.6 itself
+computes with it: a key Laplace does not implement (a feature map, no output gate, hybrid attention
+layers, grouped key heads ...) is refused by name and value; a key fla stores but never reads
+(`FLA_IGNORES`: gate_logit_normalizer, use_gk, ...) is not obeyed either, since fla does not, and
+the import names it. An HF export carries the Laplace export's own
 config under the `laplace` key, so a Laplace export that goes out and comes back in is
 byte-identical.
 """
@@ -115,18 +117,76 @@ NEUTRAL_FIELDS = {
     "keys_to_ignore_at_inference",
     "laplace",
 }
+# transformers' PreTrainedConfig keys (v5, and the v4 ones older config.json files carry): a causal
+# LM's logits do not depend on them (labels and problem types are for classification heads, the
+# sampling defaults for generate(), the rest are switches GLAForCausalLM does not implement)
+TRANSFORMERS_COMMON_KEYS = {
+    "id2label",
+    "label2id",
+    "problem_type",
+    "num_labels",
+    "finetuning_task",
+    "tokenizer_class",
+    "prefix",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "task_specific_params",
+    "torchscript",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "is_decoder",
+    "add_cross_attention",
+    "cross_attention_hidden_size",
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "output_scores",
+    "return_dict_in_generate",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+}
+# keys GLAConfig stores (or keeps as extra keys, PreTrainedConfig style) that no fla 0.6 layer reads:
+# GLABlock never passes them to GatedLinearAttention, which computes with the value given here
+# whatever config.json says. Laplace computes what fla computes, and the import names each one that
+# claims another value (`keys_fla_ignores`): obeying the key would give another function than fla's.
+FLA_IGNORES = {
+    "gate_logit_normalizer": FLA_GATE_LOGIT_NORMALIZER,
+    "use_gk": True,
+    "use_gv": False,
+    "conv_bias": False,
+}
+# keys fla ignores too, but whose other values cannot describe the weights fla loads (a gate
+# projection of another rank): refused by name rather than left to a tensor shape
+FLA_FIXED = {"gate_low_rank_dim": FLA_GATE_LOW_RANK_DIM}
 # field -> the values Laplace implements (anything else changes the function)
 REQUIRED_VALUES = {
     "model_type": ("gla",),
     "feature_map": (None,),
     "use_output_gate": (True,),
     "hidden_act": ("swish", "silu"),
-    "elementwise_affine": (True, None),
-    "use_gk": (True,),
-    "use_gv": (False,),
+    "elementwise_affine": (True,),  # false or null: fla's norms have no weight
     "attn": (None,),
     "attnres_block_size": (None,),
     "attn_mode": FLA_ATTN_MODES,
+    "pruned_heads": ({},),
 }
 # fields of earlier fla releases that fla 0.6 no longer reads, and the public fla-hub checkpoints
 # (gla-1.3B-100B, gla-2.7B-100B) still carry: accepted only where fla 0.6 computes the same with them
@@ -145,8 +205,6 @@ MAPPED_FIELDS = {
     "conv_size",
     "norm_eps",
     "clamp_min",
-    "gate_low_rank_dim",
-    "gate_logit_normalizer",
     "tie_word_embeddings",
     "initializer_range",
     "bos_token_id",
@@ -175,7 +233,10 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, i
     for field, allowed in REQUIRED_VALUES.items():
         if hf.get(field, allowed[0]) not in allowed:
             bad(field, f"is not supported by Laplace (supported: {', '.join(json.dumps(a) for a in allowed)})")
-    unknown = sorted(set(hf) - NEUTRAL_FIELDS - set(REQUIRED_VALUES) - MAPPED_FIELDS - LEGACY_FIELDS)
+    for field, fixed in FLA_FIXED.items():
+        if hf.get(field, fixed) != fixed:
+            bad(field, f"is not what fla 0.6 builds (it reads no {field} and fixes it at {fixed}); Laplace refuses it")
+    unknown = sorted(set(hf) - known_keys())
     if unknown:
         bad(unknown[0], "is a field Laplace does not know, so cannot promise to compute the same function")
     norm_eps = hf.get("norm_eps", FLA_NORM_EPS)
@@ -222,8 +283,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, i
                 expand_k=expand_k,
                 expand_v=expand_v,
                 mlp_hidden=int(intermediate),
-                gate_low_rank_dim=int(hf.get("gate_low_rank_dim", FLA_GATE_LOW_RANK_DIM)),
-                gate_logit_normalizer=float(hf.get("gate_logit_normalizer", FLA_GATE_LOGIT_NORMALIZER)),
+                gate_low_rank_dim=FLA_GATE_LOW_RANK_DIM,
+                gate_logit_normalizer=float(FLA_GATE_LOGIT_NORMALIZER),  # whatever config.json says: as fla
                 gate_clamp_min=None if clamp is None else float(clamp),
                 use_short_conv=bool(hf.get("use_short_conv", False)),
                 conv_size=int(hf.get("conv_size", 4)),
@@ -239,6 +300,29 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, i
     except (TypeError, ValueError) as exc:
         raise HFFormatError(f"{where}: {one_line(exc)}") from exc
     return cfg, _token_id(hf, "bos_token_id", where), _token_id(hf, "eos_token_id", where)
+
+
+def known_keys() -> set[str]:
+    """Every config.json key the importer has a rule for; any other is refused by name."""
+    return (
+        NEUTRAL_FIELDS
+        | TRANSFORMERS_COMMON_KEYS
+        | set(REQUIRED_VALUES)
+        | MAPPED_FIELDS
+        | LEGACY_FIELDS
+        | set(FLA_IGNORES)
+        | set(FLA_FIXED)
+    )
+
+
+def keys_fla_ignores(hf: dict) -> list[str]:
+    """`key=value (fla computes with V)` for each key of FLA_IGNORES whose value is not the one fla
+    computes with: the import computes fla's function and says which keys it did not obey."""
+    return [
+        f"{key}={json.dumps(hf[key])} (fla 0.6 reads no such key and computes with {json.dumps(fixed)})"
+        for key, fixed in FLA_IGNORES.items()
+        if key in hf and hf[key] != fixed
+    ]
 
 
 def _token_id(hf: dict, field: str, where: str) -> int | None:
@@ -436,7 +520,7 @@ def import_checkpoint(src: str | Path, out_dir: Path) -> dict:
     if (template := read_chat_template(src_dir)) is not None:
         config["chat_template"] = template
     summary = write_export(tensors, config, tokenizer_path, Path(out_dir))
-    return {**summary, "source": str(src), "model": cfg.architecture()}
+    return {**summary, "source": str(src), "model": cfg.architecture(), "ignored_keys": keys_fla_ignores(hf)}
 
 
 def read_chat_template(src_dir: Path) -> str | None:

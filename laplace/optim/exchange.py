@@ -14,7 +14,7 @@ from torch import nn
 
 from laplace.optim.muon import newtonschulz_flops, route_parameters
 
-COLLECTIVES = ("muon_to_owner", "muon_from_owner", "muon_allgather")
+COLLECTIVES = ("muon_to_owner", "muon_from_owner", "muon_allgather", "muon_grad_reduce", "muon_param_broadcast")
 EXCHANGE_BYTES = 2  # bf16 on the wire (Newton-Schulz casts to bf16 first anyway)
 
 
@@ -150,6 +150,49 @@ def muon_traffic(
         "owned_matrices_per_rank_mean": mean(owned),
         "owned_values_per_rank_max": max(owned_values, default=0),
         "owned_values_per_rank_mean": mean(owned_values),
+        "newton_schulz_flops_per_rank_max": max(work, default=0),
+        "newton_schulz_flops_per_rank_mean": mean(work),
+        "newton_schulz_work_max_over_mean": max(work) / mean(work) if any(work) else None,
+    }
+
+
+def owner_reduce_traffic(
+    shapes: list[tuple[int, int]], world: int, bytes_per_value: int = 4, ns_steps: int = 5
+) -> dict:
+    """muon.comm owner_reduce, per rank per step: every Muon gradient reduced onto its owner and
+    every updated matrix broadcast from it (fp32, whole tensors: no padding), with the owners
+    `ExchangePlan` chooses. Counted as the collectives' payload: a reduce's non-root ranks send
+    the tensor once and its root receives it from each of the others; a broadcast the reverse
+    (how bench/muon_comm.py's counting hook counts them). Nothing moves in the optimizer step."""
+    plan = ExchangePlan([tuple(s) for s in shapes], world)
+    sizes = [r * c * bytes_per_value for r, c in plan.shapes]
+    others = world - 1
+    total = sum(sizes)
+    owned = [0] * world
+    for slot, size in zip(plan.slots, sizes):
+        owned[slot.owner] += size
+    if not others:
+        grad = [{"sent": 0, "received": 0} for _ in range(world)]
+    else:
+        grad = [{"sent": total - owned[r], "received": others * owned[r]} for r in range(world)]
+    param = [{"sent": g["received"], "received": g["sent"]} for g in grad]  # the way back mirrors it
+    per_rank = [g["sent"] + g["received"] + p["sent"] + p["received"] for g, p in zip(grad, param)]
+    work = plan.newton_schulz_work(ns_steps)
+    counts = [len(plan.owned_by(r)) for r in range(world)]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "world_size": world,
+        "bytes_per_value": bytes_per_value,
+        "gradient_reduce": grad,
+        "parameter_broadcast": param,
+        "optimizer_bytes_per_rank": 0,
+        "bytes_per_rank": per_rank,
+        "bytes_per_rank_max": max(per_rank),
+        "bytes_per_rank_mean": mean(per_rank),
+        "padding_values": 0,
+        "owned_matrices": counts,
+        "owned_bytes_per_rank_max": max(owned),
+        "owned_bytes_per_rank_mean": mean(owned),
         "newton_schulz_flops_per_rank_max": max(work, default=0),
         "newton_schulz_flops_per_rank_mean": mean(work),
         "newton_schulz_work_max_over_mean": max(work) / mean(work) if any(work) else None,

@@ -30,12 +30,20 @@ class MuonAdamW:
         compile_backend: str | None = None,
     ):
         """compile_backend: compile the Muon update (CompiledMuonUpdate); None runs it eagerly."""
+        from torch.distributed.tensor import DTensor
+
         self.routes = route_parameters(model)
         self.base_lrs = {"muon": muon.lr, "adamw": adamw_lr}
+        matrices = [p for _, p in self.routes["muon"]]
+        # owner_reduce where it applies: the matrices were left out of FSDP2 (shard_model does it
+        # for fp32 runs); FSDP2 sharded them (bf16) -> the owner-rank all-to-all
+        comm = muon.comm
+        if comm == "owner_reduce" and any(isinstance(p, DTensor) for p in matrices):
+            comm = "alltoall"
         self.muon = ShardedMuon(
-            [p for _, p in self.routes["muon"]],
+            matrices,
             **muon_hyperparameters(muon),
-            comm=muon.comm,
+            comm=comm,
             compile_backend=compile_backend,
         )
         groups = [
@@ -67,18 +75,46 @@ class MuonAdamW:
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)  # foreach where torch picks it, as clip_grad_norm_
-        if isinstance(norm, DTensor):  # a partial sum over the shards: all-reduced here
-            norm = norm.full_tensor()
-        if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
+        owners = bool(self.muon.owners) and self.muon.group is not None  # owner_reduce on several ranks
+        if owners:
+            # owner_reduce: each Muon gradient whole on its owner alone, the rest DTensor row shards.
+            # As DTensor reduces a sharded norm: the norm of what this rank holds (torch's
+            # get_total_norm), squared, summed over the ranks by one all-reduce, square-rooted.
+            import torch.distributed as dist
+
+            from laplace.model.lm import local_rows
+
+            held = [local_rows(g)[0] for g in grads]
+            squares = (torch.nn.utils.get_total_norm(held).float() ** 2).reshape(1)
+            dist.all_reduce(squares, group=self.muon.group)
+            norm = squares.sqrt()[0]
+        else:
+            # torch's get_total_norm (foreach where torch picks it, as clip_grad_norm_) over what this
+            # rank holds: DTensor shards (a partial sum, all-reduced) or, on one rank, whole tensors
+            sharded = [g for g in grads if isinstance(g, DTensor)]
+            if sharded and len(sharded) < len(grads):  # one rank, owner_reduce: shards are whole here
+                from laplace.model.lm import local_rows
+
+                grads = [local_rows(g)[0] for g in grads]
+            norm = torch.nn.utils.get_total_norm(grads)
+            if isinstance(norm, DTensor):  # a partial sum over the shards: all-reduced here
+                norm = norm.full_tensor()
+        if max_norm:  # DTensor and plain gradients apart: foreach cannot mix them
+            for params in (
+                [p for p in self.params if isinstance(p.grad, DTensor)],
+                [p for p in self.params if p.grad is not None and not isinstance(p.grad, DTensor)],
+            ):
+                if params:
+                    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     def step(self, max_grad_norm: float = 0.0) -> Tensor:
         """Clip, then one Muon and one AdamW step; returns the global gradient norm (a tensor)."""
+        self.muon.reduce_gradients()  # owner_reduce: each Muon gradient onto its owner (else nothing)
         norm = self.clip_grad_norm_(max_grad_norm)
         self.muon.step()
         self.adamw.step()
+        self.muon.broadcast_parameters()  # owner_reduce: the updated matrices from their owners
         return norm
 
     def zero_grad(self) -> None:

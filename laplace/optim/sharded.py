@@ -16,6 +16,22 @@ Newton-Schulz needs whole matrices. `ShardedMuon` gets them one of two ways (`mu
   `all_to_all_single` returns every rank its rows.
 - `allgather`, the baseline: one `all_gather_single` gives every rank every matrix,
   and every rank orthogonalises all of them.
+- `owner_reduce`, no exchange of its own (torchtitan's communication-free Muon, pytorch/
+  torchtitan PR 3502): FSDP2 leaves the Muon matrices out (`fully_shard(ignored_params=...)`,
+  laplace.training.distributed.shard_model), so they are plain tensors, whole on every rank.
+  After backward each gradient is summed straight onto its owner (`dist.reduce`, the same LPT
+  owners as `alltoall`) and freed elsewhere: that reduction is the one data parallelism pays
+  for anyway, in place of FSDP2's reduce-scatter of those matrices. The owner keeps the
+  momentum and runs Newton-Schulz on its whole matrices with no collective in `step`; one
+  `dist.broadcast` per matrix then gives every rank the updated weights, in place of FSDP2's
+  all-gathers (once per step, where FSDP2 gathers a block for its forward and again for its
+  backward). Why not the other layouts torch 2.13 offers: `fully_shard`'s
+  `shard_placement_fn` picks a dimension, never a rank, so every rank still gets a piece of
+  every matrix; a shard-aligned flat bucket (Megatron's) would mean writing our own FSDP. The
+  price is memory: every rank holds every Muon matrix whole, and each owner its momentum
+  whole (`laplace plan` shows both). fp32 only: FSDP2's bf16 policy casts the blocks' inputs
+  to bf16, which a plain fp32 matrix cannot multiply, so with train.precision bf16 the
+  optimizer runs `alltoall` (MuonAdamW picks it from how the matrices were sharded).
 
 Every collective tensor lives on the parameters' device; the exchange is bf16, the
 gradient norm fp32, the traffic meter int64 (nothing is fp64, which Trainium lacks),
@@ -31,6 +47,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from laplace.errors import ConfigError
 from laplace.model.lm import local_rows
@@ -43,7 +60,7 @@ from laplace.optim.muon import (
     zeropower_via_newtonschulz,
 )
 
-COMMS = ("alltoall", "allgather")
+COMMS = ("owner_reduce", "alltoall", "allgather")
 EXCHANGE_DTYPE = torch.bfloat16  # EXCHANGE_BYTES wide (laplace.optim.exchange)
 
 
@@ -146,6 +163,14 @@ class ShardedMuon(torch.optim.Optimizer):
             if p.ndim != 2:
                 raise ValueError(f"Muon only takes 2-D parameters, got shape {tuple(p.shape)}")
         self.group, self.world, self.rank = _mesh_group(everything)
+        self.owners: list[int] = []  # owner_reduce: the rank that owns each matrix (in `everything`'s order)
+        if comm == "owner_reduce":
+            if any(isinstance(p, DTensor) for p in everything):
+                raise ValueError("owner_reduce needs the Muon matrices left out of FSDP2 (whole on every rank)")
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                self.group, self.world, self.rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+            self.owners = [s.owner for s in ExchangePlan([tuple(p.shape) for p in everything], self.world).slots]
+            self._owner_of = {id(p): o for p, o in zip(everything, self.owners)}
         self._plans: dict[tuple, ExchangePlan] = {}
         self.compiled = CompiledMuonUpdate(compile_backend) if compile_backend else None
 
@@ -162,8 +187,9 @@ class ShardedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Every rank has a gradient for the same parameters (FSDP2 reduce-scatters them all),
-        # so every rank builds the same plan and joins the same collectives.
-        entries = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        # so every rank builds the same plan and joins the same collectives. owner_reduce: each
+        # rank steps the matrices it owns, whole, and nothing else (no collective here).
+        entries = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None and self._mine(p)]
         if not entries:
             return loss
         bufs = []
@@ -176,7 +202,7 @@ class ShardedMuon(torch.optim.Optimizer):
         directions = self._directions(entries, grads, bufs)
         settings = [(g["ns_coefficients"], g["ns_steps"], g["eps"]) for _, g in entries]
         shapes = [tuple(p.shape) for p, _ in entries]
-        if self.world == 1:
+        if self.world == 1 or self.comm == "owner_reduce":
             # one rank owns every matrix whole: no [1, segment] exchange buffers (two bf16 copies of
             # every Muon value). Newton-Schulz casts to bf16 first, so the numbers are the same.
             ortho = self._orthogonalise(directions, settings)
@@ -186,6 +212,49 @@ class ShardedMuon(torch.optim.Optimizer):
             ortho = self._via_allgather(shapes, directions, settings)
         self._apply(entries, ortho)
         return loss
+
+    def _mine(self, p: Tensor) -> bool:
+        return not self.owners or self._owner_of[id(p)] == self.rank
+
+    def _matrices(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """owner_reduce, after backward (collective): each matrix's gradient summed onto its owner and
+        averaged there, as FSDP2's reduce-scatter averages; the other ranks drop theirs. Every
+        rank holds a gradient of every matrix (the same graph), so all join the same reduces."""
+        if not self.owners or self.group is None:
+            return
+        works, moved = [], {"sent": 0, "received": 0}
+        for p, owner in zip(self._matrices(), self.owners):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # unused in this step's graph: still every rank's part
+            works.append(dist.reduce(p.grad, dst=owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+            size = p.grad.numel() * p.grad.element_size()
+            moved["received" if owner == self.rank else "sent"] += size * (self.world - 1 if owner == self.rank else 1)
+        for w in works:
+            w.wait()
+        for p, owner in zip(self._matrices(), self.owners):
+            if owner == self.rank:
+                p.grad.div_(self.world)
+            else:
+                p.grad = None
+        self.meter.record("muon_grad_reduce", moved["sent"], moved["received"])
+
+    @torch.no_grad()
+    def broadcast_parameters(self) -> None:
+        """owner_reduce, after the step (collective): every matrix from its owner to every rank."""
+        if not self.owners or self.group is None:
+            return
+        works, moved = [], {"sent": 0, "received": 0}
+        for p, owner in zip(self._matrices(), self.owners):
+            works.append(dist.broadcast(p.data, src=owner, group=self.group, async_op=True))
+            size = p.numel() * p.element_size()
+            moved["sent" if owner == self.rank else "received"] += size * (self.world - 1 if owner == self.rank else 1)
+        for w in works:
+            w.wait()
+        self.meter.record("muon_param_broadcast", moved["sent"], moved["received"])
 
     def _by_group(self, entries) -> dict[int, list[int]]:
         """Entry indices per param group (a compiled phase runs once per group: its constants)."""

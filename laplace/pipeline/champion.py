@@ -9,6 +9,8 @@ and its reason become the run's tags `registered_as` and `registered_reason`
 
 from __future__ import annotations
 
+import math
+
 # Run tags that say on what the validation loss was measured: two runs compare only when all agree.
 COMPARABLE_TAGS = {
     "val_split_sha256": "validation split",
@@ -24,7 +26,9 @@ def champion_decision(
     ({task: {context: accuracy}} of the probes' recall suite, optional) and (for the champion)
     `version`; `new` also holds `gates` (stage -> True/False/None). A candidate whose recall at
     any (task, length) both measured falls below the champion's by more than `recall_tolerance`
-    (tracking.champion_recall_tolerance) is refused, whatever its loss."""
+    (tracking.champion_recall_tolerance) and, where both sides say how many prompts each accuracy
+    counts (`recall_samples`), by more than two binomial standard errors of the difference, is
+    refused, whatever its loss: at 4 samples an accuracy moves in steps of 25%, one prompt of noise."""
     failed = [f"{stage} {'failed' if ok is False else 'missing'}" for stage, ok in new["gates"].items() if not ok]
     if failed:
         return False, f"gates not passed ({', '.join(failed)})"
@@ -38,7 +42,8 @@ def champion_decision(
         return False, f"not comparable with {name}: different {', '.join(differ)}"
     if champion.get("val_loss") is None:
         return False, f"not comparable with {name}: it has no validation loss"
-    lost = recall_losses(new.get("recall") or {}, champion.get("recall") or {}, recall_tolerance)
+    samples = (new.get("recall_samples"), champion.get("recall_samples"))
+    lost = recall_losses(new.get("recall") or {}, champion.get("recall") or {}, recall_tolerance, samples)
     if lost:
         more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
         return False, (
@@ -60,14 +65,31 @@ def _at(grid: dict, ctx: int) -> float:
     return next((v for c, v in grid.items() if int(c) == ctx), float("nan"))
 
 
-def recall_losses(new: dict, champion: dict, tolerance: float) -> list[str]:
+def sampling_error(got: float, old: float, n_new: int, n_old: int) -> float:
+    """The binomial standard error of the difference of two accuracies (pooled proportion)."""
+    pooled = (got * n_new + old * n_old) / (n_new + n_old)
+    return math.sqrt(pooled * (1 - pooled) * (1 / n_new + 1 / n_old))
+
+
+def recall_losses(
+    new: dict, champion: dict, tolerance: float, samples: tuple[int | None, int | None] = (None, None)
+) -> list[str]:
     """Where `new` recalls less than `champion` ({task: {context: accuracy}}) by more than
-    `tolerance`, as "task at N tokens: a < b"; a length the candidate did not measure is a loss."""
+    `tolerance` and (with both sample counts known) two standard errors of the difference, as
+    "task at N tokens: a < b (n vs m samples, ...)"; a length the candidate did not measure is a loss."""
+    n_new, n_old = samples
+    counted = bool(n_new) and bool(n_old)
     out = []
     for task, grid in sorted(champion.items()):
         for ctx, old in sorted(grid.items(), key=lambda kv: int(kv[0])):
             got = _at(new.get(task, {}), int(ctx))
-            if old == old and (got != got or got < old - tolerance):
-                got_text = "not measured" if got != got else f"{got:.0%}"
-                out.append(f"{task} at {ctx} tokens: {got_text} < {old:.0%}")
+            if old != old:
+                continue
+            if got != got:
+                out.append(f"{task} at {ctx} tokens: not measured < {old:.0%}")
+                continue
+            noise = 2 * sampling_error(got, old, n_new, n_old) if counted else 0.0
+            if got < old - max(tolerance, noise):
+                why = f" ({n_new} vs {n_old} samples, beyond 2 standard errors {noise:.2f})" if counted else ""
+                out.append(f"{task} at {ctx} tokens: {got:.0%} < {old:.0%}{why}")
     return out

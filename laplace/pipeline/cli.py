@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -209,8 +210,23 @@ def _print_info(facts: dict, as_json: bool) -> None:
     print(f"  KV / state              {facts['state_vs_kv_8192']:.1f}x")
 
 
+def _command_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`laplace --set k=v train` as `laplace train --set k=v`: the options are the command's, so a
+    command named after them is moved in front of them (argparse would read k=v as the command)."""
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if not argv or not argv[0].startswith("-") or argv[0] in ("-h", "--help"):
+        return argv
+    first = next((i for i, token in enumerate(argv) if token in commands and not argv[i - 1] == "--set"), None)
+    return argv if first is None else [argv[first], *argv[:first], *argv[first + 1 :]]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # the commands, not argparse's bare usage line
+        parser.print_help()
+        return INPUT_ERROR_EXIT
+    args = parser.parse_args(_command_first(parser, argv))
     setup_logging()
     # no usage reports from MLflow (track, serve --model models:/...), as DVC's are off in DVC's runs
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -224,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     except Failure as exc:  # a full disk, a killed worker, a server down: one line, retried by Prefect
         print(f"laplace {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_status if exc.exit_status > 0 else 1
+    except KeyboardInterrupt:  # Ctrl-C outside a training job (which stops at a step boundary): one line
+        print(f"laplace {args.command}: error: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def _run(args) -> int:
@@ -258,6 +277,8 @@ def _run(args) -> int:
                 f"laplace import: {args.src} -> {out}: {result['parameters']:,} parameters, {m['n_layers']} layers, "
                 f"hidden {m['d_model']}, vocab {m['vocab_size']} (train from it with --set model.init={out})"
             )
+            for key in result["ignored_keys"]:  # computed as fla computes, which does not obey them
+                print(f"laplace import: note: config.json {key}; imported as fla computes it")
         return 0
     if args.command == "export" and args.format == "hf":
         from laplace.model.hf import export_hf

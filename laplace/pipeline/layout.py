@@ -10,6 +10,13 @@ from pathlib import Path
 
 from laplace.fileio import atomic_write_json
 
+# every knob that names a file or directory to read -> the dvc.yaml dependency that holds it: each
+# stage reading the knob lists that dependency (tests/test_knob_files.py), so a file replaced in place
+# reruns every stage that reads it. Imports (model.init) and given tokenizers (tokenizer.from) live
+# under models/ (`laplace import` puts them there); one elsewhere is seen by DVC only by its path, and
+# the stage says so (warn_if_untracked). data.hub_path names a hub dataset (its id is the param).
+KNOB_FILE_DEPS = {"data.path": "${data.path}", "tokenizer.from": "models", "model.init": "models"}
+
 
 @dataclass(frozen=True)
 class Paths:
@@ -38,9 +45,20 @@ class Paths:
 
     @property
     def models_dir(self) -> Path:
-        """Imported models that model.init names: a dependency of warmup and train, so DVC reruns
-        them when an init there is replaced in place (an init elsewhere is seen only by its path)."""
+        """Imported models (model.init) and given tokenizers (tokenizer.from): a dependency of every
+        stage that reads them, so DVC reruns it when one is replaced in place (KNOB_FILE_DEPS)."""
         return self.root / "models"
+
+    def warn_if_untracked(self, key: str, value: str, log) -> None:
+        """One warning when a file knob names something outside models/ (see KNOB_FILE_DEPS)."""
+        if value and not (self.root / value).resolve().is_relative_to(self.models_dir):
+            log.warning(
+                "%s %s is outside %s: DVC sees only the path, so replacing it in place reruns nothing "
+                "(dvc repro --force does); put it under models/ (laplace import does) to have it tracked",
+                key,
+                value,
+                self.models_dir,
+            )
 
     @property
     def export_dir(self) -> Path:

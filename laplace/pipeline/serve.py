@@ -60,7 +60,14 @@ def export_dir_of(model: str | None, paths: Paths, scratch: Path) -> Path:
         from laplace.pipeline.mlflow_model import download_export
         from laplace.pipeline.store import tracking_uri
 
-        return download_export(model, tracking_uri(paths.root), scratch / "registered")
+        uri = tracking_uri(paths.root)
+        if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+            # nothing tracked yet: say what to run, and do not let MLflow create an empty store
+            raise InputError(
+                f"--model {model}: nothing is tracked yet (no {uri.removeprefix('sqlite:///')}); run `laplace run` "
+                "first, which trains, tracks and registers the model"
+            )
+        return download_export(model, uri, scratch / "registered")
     path = Path(model)
     if not (path / "config.json").is_file():
         raise InputError(f"--model {model}: not an export directory (no config.json) nor a models:/ URI")

@@ -33,13 +33,7 @@ def run(cfg: Config, paths: Paths, resume: bool = True) -> dict:
 
     # `laplace train` under DVC or a Prefect task: stop (gracefully) when that parent dies
     lifecycle.die_with_parent(signal.SIGTERM)
-    if cfg.model.init and not Path(cfg.model.init).resolve().is_relative_to(paths.models_dir):
-        log.warning(
-            "model.init %s is outside %s: DVC sees only the path, so replacing it in place reruns nothing "
-            "(dvc repro --force train does); imports under models/ are tracked",
-            cfg.model.init,
-            paths.models_dir,
-        )
+    paths.warn_if_untracked("model.init", cfg.model.init, log)
     metrics, history, checkpoint = run_training(cfg, paths, resume=resume)
     if (kept := _already_trained(cfg, paths, metrics, history)) is not None:
         return kept
@@ -119,7 +113,7 @@ def _run_training(cfg: Config, paths: Paths, resume: bool, stop_at_step: int | N
         + (["--stop-at-step", str(stop_at_step)] if stop_at_step else [])
     )
     env = subprocess_env({lifecycle.LAUNCHER_PID_ENV: str(os.getpid())})
-    stopped = "stopped by SIGTERM: the ranks save a checkpoint at the next step when there is time; rerun to resume"
+    stopped = "stopped by {signal}: the ranks save a checkpoint at the next step when there is time; rerun to resume"
     with tempfile.TemporaryDirectory(prefix="laplace-train-") as tmp, lifecycle.sigterm_raises(stopped):
         result = run_worker(
             __name__,
@@ -144,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
 
     def body(cfg: Config, args) -> dict:
-        result = train(cfg, args.data_dir, args.run_dir, resume=not args.no_resume, stop_at_step=args.stop_at_step)
+        try:
+            result = train(cfg, args.data_dir, args.run_dir, resume=not args.no_resume, stop_at_step=args.stop_at_step)
+        except BaseException as exc:  # the agent's verdict on a dead rank quotes this line
+            lifecycle.record_error(exc)
+            raise
         return {
             "metrics": result.metrics,
             "history": result.history,

@@ -213,9 +213,27 @@ def next_steps(root: Path, info: dict | None = None) -> list[str]:
     ]
 
 
+def status_lines(info: dict) -> list[str]:
+    """Nothing for a finished, tracked run; else what is missing, so that the next steps of an
+    unfinished or untracked run are not read as those of a finished one."""
+    missing = [stage.metrics for stage in STAGES.values() if stage.metrics and not info.get(stage.metrics)]
+    out = []
+    if missing:
+        out.append(
+            f"UNFINISHED: no results yet from {', '.join(missing)} (the run stopped, or is still running); "
+            "`laplace run` finishes it (it resumes)"
+        )
+    if not info.get("tracking"):
+        out.append("nothing is tracked in MLflow yet (the track stage has not run): no runs, no registered model")
+    return out
+
+
 def as_text(info: dict, root: Path) -> str:
     lines = ["", "=== Laplace pipeline ==="]
-    for topic, texts in rows(info, root) + [("next", next_steps(root, info))]:
+    status = status_lines(info)
+    for topic, texts in (
+        ([("status", status)] if status else []) + rows(info, root) + [("next", next_steps(root, info))]
+    ):
         for i, text in enumerate(texts):
             lines.append(f"{topic if i == 0 else '':<12}{text}")
     return "\n".join(lines)

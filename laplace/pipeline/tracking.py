@@ -102,8 +102,16 @@ def current_champion(client, model_name: str) -> dict | None:
         "run_id": version.run_id,
         "val_loss": run.data.metrics.get("eval_loss"),
         "recall": recall,
+        "recall_samples": _int_or_none(run.data.params.get("probes.recall_samples")),
         **{key: run.data.tags.get(key) for key in COMPARABLE_TAGS},
     }
+
+
+def _int_or_none(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 # --------------------------------------------------------------------------- logging a run
@@ -239,6 +247,7 @@ def log_pipeline_run(
                 new = {"val_loss": (metrics_by_stage.get("train") or {}).get("val_loss"), "gates": gate_results}
                 new.update({key: tags.get(key) for key in COMPARABLE_TAGS})
                 new["recall"] = (metrics_by_stage.get("probes") or {}).get("recall") or {}
+                new["recall_samples"] = cfg.probes.recall_samples
                 decision = champion_decision(
                     new, champion, cfg.tracking.champion_tolerance, cfg.tracking.champion_recall_tolerance
                 )

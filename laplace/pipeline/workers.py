@@ -91,7 +91,11 @@ def run_worker(
 
     status, tail = run_streaming(cmd, cwd, env, on_line)
     if status != 0:
-        last = tail.splitlines()[-1] if tail else ""
+        from laplace.processes import AGENT_FAILED_MARK as FAILED_MARK  # torchrun's agent: its verdict on a dead rank
+
+        lines = tail.splitlines()
+        verdicts = [line[len(FAILED_MARK) :] for line in lines if line.startswith(FAILED_MARK)]
+        last = verdicts[-1] if verdicts else lines[-1] if lines else ""
         if status == INPUT_ERROR_EXIT or own or peer:
             raise InputError((own or peer or [last.split(": error: ", 1)[-1]])[0])
         how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"

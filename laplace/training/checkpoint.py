@@ -19,10 +19,11 @@ run, which the fingerprint in trainer.json pins.
 Every rank writes into one hidden staging directory and hashes its own shard files; rank 0
 then writes trainer.json and the manifest, fsyncs and renames the directory into place
 (`Checkpointer`; with `train.async_checkpoint` the write runs in the background and the
-rename waits for it). Resuming, rank 0 proposes the newest checkpoint by step number and
-every rank verifies its share of the files: the newest that verifies everywhere wins, a
-damaged one is skipped with a warning naming the file. Nothing is unpickled: DCP's
-safetensors storage keeps its metadata in the safetensors headers.
+rename follows at the first step boundary after every rank's write is done). Resuming, rank 0
+proposes the newest checkpoint by step number and every rank verifies its share of the files:
+the newest that verifies everywhere wins, a damaged one is skipped with a warning naming the
+file. Nothing is unpickled: DCP's safetensors storage keeps its metadata in the safetensors
+headers.
 """
 
 from __future__ import annotations
@@ -196,8 +197,9 @@ class Checkpointer:
     and the manifest (from the ranks' digests), fsyncs and renames the directory into place.
 
     `asynchronous`: DCP's async_save stages the state in host memory and writes it in a
-    background thread, so training goes on; the rename happens in `finish`, which the next save,
-    the end of training and a stop call (nothing half written is ever in place). Its
+    background thread, so training goes on; the rename happens in `finish`, which the first step
+    boundary after every rank's write is done calls (`finish_if_written`), as do the next save,
+    the end of training and a stop (nothing half written is ever in place). Its
     collectives run on a gloo group of their own, as DCP asks, apart from the training's.
 
     A failed write (a full disk, a write error on any rank) removes the staging directory,
@@ -246,6 +248,19 @@ class Checkpointer:
         if error or not self.asynchronous:
             self.finish(error)
         return final
+
+    def finish_if_written(self) -> Path | None:
+        """Collective, at every step boundary: an async write that every rank has finished is put in
+        place now, not at the next save, so a crash loses at most one checkpoint interval. One
+        all-reduce of one integer, and only while a write is pending (every rank has one then:
+        saves are collective). Returns the path put in place, or None."""
+        if self._pending is None or self._pending.done is None:
+            return None
+        from laplace.training.distributed import all_min_int
+
+        if all_min_int(int(self._pending.done.done()), self.device):
+            return self.finish()
+        return None
 
     def finish(self, error: str = "") -> Path | None:
         """Collective: wait for the pending write, then put it in place. Returns its path (None

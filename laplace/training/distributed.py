@@ -178,7 +178,13 @@ def check_shared_storage(data_dir: Path, run_dir: Path, group: Group) -> None:
     raise_together(error, group.device)
 
 
-def shard_model(model: torch.nn.Module, mesh, precision: str) -> None:
+def owner_reduce_applies(muon_comm: str, precision: str) -> bool:
+    """muon.comm owner_reduce leaves the Muon matrices out of FSDP2; with bf16 FSDP2 casts the
+    blocks' inputs to bf16, which a plain fp32 matrix cannot multiply: alltoall then."""
+    return muon_comm == "owner_reduce" and precision == "fp32"
+
+
+def shard_model(model: torch.nn.Module, mesh, precision: str, ignored_params: set | None = None) -> None:
     """FSDP2 over `mesh`, by rows, in torchtitan's units: the embedding, each block, the final norm
     with the head, then the root (which then holds no parameters of its own). Tied embeddings
     put the embedding, norm and head in one unit (one parameter, one all-gather). The head's
@@ -187,7 +193,10 @@ def shard_model(model: torch.nn.Module, mesh, precision: str) -> None:
     backward. Each unit prefetches the next one's all-gather, forward and backward, so the
     embedding and head are gathered only while they run, not through the whole step.
     bf16: parameters gathered and computed in bf16, gradients reduced in fp32, fp32 master
-    weights in the shards; fp32: everything fp32."""
+    weights in the shards; fp32: everything fp32.
+    `ignored_params` stay out of FSDP2, whole on every rank: muon.comm owner_reduce's Muon
+    matrices (fp32; laplace.training.loop.build_model picks them), whose gradients go to their
+    owners by `dist.reduce` and come back updated by `dist.broadcast` (laplace.optim.sharded)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (
@@ -195,7 +204,7 @@ def shard_model(model: torch.nn.Module, mesh, precision: str) -> None:
         if precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy)
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy, ignored_params=ignored_params or None)
     blocks = list(model.blocks)
     if model.cfg.tie_embeddings:  # one parameter: gathered once, kept through forward and backward
         shard([model.embed, model.norm, model.lm_head], reshard_after_forward=False)

@@ -1,5 +1,5 @@
 """A training job's life: one job per project, every process of it dies with its launcher, and
-SIGTERM stops it at a step boundary with a checkpoint when there is time for one.
+SIGTERM or SIGINT (Ctrl-C) stops it at a step boundary with a checkpoint when there is time for one.
 
 The process tree of a multi-rank `laplace train`:
 
@@ -14,8 +14,16 @@ The process tree of a multi-rank `laplace train`:
   cleanup), torchrun's agent SIGTERMs every rank and waits up to AGENT_GRACE_S before SIGKILL;
   each rank's handler only sets a flag, the ranks agree on it after every step (one all-reduce
   of one integer), save a checkpoint if the last save took less than the grace left, and exit.
+- Ctrl-C (SIGINT to the foreground process group: `laplace train` and the agent; the ranks sit in
+  sessions of their own): torchrun's agent sends the ranks SIGINT, not SIGTERM, so the ranks treat
+  SIGINT exactly as SIGTERM (`stop_on_sigterm`), and `laplace train` ends with one line, exit 130.
+  The agent acts on the first signal only (laplace.training.launch): a second one (the launcher's
+  SIGTERM after the terminal's SIGINT) would cut its wait for the ranks' checkpoint short.
 - `laplace train` itself dies with SIGTERM when its own parent (DVC, a Prefect task) dies, so a
   killed `dvc repro` stops the job the graceful way.
+- A rank that fails writes its error line into the file torchrun names (TORCHELASTIC_ERROR_FILE,
+  `record_error`), so the agent's one-line verdict names the rank, its exit code or signal and
+  that line (laplace.training.launch.describe_failure).
 
 The death signal is Linux's prctl(PR_SET_PDEATHSIG), as the tokenize stage's process pool uses;
 elsewhere the calls are no-ops. The lock is fcntl.flock: the kernel drops it when its holder
@@ -26,6 +34,7 @@ registry imports this module).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import threading
@@ -51,10 +60,16 @@ class ProjectBusy(InputError):
     """Another `laplace train` holds this project: exit 2, one line."""
 
 
-class TrainingStopped(Failure):
-    """Stopped by SIGTERM at a step boundary (exit status 143, as a process killed by SIGTERM)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # torchrun's agent forwards either to the ranks as it got it
 
-    exit_status = 128 + signal.SIGTERM
+
+class TrainingStopped(Failure):
+    """Stopped by SIGTERM or SIGINT at a step boundary (exit status 128 + the signal, as a process
+    killed by it: 143, 130)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.exit_status = 128 + int(signum)
 
 
 def die_with_agent() -> None:
@@ -90,34 +105,43 @@ def project_lock(path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-# --------------------------------------------------------------------------- SIGTERM
+# --------------------------------------------------------------------------- SIGTERM, SIGINT
 
 
 class _StopFlag:
     requested_at: float | None = None
+    signum: int = signal.SIGTERM
 
 
 _flag = _StopFlag()
 
 
-def _on_sigterm(signum, frame) -> None:
+def _on_stop_signal(signum, frame) -> None:
     if _flag.requested_at is None:
         _flag.requested_at = time.monotonic()
+        _flag.signum = signum
+
+
+def stop_signal() -> tuple[str, int]:
+    """(name, number) of the signal that asked this rank to stop (SIGTERM when another rank's did)."""
+    return signal.Signals(_flag.signum).name, int(_flag.signum)
 
 
 @contextmanager
 def stop_on_sigterm() -> Iterator[None]:
-    """For the block, SIGTERM only sets a flag that `stop_requested` reads at the next step
-    boundary (in the main thread only: Python delivers signals there)."""
+    """For the block, SIGTERM and SIGINT only set a flag that `stop_requested` reads at the next
+    step boundary (in the main thread only: Python delivers signals there). SIGINT is what
+    torchrun's agent forwards on Ctrl-C; without this it would be a KeyboardInterrupt mid-step."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _flag.requested_at = None
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    _flag.requested_at, _flag.signum = None, signal.SIGTERM
+    previous = {s: signal.signal(s, _on_stop_signal) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         _flag.requested_at = None
 
 
@@ -146,18 +170,43 @@ def time_to_save(last_save_seconds: float | None, device: torch.device) -> bool:
 
 @contextmanager
 def sigterm_raises(message: str) -> Iterator[None]:
-    """For the block (the launcher's wait on torchrun), SIGTERM raises TrainingStopped: the
-    unwinding terminates the agent, which gives the ranks their grace, then SIGKILLs them."""
+    """For the block (the launcher's wait on torchrun), SIGTERM or SIGINT raises TrainingStopped
+    (`message` with {signal} filled in): the unwinding terminates the agent, which gives the ranks
+    their grace, then SIGKILLs them. No KeyboardInterrupt traceback on Ctrl-C: one line, exit 130."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the agent's shutdown is under way
-        raise TrainingStopped(message)
+        for s in STOP_SIGNALS:  # once: the agent's shutdown is under way
+            signal.signal(s, signal.SIG_IGN)
+        raise TrainingStopped(message.format(signal=signal.Signals(signum).name), signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# --------------------------------------------------------------------------- a failed rank's line
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # torchrun sets it per rank; its agent reads it when the rank fails
+
+
+def record_error(exc: BaseException) -> None:
+    """Write a failing rank's one error line where torchrun's agent looks for it (the format its
+    ProcessFailure reads: {"message": str, "timestamp": int}). torch's own `record` decorator
+    writes the same file, but only for exceptions that escape; the ranks catch theirs to print
+    one line, so they write it here."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    try:
+        with open(path, "w") as fp:
+            json.dump({"message": line, "timestamp": int(time.time())}, fp)
+    except OSError:
+        pass  # the verdict then says only how the rank ended

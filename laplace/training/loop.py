@@ -221,7 +221,9 @@ def open_data(data_dir: Path, group: distributed.Group):
     return train_tokens, val_tokens
 
 
-def build_model(model_cfg, mesh, device: torch.device, t, seed: int, init: str = "") -> LaplaceLM:
+def build_model(
+    model_cfg, mesh, device: torch.device, t, seed: int, init: str = "", muon_comm: str = "alltoall"
+) -> LaplaceLM:
     """The model on meta, each block activation-checkpointed as train.activation_checkpoint says,
     then compiled if asked (one static graph shared by every block), sharded with FSDP2 over
     `mesh` (torchtitan's order), then materialised on `device` and initialised there: each
@@ -235,7 +237,12 @@ def build_model(model_cfg, mesh, device: torch.device, t, seed: int, init: str =
     if t.compile:
         for block in model.blocks:
             compile_static(block, compile_backend(device))
-    distributed.shard_model(model, mesh, t.precision)
+    ignored = None
+    if distributed.owner_reduce_applies(muon_comm, t.precision):  # the Muon matrices stay whole
+        from laplace.optim.muon import route_parameters
+
+        ignored = {p for _, p in route_parameters(model)["muon"]}
+    distributed.shard_model(model, mesh, t.precision, ignored)
     model.to_empty(device=device)
     model.reset_parameters()
     if init:
@@ -285,7 +292,7 @@ def train(
         val_batches = validation_batches(val_tokens, t.batch_size, t.seq_len, t.eval_batches)
 
         mesh = init_device_mesh(group.device.type, (group.world,))
-        model = build_model(model_cfg, mesh, group.device, t, cfg.seed, cfg.model.init)
+        model = build_model(model_cfg, mesh, group.device, t, cfg.seed, cfg.model.init, cfg.muon.comm)
         # train.compile on CUDA also compiles the Muon update (the LR a tensor: the schedule never
         # recompiles). Not on CPU: there Inductor's OpenMP loops over many small tensors measured
         # slower than eager when the cores were shared (bench/RESULTS.md), and eager is not launch-bound.
@@ -453,6 +460,7 @@ def _loop(
                 )
                 if on_log:
                     on_log(row)
+        saver.finish_if_written()  # an async checkpoint every rank has written goes into place now
         stopping = lifecycle.stop_requested(device)  # collective: every rank stops after the same step
         if done % t.checkpoint_every == 0 or done == t.steps or (stop_at_step is not None and done >= stop_at_step):
             if not stopping or lifecycle.time_to_save(save_seconds, device):
@@ -462,7 +470,8 @@ def _loop(
         if stopping:
             saver.close()  # an async write is put in place before the job ends
             kept = f"checkpoint {last_path.name} kept" if last_path is not None else "no checkpoint written"
-            raise lifecycle.TrainingStopped(f"stopped by SIGTERM after step {done}; {kept}; rerun to resume")
+            name, signum = lifecycle.stop_signal()
+            raise lifecycle.TrainingStopped(f"stopped by {name} after step {done}; {kept}; rerun to resume", signum)
         if stop_at_step is not None and done >= stop_at_step:
             break
     bar.close()
@@ -477,7 +486,7 @@ def _loop(
         "params": model.num_parameters(),  # DTensor shapes are global
         "tokens_per_step": tokens_per_step,
         "world_size": group.world,
-        "muon_comm": cfg.muon.comm,
+        "muon_comm": optimizer.muon.comm,  # owner_reduce falls back to alltoall under bf16
         "val_loss_initial": evals[0]["val_loss"] if evals else None,
         "val_loss": evals[-1]["val_loss"] if evals else None,
         "val_ppl": math.exp(min(evals[-1]["val_loss"], 50)) if evals else None,

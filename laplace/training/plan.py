@@ -103,6 +103,76 @@ def _fsdp_transient(model, param_item: int) -> int:
     )
 
 
+# --------------------------------------------------------------------------- bytes per step, by mode
+
+# The collectives' payload per rank, as bench/muon_comm.py's counting hook counts every call
+# (sent = received for the symmetric ones; a ring moves the same):
+#   all-gather of an s-byte shard: (W-1) s each way; reduce-scatter to an s-byte shard: (W-1) s
+#   each way; reduce / broadcast of S bytes: S one way on the non-root ranks, (W-1) S on the root.
+STEP_MODES = ("owner_reduce", "alltoall", "adamw_zero")
+
+
+def _padded_shard_values(shape: tuple[int, ...], world: int) -> int:
+    """FSDP2's all-gather input for one parameter: its shard padded to ceil(rows / W) rows."""
+    return -(-shape[0] // world) * math.prod(shape[1:])
+
+
+def _fsdp_units(model) -> list[tuple[list[tuple[str, torch.nn.Parameter]], int]]:
+    """shard_model's units, each with its parameters and its all-gathers per step: 2 for a unit
+    resharded after its forward (gathered again for its backward), 1 for the one kept (the head)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = lambda *mods: [(names[id(p)], p) for m in mods for p in m.parameters()]  # noqa: E731
+    units = []
+    if model.cfg.tie_embeddings:
+        units.append((params(model.embed, model.norm, model.lm_head), 1))
+    else:
+        units += [(params(model.embed), 2), (params(model.norm, model.lm_head), 1)]
+    units += [(params(block), 2) for block in model.blocks]
+    seen: set[int] = set()  # a tied weight once
+    return [([(n, p) for n, p in u if id(p) not in seen and not seen.add(id(p))], g) for u, g in units]
+
+
+def step_traffic(model, world: int, precision: str = "fp32") -> dict:
+    """Bytes every rank sends and receives per optimizer step (one micro-batch), by mode and kind:
+    gradients (FSDP2's reduce-scatters; owner_reduce: the Muon gradients' reduces to their owners),
+    parameters (FSDP2's all-gathers; owner_reduce: the updated Muon matrices' broadcasts) and the
+    optimizer's own exchange (alltoall: its two all-to-alls; owner_reduce and AdamW-ZeRO: none).
+    AdamW-ZeRO: every parameter under FSDP2 and AdamW, no Muon. Every rank's figure, in a list.
+    `model` may live on the meta device (only shapes are read)."""
+    from laplace.optim.exchange import owner_reduce_traffic
+
+    param_item = 2 if precision == "bf16" else 4
+    muon_names = {n for n, _ in route_parameters(model)["muon"]}
+    shapes = [tuple(p.shape) for _, p in route_parameters(model)["muon"]]
+    others = world - 1
+
+    def fsdp(skip: set[str]) -> tuple[list[int], list[int]]:
+        grads = params = 0
+        for members, gathers in _fsdp_units(model):
+            shard = sum(_padded_shard_values(tuple(p.shape), world) for n, p in members if n not in skip)
+            grads += 2 * others * shard * 4  # reduce dtype fp32
+            params += gathers * 2 * others * shard * param_item
+        return [grads] * world, [params] * world
+
+    out = {}
+    grads, params = fsdp(set())
+    out["adamw_zero"] = {"gradients": grads, "parameters": params, "optimizer": [0] * world}
+    a2a = muon_traffic(shapes, world, EXCHANGE_BYTES)["alltoall_bytes_per_rank"] if world > 1 else 0
+    out["alltoall"] = {"gradients": grads, "parameters": params, "optimizer": [a2a] * world}
+    if precision == "fp32":  # owner_reduce applies (laplace.training.distributed.owner_reduce_applies)
+        grads, params = fsdp(muon_names)
+        owner = owner_reduce_traffic(shapes, world, 4)
+        out["owner_reduce"] = {
+            "gradients": [g + r["sent"] + r["received"] for g, r in zip(grads, owner["gradient_reduce"])],
+            "parameters": [q + r["sent"] + r["received"] for q, r in zip(params, owner["parameter_broadcast"])],
+            "optimizer": [0] * world,
+        }
+    for figures in out.values():
+        kinds = ("gradients", "parameters", "optimizer")
+        figures["total"] = [sum(column) for column in zip(*(figures[k] for k in kinds))]
+    return out
+
+
 def plan(
     model_cfg: ModelConfig,
     world: int,
@@ -155,6 +225,28 @@ def plan(
         for r in range(world)
     ]
     n_params = model.num_parameters()
+    by_mode = step_traffic(model, world, precision)
+    # owner_reduce (fp32): every Muon matrix whole on every rank, its gradient whole on every rank
+    # until the reduce, its momentum whole on its owner; against alltoall's row shards of all three
+    owned_bytes = [0] * world
+    for slot in exchange.slots:
+        owned_bytes[slot.owner] += 4 * math.prod(slot.shape)
+    muon_whole = 4 * sum(math.prod(s) for s in shapes)
+    owner_memory = {
+        "muon_parameters": [muon_whole] * world,
+        "muon_gradients_until_reduced": [muon_whole] * world,
+        "muon_momentum": owned_bytes,
+        "newton_schulz_workspace": [
+            max((_newton_schulz_workspace(*s.shape, 1, ex_item) for s in exchange.owned_by(r)), default=0)
+            for r in range(world)
+        ],
+    }
+    sharded_memory = {
+        "muon_parameters": [4 * v for v in muon_values],
+        "muon_gradients_until_reduced": [4 * v for v in muon_values],
+        "muon_momentum": [4 * v for v in muon_values],
+        "newton_schulz_workspace": workspace,
+    }
     ranks = {
         "parameters": [4 * v for v in values],
         "gradients": [4 * v for v in values],
@@ -215,6 +307,14 @@ def plan(
         "needs_activation_checkpoint": needs,
         "fits": modes[activation_checkpoint]["fits"],
         "muon_traffic": traffic,
+        "step_traffic": {
+            mode: {kind: {"max": max(v), "mean": sum(v) / world} for kind, v in kinds.items()}
+            for mode, kinds in by_mode.items()
+        },
+        "muon_memory": {
+            mode: {kind: {"max": max(v), "mean": sum(v) / world} for kind, v in kinds.items()}
+            for mode, kinds in (("alltoall", sharded_memory), ("owner_reduce", owner_memory))
+        },
         "article": ARTICLE if world == ARTICLE["world_size"] else None,
     }
 
@@ -285,4 +385,29 @@ def as_text(p: dict, name: str) -> str:
         f"    {'Muon values owned':<34}{count(t['owned_values_per_rank_max']):>11} / "
         f"{count(t['owned_values_per_rank_mean'])}",
     ]
+    lines += _modes_text(p)
     return "\n".join(lines)
+
+
+def _modes_text(p: dict) -> list[str]:
+    """Bytes per rank per step by muon.comm, beside AdamW-ZeRO's, and what owner_reduce costs in memory."""
+    gb = lambda b: f"{b / 1e9:9.3f}"  # noqa: E731
+    gib = lambda b: f"{b / GIB:9.2f}"  # noqa: E731
+    names = {"owner_reduce": "owner_reduce", "alltoall": "alltoall", "adamw_zero": "AdamW-ZeRO (no Muon)"}
+    lines = [
+        "  bytes per rank per optimizer step, sent + received, GB, max over the ranks (mean)",
+        f"    {'':<24}{'gradients':>18}{'parameters':>18}{'optimizer':>18}{'total':>18}",
+    ]
+    for mode, kinds in p["step_traffic"].items():
+        cells = "".join(f"{gb(kinds[k]['max'])} ({kinds[k]['mean'] / 1e9:.3f})" for k in ("gradients", "parameters"))
+        cells += "".join(f"{gb(kinds[k]['max'])} ({kinds[k]['mean'] / 1e9:.3f})" for k in ("optimizer", "total"))
+        lines.append(f"    {names[mode]:<24}{cells}")
+    if "owner_reduce" not in p["step_traffic"]:
+        lines.append("    owner_reduce: fp32 only (bf16 runs use alltoall)")
+    lines.append("  Muon memory per rank, GiB, max (mean): alltoall row shards vs owner_reduce whole matrices")
+    mem = p["muon_memory"]
+    for kind in mem["alltoall"]:
+        a, o = mem["alltoall"][kind], mem["owner_reduce"][kind]
+        cells = f"{gib(a['max'])} ({a['mean'] / GIB:.2f}){gib(o['max'])} ({o['mean'] / GIB:.2f})"
+        lines.append(f"    {kind.replace('_', ' '):<34}{cells}")
+    return lines
