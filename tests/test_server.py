@@ -725,6 +725,7 @@ def streams_during(url: str, n: int, max_tokens: int, on_first_token) -> list[di
                 if out["ids"] and len(admitted) == n and not fired.is_set():
                     fired.set()
                     on_first_token()
+        out["ended_s"] = time.perf_counter()
         return out
 
     async def run():
@@ -742,8 +743,11 @@ def test_sigterm_during_load_finishes_in_flight_requests_and_exits_0(tiny_artifa
     kept_alive = httpx.Client(timeout=30)  # a connection opened before the signal, kept open
     assert kept_alive.get(server.url + "/health").status_code == 200
 
+    signalled = []
+
     def terminate():
         server.proc.send_signal(signal.SIGTERM)
+        signalled.append(time.perf_counter())
         # the server has taken the signal once /health says so on the open connection (no fixed sleep)
         deadline = time.monotonic() + 30
         while (health := kept_alive.get(server.url + "/health").json()) != {"status": "draining"}:
@@ -774,7 +778,14 @@ def test_sigterm_during_load_finishes_in_flight_requests_and_exits_0(tiny_artifa
         server.stop()
     kept_alive.close()
     assert refused == [(503, "server shutting down: not admitting new requests"), {"status": "draining"}, "refused"]
-    assert all(r["finish"] == "length" and len(r["ids"]) == 300 and not r["errors"] for r in results)
+    # the 4 decoding finish; the 4 still waiting for a slot are answered at once (an error event), not
+    # cancelled with 0 tokens at the end of the grace period
+    finished = [r for r in results if not r["errors"]]
+    queued = [r for r in results if r["errors"]]
+    assert len(finished) == len(queued) == 4, results
+    assert all(r["finish"] == "length" and len(r["ids"]) == 300 for r in finished)
+    assert all(not r["ids"] and "still waiting for a slot" in r["errors"][0] for r in queued)
+    assert all(r["ended_s"] - signalled[0] < 2.0 for r in queued), [r["ended_s"] - signalled[0] for r in queued]
     log = "\n".join(server.lines)
     assert status == 0 and "Traceback" not in log, log[-3000:]
     assert "SIGTERM: draining" in log

@@ -31,7 +31,8 @@ class ExportError(InputError):
 
 def export_model(checkpoint, tokenizer_path: Path, out_dir: Path, special_ids: dict | None = None) -> dict:
     """Write the export directory from a training checkpoint. Returns a summary dict. `special_ids`
-    (bos_id, eos_id): those of the model fine-tuned from (model.init), else Laplace's own."""
+    (bos_id, eos_id, and chat_template where it has one): those of the model fine-tuned from
+    (model.init), else Laplace's own (no chat template: the server's default applies)."""
     model_cfg = validate_model_config(ModelConfig(**checkpoint.trainer["model_config"]))
     tokenizer = load_tokenizer(tokenizer_path)
     config = {
