@@ -2,8 +2,10 @@
 
 `config_from_dict()` builds frozen dataclasses from a params mapping; any unknown key,
 wrong type or impossible value raises `ConfigError` with a one-line message naming the
-key. This module knows nothing of files, stages or tracking, so the library may import
-it; reading params.yaml and applying `--set` overrides live in `laplace.pipeline.params`.
+key. This module knows nothing of stages or tracking, so the library may import it; reading
+params.yaml and applying `--set` overrides live in `laplace.pipeline.params`. The one file it
+reads is the one a knob names as the model: model.init's config.json (init_model_config: the
+architecture of an import, which its weights decide); paths are otherwise checked lexically.
 """
 
 from __future__ import annotations
@@ -650,7 +652,7 @@ def config_from_dict(raw: dict) -> Config:
             f"train.batch_size: {t.batch_size} is not divisible by the "
             f"{t.nproc_per_node * t.nnodes} ranks (nproc_per_node x nnodes)"
         )
-    check_widths(cfg.engine.widths, cfg.engine.max_slots)
+    width_ladder(cfg.engine.max_slots, cfg.engine.widths)  # refused now, not when an engine is built
     check_project_paths(cfg)
     check_attention_windows(cfg.model_config(), cfg.engine.max_context)
     return cfg
@@ -667,17 +669,20 @@ def check_attention_windows(model: ModelConfig, max_context: int) -> None:
             )
 
 
-def check_widths(widths: list[int], max_slots: int, key: str = "engine.widths") -> None:
-    """A decode width ladder as written: strictly increasing, from >= 1 up to exactly max_slots
-    (a wider graph would only pad rows no slot can fill). Empty: powers of two up to max_slots."""
+def width_ladder(max_slots: int, widths: list[int] | None = None) -> list[int]:
+    """The decode widths (engine.widths), the one rule for them: as written, strictly increasing
+    from >= 1 up to exactly max_slots (a wider graph would only pad rows no slot can fill), else a
+    ConfigError; empty: powers of two up to max_slots, max_slots included. The config checks it
+    when it is read and every engine builds its ladder with it."""
+    ladder = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots] + [max_slots]
     if not widths:
-        return
+        return ladder
     ordered = all(a < b for a, b in zip(widths, widths[1:]))
     if not ordered or widths[0] < 1 or widths[-1] != max_slots:
-        example = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots] + [max_slots]
         raise ConfigError(
-            f"{key}: must increase strictly from >= 1 to max_slots={max_slots} (e.g. {example}), got {widths}"
+            f"engine.widths: must increase strictly from >= 1 to max_slots={max_slots} (e.g. {ladder}), got {widths}"
         )
+    return list(widths)
 
 
 def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:

@@ -18,8 +18,9 @@ from laplace.data.readers import iter_documents
 from laplace.data.sampler import sample_batch, validation_batches
 from laplace.data.shards import open_split, read_manifest
 from laplace.data.tokenize import tokenize_corpus
-from laplace.data.tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_sha256, train_tokenizer
+from laplace.data.tokenizer import EOS_TOKEN, train_tokenizer
 from laplace.errors import DataError
+from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
 SMALL_TOKENIZER = TokenizerSection(vocab_size=320, min_frequency=1)
 

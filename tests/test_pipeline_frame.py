@@ -159,7 +159,7 @@ def test_the_flow_drops_dvcs_git_hint_after_each_stage():
 def test_the_headline_view_puts_the_figures_and_the_varied_params_first():
     import json
 
-    from laplace.pipeline.mlflow_views import headline_view, varied_params
+    from laplace.tracking.views import headline_view, varied_params
 
     shown = varied_params({"train.lr": "0.001", "seed": "1"}, [{"train.lr": "0.003", "seed": "1"}])
     assert shown == ["train.lr"]

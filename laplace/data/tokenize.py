@@ -57,13 +57,12 @@ from laplace.data.tokenizer import (
     document_end_id,
     document_start_ids,
     given_tokenizer_file,
-    load_tokenizer,
-    tokenizer_sha256,
     train_reaching,
 )
 from laplace.errors import DataError, Failure, InputError, one_line
 from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsync_file
 from laplace.progress import progress_bar
+from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
 if TYPE_CHECKING:
     from laplace.data.dask_executor import DaskWorkers

@@ -60,7 +60,7 @@ class _PrefixCacheCollector(Collector):
         for key, kind, doc in (
             ("hits", "counter", "requests whose prompt started with a cached state prefix"),
             ("misses", "counter", "requests that found no cached state prefix"),
-            ("evictions", "counter", "cached prefixes evicted to stay within serve.prefix_cache_bytes"),
+            ("evictions", "counter", "cached prefixes evicted to stay within engine.prefix_cache_bytes"),
             ("bytes", "gauge", "bytes of state held by the prefix cache (recurrent, conv and attention K/V)"),
             ("kv_bytes", "gauge", "of those, bytes of attention K/V (models with attention layers)"),
         ):
