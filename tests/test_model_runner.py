@@ -84,7 +84,7 @@ def test_engine_decoding_equals_the_full_forward(prefix_cache_bytes):
         assert c.output_ids == want, req.id
     if prefix_cache_bytes:
         stats = eng.prefix_cache_stats()
-        assert stats["hits"] >= 2 and stats["kv_bytes"] > 0, stats
+        assert stats["hits"] >= 1 and stats["kv_bytes"] > 0, stats
         assert stats["bytes"] <= prefix_cache_bytes
     # logits of every engine step (prefill's first token included) against the full forward, fp32
     first = reqs[0]
@@ -125,7 +125,8 @@ def test_the_prefix_cache_stores_kv_up_to_the_junction_only():
         eng.prefill_cached(slot, prompt)
     (entry,) = eng.cache.prefix_cache._entries.values()
     assert entry.state.keys.shape[2] == len(prompt)  # positions written, not max_context
-    assert entry.nbytes == entry.state.nbytes + entry.state.kv_nbytes
+    logits = 0 if entry.logits is None else entry.logits.numel() * entry.logits.element_size()
+    assert entry.nbytes == entry.state.nbytes + entry.state.kv_nbytes + logits
     assert entry.state.kv_nbytes == sequence_bytes(m.cfg, len(prompt))["kv_bytes"]
 
 
