@@ -304,6 +304,12 @@ class EngineSection:
     prefix_cache_min_tokens: int = knob(
         16, _positive, "state prefix cache: the shortest shared prefix worth splitting a prefill at and storing"
     )
+    max_context: int = knob(
+        2048,
+        _positive,
+        "models with attention layers: the tokens (prompt + generated) a sequence may reach; each slot's K/V "
+        "cache holds this many (a longer request is refused; a GLA model has no such limit)",
+    )
 
 
 @dataclass(frozen=True)
@@ -552,6 +558,8 @@ def _type_name(tp) -> str:
 
 def _coerce(value, tp, key: str):
     """Check `value` against the annotation `tp`; ints are accepted for floats."""
+    if tp is Any:  # a structured knob (model.attn) that its own validator checks
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -646,7 +654,19 @@ def config_from_dict(raw: dict) -> Config:
         )
     width_ladder(cfg.engine.max_slots, cfg.engine.widths)  # refused now, not when an engine is built
     check_project_paths(cfg)
+    check_attention_windows(cfg.model_config(), cfg.engine.max_context)
     return cfg
+
+
+def check_attention_windows(model: ModelConfig, max_context: int) -> None:
+    """A sliding window wider than the longest context a slot holds never slides: refused by name."""
+    for spec in model.attn_specs:
+        window = spec["window_size"]
+        if window is not None and window > max_context:
+            raise ConfigError(
+                f"model.attn: window_size={window} of layers {spec['layers']} is larger than the context, "
+                f"engine.max_context={max_context}"
+            )
 
 
 def width_ladder(max_slots: int, widths: list[int] | None = None) -> list[int]:

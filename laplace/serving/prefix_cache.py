@@ -79,7 +79,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every entry and zero the counters."""
         self._entries.clear()
-        self.bytes = 0
+        self.bytes = self.kv_bytes = 0  # kv_bytes: the part of bytes that is attention K/V
         self.hits = self.misses = self.evictions = self.hit_tokens = self.query_tokens = 0
 
     def __len__(self) -> int:
@@ -119,7 +119,8 @@ class PrefixCache:
         if not self.enabled:
             return
         key = tuple(int(t) for t in tokens)
-        nbytes = state.nbytes + (logits.numel() * logits.element_size() if logits is not None else 0)
+        # a hybrid's row carries its K/V up to the prefix's end
+        nbytes = state.nbytes + state.kv_nbytes + (logits.numel() * logits.element_size() if logits is not None else 0)
         if nbytes > self.budget_bytes:
             return
         if key in self._entries:
@@ -127,9 +128,11 @@ class PrefixCache:
             return
         self._entries[key] = _Entry(np.asarray(tokens, dtype=np.int64).copy(), state, logits, nbytes)
         self.bytes += nbytes
+        self.kv_bytes += state.kv_nbytes
         while self.bytes > self.budget_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.nbytes
+            self.kv_bytes -= old.state.kv_nbytes
             self.evictions += 1
 
     def stats(self) -> dict[str, int]:
@@ -137,6 +140,7 @@ class PrefixCache:
             "hits": self.hits,
             "misses": self.misses,
             "bytes": self.bytes,
+            "kv_bytes": self.kv_bytes,
             "evictions": self.evictions,
             "entries": len(self._entries),
             "hit_tokens": self.hit_tokens,  # prompt tokens whose prefill the cache saved
