@@ -413,7 +413,8 @@ def run_table(cfg: Config, paths: Paths, track: bool = True) -> dict:
         from laplace.pipeline.compare_tracking import log_comparison
 
         # run ids change on every log: kept out of the metrics file DVC compares
-        atomic_write_json(tracking_file(paths), log_comparison(cfg, paths, table, out_dir))
+        dirs = {arm: (arm_paths(paths, arm).metrics_dir, arm_paths(paths, arm).export_dir) for arm in table["arms"]}
+        atomic_write_json(tracking_file(paths), log_comparison(cfg, paths.root, table, out_dir, dirs))
     return table
 
 

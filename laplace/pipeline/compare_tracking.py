@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 from laplace.config import Config
-from laplace.pipeline.layout import Paths
 from laplace.pipeline.redact import redact, secret_values
 from laplace.pipeline.store import tracking_uri
 
@@ -31,15 +30,17 @@ def arm_metrics(row: dict) -> dict[str, float]:
     return out
 
 
-def log_comparison(cfg: Config, paths: Paths, table: dict, plots_dir: Path) -> dict:
-    """Log the comparison: returns {experiment, parent_run_id, children: {arm: run_id}, registered}."""
+def log_comparison(
+    cfg: Config, root: Path, table: dict, plots_dir: Path, arm_dirs: dict[str, tuple[Path, Path]]
+) -> dict:
+    """Log the comparison (`arm_dirs`: each arm's metrics and export directories): returns
+    {experiment, parent_run_id, children: {arm: run_id}, registered}."""
     import mlflow
     from mlflow import MlflowClient
 
-    from laplace.pipeline.compare import arm_paths
     from laplace.pipeline.tracking import log_export_model
 
-    uri = tracking_uri(paths.root)
+    uri = tracking_uri(root)
     client = MlflowClient(uri)
     mlflow.set_tracking_uri(uri)
     experiment = f"{cfg.tracking.experiment}-compare"
@@ -67,7 +68,7 @@ def log_comparison(cfg: Config, paths: Paths, table: dict, plots_dir: Path) -> d
         if plots_dir.exists():
             mlflow.log_artifacts(str(plots_dir), "plots")
         for arm, row in rows.items():
-            ap = arm_paths(paths, arm)
+            metrics_dir, export_dir = arm_dirs[arm]
             with mlflow.start_run(run_name=arm, nested=True) as child:
                 mlflow.log_params(
                     {
@@ -78,10 +79,10 @@ def log_comparison(cfg: Config, paths: Paths, table: dict, plots_dir: Path) -> d
                     }
                 )
                 mlflow.log_metrics(arm_metrics(row))
-                if ap.metrics_dir.exists():
-                    mlflow.log_artifacts(str(ap.metrics_dir), "metrics")
+                if metrics_dir.exists():
+                    mlflow.log_artifacts(str(metrics_dir), "metrics")
                 name = f"{cfg.compare.registry_prefix}-{row['family']}"
-                version = log_export_model(cfg, ap.export_dir, name if cfg.tracking.register else None)
+                version = log_export_model(cfg, export_dir, name if cfg.tracking.register else None)
                 children[arm] = child.info.run_id
             if version is not None:
                 family_pick = picks.get(row["family"]) or {}
