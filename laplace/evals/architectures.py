@@ -3,7 +3,7 @@ comparison (laplace compare) puts beside quality and recall, the same code for e
 
 - bytes per sequence: the engine's own allocations for one slot (the GLA layers' recurrent and
   conv state, the attention layers' K/V cache sized for the context), at each of
-  compare.memory_contexts, beside the formula (laplace.model.facts);
+  compare.memory_contexts, beside the formula (laplace.model.lm.sequence_bytes);
 - decode time per token after a prompt of each of compare.decode_contexts: one engine per length,
   each holding one sequence prefilled to that length, timed in alternation so machine load hits
   every length alike. Eager: a compiled decode graph per context length would cost more compile
@@ -48,14 +48,13 @@ def _engine(export_dir: Path, cfg: Config, context: int, compiled: bool, device)
 
 def bytes_per_sequence(cfg: Config, export_dir: Path, contexts: list[int], device) -> dict:
     """{context: bytes} the engine allocates for one slot, and the formula's, at each context."""
-    from laplace.model.facts import sequence_bytes
+    from laplace.model.lm import sequence_bytes
 
     measured, formula = {}, {}
     for context in contexts:
         engine = _engine(export_dir, cfg, context, compiled=False, device=device)
         measured[str(context)] = engine.cache.bytes_per_slot
-        parts = sequence_bytes(engine.model.cfg, context)
-        formula[str(context)] = parts["total"]
+        formula[str(context)] = sequence_bytes(engine.model.cfg, context)["total_bytes"]
         del engine
     return {"bytes_per_sequence": measured, "bytes_per_sequence_formula": formula}
 
