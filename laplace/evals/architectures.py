@@ -27,12 +27,6 @@ import torch
 from laplace.config import Config
 
 
-def family(model_cfg) -> str:
-    """gla (no attention layer), softmax (every layer attention) or hybrid."""
-    attn = len(model_cfg.attn_layers)
-    return "gla" if attn == 0 else "softmax" if attn == model_cfg.n_layers else "hybrid"
-
-
 def _engine(export_dir: Path, cfg: Config, context: int, compiled: bool, device):
     """A one-sequence engine whose slots hold `context` tokens."""
     from laplace.serving.engine import DecodeEngine
@@ -134,7 +128,7 @@ def ruler_figures(cfg: Config, export_dir: Path) -> dict:
 def architecture_figures(cfg: Config, export_dir: Path, data_dir: Path) -> dict:
     """Every figure of one arm that the pipeline's own stages do not already measure."""
     from laplace.data.shards import open_split
-    from laplace.model.config import ModelConfig
+    from laplace.model.config import ModelConfig, architecture_family
     from laplace.model.export import read_export_config
     from laplace.runtime import resolve_device
 
@@ -143,7 +137,11 @@ def architecture_figures(cfg: Config, export_dir: Path, data_dir: Path) -> dict:
     model_cfg = ModelConfig(**read_export_config(Path(export_dir))["model"])
     text = np.asarray(open_split(data_dir, "val")[: max(c.decode_contexts)])
     seconds = {}
-    out: dict = {"family": family(model_cfg), "attn_layers": list(model_cfg.attn_layers), "layers": model_cfg.n_layers}
+    out: dict = {
+        "family": architecture_family(model_cfg),
+        "attn_layers": list(model_cfg.attn_layers),
+        "layers": model_cfg.n_layers,
+    }
     for name, measure in (
         ("memory", lambda: bytes_per_sequence(cfg, export_dir, c.memory_contexts, device)),
         ("decode", lambda: decode_time(cfg, export_dir, c.decode_contexts, c.decode_timing_steps, text, device)),
