@@ -20,6 +20,7 @@ per step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -73,6 +74,8 @@ def time_engine_decode(engine, state: State, width: int, steps: int, seed: int) 
     """Median seconds of one step of the serving engine's decode graph (model, state writes and
     the on-device sampler; CUDA graphs on CUDA) on `width` slots holding `state`, the produced
     tokens read back once per step as the engine reads them."""
+    from laplace.serving.model_runner import DecodeBatch
+
     slots = torch.arange(width, device=engine.device)
     engine.state.recurrent[:, :width] = state.recurrent
     if state.conv is not None:
@@ -85,7 +88,7 @@ def time_engine_decode(engine, state: State, width: int, steps: int, seed: int) 
     for _ in range(steps + 1):
         synchronize(engine.device)
         start = time.perf_counter()
-        next_tokens = engine.step_rows(tokens, slots, *greedy, keys)[0].tolist()
+        next_tokens = engine.runner.decode_step(DecodeBatch.stack(tokens, slots, keys, *greedy))[0].tolist()
         times.append(time.perf_counter() - start)
         tokens = torch.tensor(next_tokens, device=engine.device)
     return statistics.median(times[1:])
@@ -141,19 +144,13 @@ def main(argv=None) -> None:
         samples = {(c, w): [] for c in args.contexts for w in args.widths}
         engine = None
         if args.engine:
-            from laplace.runtime import configure_compiler
+            from laplace.config import EngineSection
             from laplace.serving.engine import DecodeEngine
 
             ladder = sorted(set(args.widths))
-            engine = DecodeEngine(
-                model,
-                max_slots=ladder[-1],
-                ladder=ladder,
-                prefill_buckets=[16],
-                max_prompt_tokens=16,
-                compile_scope="model",
-            )
-            configure_compiler(engine.graphs_needed())
+            shapes = dict(max_slots=ladder[-1], widths=ladder, prefill_buckets=[16], max_prompt_tokens=16)
+            params = dataclasses.replace(EngineSection(), **shapes, compile_scope="model", prefix_cache_bytes=0)
+            engine = DecodeEngine(model, params, "padded")
             start = time.perf_counter()
             engine.warmup(widths=ladder, buckets=[])
             compile_s = time.perf_counter() - start

@@ -7,8 +7,6 @@ test_server.py): the server code is the real one, only the warmup list is cut sh
 import sys
 
 from laplace.config import config_from_dict
-from laplace.model.export import load_export
-from laplace.runtime import configure_compiler
 from laplace.serving.engine import DecodeEngine
 from laplace.serving.server import serve
 
@@ -18,9 +16,7 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     export_dir, port = sys.argv[1], int(sys.argv[2])
     cfg = config_from_dict({"engine": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32}})
-    model, tokenizer, config = load_export(export_dir)
-    engine = DecodeEngine.for_policy(model, cfg.engine, "padded")  # ladder [1, 2], compiled
-    configure_compiler(engine.graphs_needed())
+    engine, tokenizer, config = DecodeEngine.from_export(export_dir, cfg.engine, "padded")  # ladder [1, 2], compiled
     sys.exit(
         serve(
             engine,

@@ -2,14 +2,17 @@
 sampling on the device inside the step, no host synchronisation, per-request seeds that do not
 depend on the batch; on CUDA, CUDA graphs against eager."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_engine import model, staggered
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from laplace.config import EngineSection
 from laplace.runtime import configure_compiler
-from laplace.serving.engine import DecodeEngine, Request, width_ladder
+from laplace.serving.engine import DecodeEngine, Request
 from laplace.serving.replay import replay
 from laplace.serving.sampling import stream_key
 
@@ -17,14 +20,11 @@ SYNC = torch.ops.aten._local_scalar_dense.default  # what .item(), .tolist() and
 
 
 def engine(m, compile_scope=None, max_slots=4, buckets=(16,)):
-    return DecodeEngine(
-        m,
-        max_slots=max_slots,
-        ladder=width_ladder(max_slots),
-        prefill_buckets=list(buckets),
-        max_prompt_tokens=max(buckets),
-        compile_scope=compile_scope,
+    shapes = dict(max_slots=max_slots, prefill_buckets=list(buckets), max_prompt_tokens=max(buckets))
+    params = dataclasses.replace(
+        EngineSection(), **shapes, compile_scope=compile_scope or "block", prefix_cache_bytes=0
     )
+    return DecodeEngine(m, params, "padded", compiled=compile_scope is not None)
 
 
 def step_inputs(eng, width, live=2, temperature=0.8):
@@ -64,7 +64,7 @@ def test_the_decode_step_is_one_graph_with_no_host_synchronisation():
         return gm
 
     backend = aot_autograd(fw_compiler=capture)
-    step = torch.compile(eng.slot_states.decode, fullgraph=True, dynamic=False, backend=backend)
+    step = torch.compile(eng.runner.graphs.decode_step, fullgraph=True, dynamic=False, backend=backend)
     ints, floats = step_inputs(eng, width=4)
     before = eng.state.clone()
     tokens, logits = step(ints, floats)
@@ -79,7 +79,7 @@ def test_the_decode_step_is_one_graph_with_no_host_synchronisation():
     eng.state.recurrent.copy_(before.recurrent)
     eng.state.conv.copy_(before.conv)
     with CountSyncs() as counter:
-        eager_tokens, eager_logits = eng.slot_states.decode(ints, floats)
+        eager_tokens, eager_logits = eng.runner.graphs.decode_step(ints, floats)
     assert counter.syncs == 0
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, eager_tokens)
@@ -147,7 +147,7 @@ def test_cuda_graph_decode_equals_eager_over_64_steps_at_every_width():
                     tokens = [int(eng.prefill(s, [1 + i, 2 + i, 3]).argmax()) for i, s in enumerate(slots)]
                     seen = []
                     for _ in range(64):
-                        tokens = eng.decode(slots, tokens, width).argmax(-1).tolist()
+                        tokens = eng.decode_step(slots, tokens, width).argmax(-1).tolist()
                         seen.append(tokens)
                     assert torch.isfinite(eng.state.recurrent[:, slots]).all()
                 outs.append(seen)

@@ -3,17 +3,19 @@ reference, pads are isolated, slots are accounted for, long prompts go in bucket
 requests are rejected, cancelled or failed requests free their slots, and after warmup nothing
 compiles while serving."""
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from laplace.config import ServeCheckSection
+from laplace.config import EngineSection, ServeCheckSection
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import configure_compiler
 from laplace.serving.engine import DecodeEngine, Rejected, Request, StepRecord, fit, prefill_pieces, width_ladder
 from laplace.serving.generation import generate_ids
+from laplace.serving.model_runner import DecodeBatch
 from laplace.serving.replay import replay, summarize
 from laplace.serving.workload import arrival_times, build_requests
 
@@ -29,15 +31,12 @@ def model(seed=0):
 
 
 def engine(m, *, max_slots=4, widths=None, buckets=(16, 32), compile_scope=None, exact=False):
-    return DecodeEngine(
-        m,
-        max_slots=max_slots,
-        ladder=width_ladder(max_slots, widths),
-        prefill_buckets=list(buckets),
-        max_prompt_tokens=max(buckets),
-        compile_scope=compile_scope,
-        exact_widths=exact,
+    shapes = dict(max_slots=max_slots, widths=list(widths or []), prefill_buckets=list(buckets))
+    params = dataclasses.replace(
+        EngineSection(), **shapes, max_prompt_tokens=max(buckets), compile_scope=compile_scope or "block"
     )
+    params = dataclasses.replace(params, prefix_cache_bytes=0)
+    return DecodeEngine(m, params, "exact" if exact else "padded", compiled=compile_scope is not None)
 
 
 @torch.inference_mode()
@@ -93,8 +92,8 @@ def test_prefill_pieces_and_long_prompts_through_the_bucket_graphs():
     m = model()
     eng = engine(m, buckets=(16, 32))
     shapes = []
-    prefill_rows = eng.prefill_rows
-    eng.prefill_rows = lambda t, s, n: shapes.append((tuple(t.shape), int(n))) or prefill_rows(t, s, n)
+    prefill_piece = eng.runner.prefill_piece
+    eng.runner.prefill_piece = lambda t, s, n: shapes.append((tuple(t.shape), int(n))) or prefill_piece(t, s, n)
     prompt = torch.randint(0, VOCAB, (77,), generator=torch.Generator().manual_seed(1))
     with eng.leased([7]) as (slot,):
         chunked = eng.prefill(slot, prompt.tolist())
@@ -114,21 +113,21 @@ def test_decode_pads_to_the_ladder_on_the_dummy_slot_and_equals_the_unpadded_row
     m = model()
     eng = engine(m, max_slots=4)  # ladder 1, 2, 4
     seen = []
-    decode_rows = eng.decode_rows
-    eng.decode_rows = lambda t, s: seen.append(s.tolist()) or decode_rows(t, s)
+    decode_step = eng.runner.decode_step
+    eng.runner.decode_step = lambda batch: seen.append(batch.ints[1].tolist()) or decode_step(batch)
     with eng.leased([0, 1, 2]) as slots:
         for slot, prompt in zip(slots, ([1, 2, 3], [4, 5], [6])):
             eng.prefill(slot, prompt)
         before = eng.state.clone()
-        padded = eng.decode(slots, [7, 8, 9])  # 3 rows -> width 4, one pad row
+        padded = eng.decode_step(slots, [7, 8, 9])  # 3 rows -> width 4, one pad row
         assert seen[-1] == slots + [eng.pool.dummy]
         assert padded.shape == (3, VOCAB)
         with pytest.raises(ValueError, match="cannot decode 3 rows at width 3"):
-            eng.decode(slots, [7, 8, 9], width=3)  # not a ladder width
+            eng.decode_step(slots, [7, 8, 9], width=3)  # not a ladder width
         exact = engine(m, max_slots=4, exact=True)  # the same rows at width 3, no padding
         exact.state.recurrent.copy_(before.recurrent)
         exact.state.conv.copy_(before.conv)
-        torch.testing.assert_close(exact.decode(slots, [7, 8, 9]), padded, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(exact.decode_step(slots, [7, 8, 9]), padded, rtol=1e-5, atol=1e-5)
         rows = torch.tensor(slots)
         torch.testing.assert_close(exact.state.recurrent[:, rows], eng.state.recurrent[:, rows])
 
@@ -149,7 +148,7 @@ def test_cancel_and_failed_steps_free_their_slots_and_the_engine_serves_on():
     def broken(*args):
         raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'\nmore")
 
-    eng._decode = broken
+    eng.runner.decode_step = broken
     with pytest.raises(RuntimeError, match="fail_on_recompile"):
         eng.step()
     failed = [c for c in eng.take_finished() if c.status == "failed"]
@@ -157,7 +156,7 @@ def test_cancel_and_failed_steps_free_their_slots_and_the_engine_serves_on():
     assert failed[0].reason == (
         "decode step at width 1: RuntimeError: Detected recompile when torch.compile stance is 'fail_on_recompile'"
     )
-    eng._decode = eng.slot_states.decode  # the next request is served as usual
+    del eng.runner.decode_step  # the class's again: the next request is served as usual
     (done,) = eng.complete([Request(9, [4, 5], 3)])
     assert done.status == "done" and done.output_ids == naive_greedy(m, [4, 5], 3)
 
@@ -179,15 +178,15 @@ def test_pad_rows_only_touch_the_dummy_slot_even_as_nan():
     tokens = torch.tensor([5, 7, 0, 0])
     for eng in (clean, poisoned):
         for slot, prompt in ((0, [1, 2, 3]), (2, [4, 5])):
-            eng.prefill_rows(
+            eng.runner.prefill_piece(
                 torch.tensor([prompt + [0] * (16 - len(prompt))]), torch.tensor([slot]), torch.tensor([len(prompt)])
             )
     poisoned.state.recurrent[:, poisoned.pool.dummy] = float("nan")
     poisoned.state.conv[:, poisoned.pool.dummy] = float("nan")
     slots = torch.tensor([0, 2, 4, 4])  # two real rows, two pad rows on the dummy slot (index 4, never -1)
     with torch.inference_mode():
-        a = clean.decode_rows(tokens, slots)
-        b = poisoned.decode_rows(tokens, slots)
+        a = clean.runner.decode_step(DecodeBatch.greedy(tokens, slots))[1]
+        b = poisoned.runner.decode_step(DecodeBatch.greedy(tokens, slots))[1]
     assert torch.isfinite(b[:2]).all() and torch.equal(a[:2], b[:2])
     for rows in ([0, 2], [1, 3]):
         idx = torch.tensor(rows)

@@ -86,7 +86,7 @@ def test_sustained_overload_serves_or_sheds_every_request_without_leaks(
     text = open_split(data_dir, "val")
     cfg = serve_params()
     serve = cfg.serve_check
-    engine = DecodeEngine.for_policy(model, cfg.engine, "eager")
+    engine = DecodeEngine(model, cfg.engine, "eager")
     assert engine.max_queue == MAX_QUEUE
 
     # Warmup: 200 requests at once; the queue takes 64 and the rest are shed at once. The engine is
@@ -203,7 +203,7 @@ def test_malformed_requests_are_rejected_with_a_reason_while_the_rest_are_served
     text = open_split(data_dir, "val")
     cfg = serve_params(requests=40)
     good, bad = good_and_bad_requests(cfg, text, model.cfg.vocab_size)
-    mixed = DecodeEngine.for_policy(model, cfg.engine, "eager")
+    mixed = DecodeEngine(model, cfg.engine, "eager")
     done = {c.request_id: c for c in replay(mixed, good + [req for req, _ in bad])}
     assert len(done) == len(good) + len(bad)
 
@@ -214,7 +214,7 @@ def test_malformed_requests_are_rejected_with_a_reason_while_the_rest_are_served
     last_finish_s = max(done[req.id].finished_s for req in good)
     assert any(0 < done[req.id].finished_s < last_finish_s for req, _ in bad)  # some came mid-serving
     # the good requests are all served, token for token as on an engine that never saw a bad one
-    alone = {c.request_id: c for c in replay(DecodeEngine.for_policy(model, cfg.engine, "eager"), good)}
+    alone = {c.request_id: c for c in replay(DecodeEngine(model, cfg.engine, "eager"), good)}
     for req in good:
         assert done[req.id].status == "done", done[req.id].reason
         assert len(done[req.id].output_ids) == req.max_new_tokens

@@ -7,6 +7,7 @@ session's `tiny_artifacts`) into a sqlite MLflow store, with every validation ga
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,10 +21,11 @@ import mlflow
 import psutil
 import pytest
 
+from laplace.config import EngineSection
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
 from laplace.pipeline.stages import STAGES
-from laplace.serving.engine import DecodeEngine, Request, width_ladder
+from laplace.serving.engine import DecodeEngine, Request
 
 from project import descendants, free_port, wait_until_answers, write_stage_results
 
@@ -61,14 +63,8 @@ def engine_for(cfg, export_dir):
 
     model, tokenizer, config = load_export(export_dir)
     s = cfg.engine
-    engine = DecodeEngine(
-        model,
-        max_slots=s.max_slots,
-        ladder=width_ladder(s.max_slots, s.widths),
-        prefill_buckets=s.prefill_buckets,
-        max_prompt_tokens=s.max_prompt_tokens,
-        compile_scope=None,
-    )
+    params = dataclasses.replace(s, max_queue=EngineSection().max_queue, prefix_cache_bytes=0)
+    engine = DecodeEngine(model, params, "padded", compiled=False)
     return engine, tokenizer, config["eos_id"]
 
 
@@ -78,8 +74,8 @@ def test_the_pyfunc_predicts_a_batch_through_the_engine_at_the_ladder_widths(reg
     inner = model.unwrap_python_model()
     assert inner.engine.ladder == [1, 2] and inner.engine.buckets == [16, 32]  # the run's engine: shapes
     widths = []
-    step = inner.engine._run_step  # every decode step: ints [3, width] (tokens, slots, keys)
-    inner.engine._run_step = lambda ints, floats: widths.append(ints.shape[1]) or step(ints, floats)
+    step = inner.engine.runner.decode_step  # every decode step
+    inner.engine.runner.decode_step = lambda batch: widths.append(batch.width) or step(batch)
     prompts = ["The function", "A class is", "Return the value of the"]
     out = model.predict({"prompt": prompts}, params={"max_new_tokens": 7, "temperature": 0.0})
     assert set(widths) == {1, 2}  # three prompts on two slots: decoded together, padded to the ladder

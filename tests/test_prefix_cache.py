@@ -11,7 +11,7 @@ import torch
 from laplace.config import EngineSection, ServeCheckSection
 from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM, State
-from laplace.serving.engine import DecodeEngine, Request, width_ladder
+from laplace.serving.engine import DecodeEngine, Request
 from laplace.serving.prefix_cache import PrefixCache, common_prefix
 from laplace.serving.replay import prefix_cache_comparison, replay
 from laplace.serving.workload import SHARED_PREFIX, build_requests
@@ -28,16 +28,9 @@ def model(seed=0):
 
 
 def engine(m, cache_bytes, buckets=(16, 32), max_slots=2, min_tokens=4):
-    return DecodeEngine(
-        m,
-        max_slots=max_slots,
-        ladder=width_ladder(max_slots),
-        prefill_buckets=list(buckets),
-        max_prompt_tokens=256,
-        compile_scope=None,
-        prefix_cache_bytes=cache_bytes,
-        prefix_cache_min_tokens=min_tokens,
-    )
+    shapes = dict(max_slots=max_slots, prefill_buckets=list(buckets), max_prompt_tokens=256)
+    cache = dict(prefix_cache_bytes=cache_bytes, prefix_cache_min_tokens=min_tokens)
+    return DecodeEngine(m, dataclasses.replace(EngineSection(), widths=[], **shapes, **cache), "padded", compiled=False)
 
 
 def shared_system_prompt(n=6, system_len=37, seed=0, temperature=0.0):

@@ -2,6 +2,7 @@
 paths (pad rows as NaN), chunked long prefills, passkey prompts, memory accounting, and an MQAR
 training run that learns (slow)."""
 
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from laplace.config import ProbesSection, config_from_dict
+from laplace.config import EngineSection, ProbesSection, config_from_dict
 from laplace.data.tokenize import tokenize_corpus
 from laplace.evals.memory import decode_rss, memory_report
 from laplace.evals.mqar import (
@@ -35,7 +36,7 @@ from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_by
 from laplace.pipeline.plots import accuracy_plot, memory_plot
 from laplace.pipeline.stage_probes import probe_and_plot
 from laplace.runtime import configure_compiler
-from laplace.serving.engine import DecodeEngine, width_ladder
+from laplace.serving.engine import DecodeEngine
 from laplace.training import checkpoint as ckpt
 from laplace.training.loop import train
 
@@ -53,14 +54,11 @@ def small_model(vocab=32, seed=0, **over):
 
 
 def engine(model, *, max_slots=4, buckets=(16, 32), compile_scope=None):
-    return DecodeEngine(
-        model,
-        max_slots=max_slots,
-        ladder=width_ladder(max_slots),
-        prefill_buckets=list(buckets),
-        max_prompt_tokens=max(buckets),
-        compile_scope=compile_scope,
+    shapes = dict(max_slots=max_slots, prefill_buckets=list(buckets), max_prompt_tokens=max(buckets))
+    params = dataclasses.replace(
+        EngineSection(), **shapes, compile_scope=compile_scope or "block", prefix_cache_bytes=0
     )
+    return DecodeEngine(model, params, "padded", compiled=compile_scope is not None)
 
 
 def poison_dummy(eng):
@@ -154,14 +152,15 @@ def test_serving_path_matches_the_eager_path_with_nan_pad_rows():
     eng = engine(m, max_slots=4, buckets=(16, 32))
     poison_dummy(eng)
     widths, pads = [], []
-    decode = eng.decode_rows
+    decode = eng.runner.decode_step
 
-    def spy(tokens, slots):  # record the widths and pad rows the probe asks for
+    def spy(batch):  # record the widths and pad rows the probe asks for
+        slots = batch.ints[1]
         widths.append(len(slots))
         pads.append(int((slots == eng.pool.dummy).sum()))
-        return decode(tokens, slots)
+        return decode(batch)
 
-    eng.decode_rows = spy
+    eng.runner.decode_step = spy
     tokens, targets, mask = mqar_batch(10, 36, 3, 16, rng=5)  # query prefixes of 6..30 tokens: both buckets
     served = mqar_predictions_serving(eng, tokens, mask)
     eager = mqar_predictions_eager(m, tokens)

@@ -36,7 +36,7 @@ from laplace.model.export import load_export
 from laplace.pipeline.params import load_config
 from laplace.pipeline.serve import ServerProcess, free_port
 from laplace.pipeline.stage_serve_check import add_live, live_phase, scrape
-from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.engine import ONE_SLOT, DecodeEngine, Request
 from laplace.serving.loadgen import run_load, summarize_load
 from laplace.serving.replay import replay, summarize
 from laplace.serving.workload import build_requests
@@ -150,7 +150,7 @@ def test_completions_equal_laplace_generate_and_the_replay_engine_token_for_toke
     prompts = val_prompts(data_dir, tokenizer, 3) + ["The function"]
     prompt_ids = [tokenizer.encode(p).ids for p in prompts]
     # the replay engine: all four decoded together, as in serve-check
-    engine = DecodeEngine.for_policy(model, cfg.engine, "eager")
+    engine = DecodeEngine(model, cfg.engine, "eager")
     replayed = replay(engine, [Request(i, ids, n, stop_ids=(eos,)) for i, ids in enumerate(prompt_ids)])
 
     async def concurrently():  # the four at once through HTTP: they share decode steps
@@ -781,7 +781,9 @@ def test_an_unwarmed_width_is_a_500_with_a_clear_log_line_and_serving_goes_on(ti
         model, tokenizer, _ = load_export(export_dir)
         alone = complete(url, prompt="The function", max_tokens=12, temperature=0, return_token_ids=True)
         assert alone.status_code == 200  # width 1: warmed, compiled, and equal to eager greedy
-        eager = DecodeEngine.single(model).complete([Request(0, tokenizer.encode("The function").ids, 12)])[0]
+        eager = DecodeEngine(model, ONE_SLOT, "eager").complete([Request(0, tokenizer.encode("The function").ids, 12)])[
+            0
+        ]
         token_ids = alone.json()["choices"][0]["token_ids"]
         assert token_ids[: len(eager.output_ids)] == eager.output_ids
 
@@ -827,7 +829,7 @@ def test_serve_check_live_phase_serves_the_replayed_workload(tiny_artifacts):
     )
     model, _, _ = load_export(export_dir)
     requests = build_requests("poisson", cfg.serve_check, open_split(data_dir, "val"), cfg.serve_check.seed)
-    engine = DecodeEngine.for_policy(model, cfg.engine, "eager")
+    engine = DecodeEngine(model, cfg.engine, "eager")
     replayed = replay(engine, requests)  # what serve-check's eager replay computes
     figures = summarize(engine.steps, replayed, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s)
     metrics = {"eager": figures, "gates": {"replayed": True}, "_outputs": {"eager": [c.output_ids for c in replayed]}}

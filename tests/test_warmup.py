@@ -88,7 +88,7 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
     assert "3/3 graphs loaded from the compile cache, 0 compiled" in log  # the server's ready line
 
     # greedy through the compiled engine and its prefix cache = the eager engine without a cache
-    eager = DecodeEngine.for_policy(model, cfg.engine, "eager")
+    eager = DecodeEngine(model, cfg.engine, "eager")
     eager.prefix_cache.budget_bytes = 0
     done = eager.complete([Request(i, p, 6) for i, p in enumerate(prompts)])
     assert outputs == [tokenizer.decode(c.output_ids) for c in done]

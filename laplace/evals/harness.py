@@ -23,6 +23,7 @@ and `laplace eval` runs lm-eval's simple_evaluate on the export.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -35,8 +36,7 @@ from lm_eval.api.registry import register_model
 
 from laplace.config import EngineSection
 from laplace.errors import ConfigError
-from laplace.model.export import load_export
-from laplace.serving.engine import DecodeEngine, Request, width_ladder
+from laplace.serving.engine import DecodeEngine, Request
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class LaplaceHarnessLM(LM):
         super().__init__()
         if not export:
             raise ConfigError("lm-eval --model laplace: give --model_args export=PATH (an export directory)")
-        from laplace.runtime import compile_backend, configure_compiler, resolve_device
+        from laplace.runtime import resolve_device
 
         device = str(device or "auto")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -72,20 +72,14 @@ class LaplaceHarnessLM(LM):
             log.warning("lm-eval asked for device %s but CUDA is not available: evaluating on %s", device, "cpu")
             device = "cpu"
         device = torch.device(device) if ":" in device else resolve_device(device)
-        self.model, self.tokenizer, self.config = load_export(Path(export), device=device, kernel=kernel)
-        slots = int(max_slots)
-        serve = EngineSection()
-        self.engine = DecodeEngine(
-            self.model,
-            max_slots=slots,
-            ladder=width_ladder(slots),
-            prefill_buckets=serve.prefill_buckets,
-            max_prompt_tokens=2**62,
-            compile_scope=serve.compile_scope if _truthy(compile) else None,
-            backend=compile_backend(device),
+        # the default `engine:` shapes at max_slots, any prompt length (lm-eval's contexts are long)
+        params = dataclasses.replace(
+            EngineSection(), max_slots=int(max_slots), widths=[], max_prompt_tokens=2**62, prefix_cache_bytes=0
         )
-        if _truthy(compile):
-            configure_compiler(self.engine.graphs_needed())
+        self.engine, self.tokenizer, self.config = DecodeEngine.from_export(
+            export, params, "padded", device=device, kernel=kernel, compiled=_truthy(compile)
+        )
+        self.model = self.engine.model
         self.max_gen_toks = int(max_gen_toks)
         self.bos_id, self.eos_id = self.config.get("bos_id"), self.config.get("eos_id")
         start = self.bos_id if self.bos_id is not None else self.eos_id
@@ -129,7 +123,7 @@ class LaplaceHarnessLM(LM):
                         greedy[i] = greedy[i] and int(last[i].argmax()) == target
                     more = [i for i in live if t + 1 < len(group[i][1])]
                     if more:
-                        logits = self.engine.decode([slots[i] for i in more], [group[i][1][t] for i in more])
+                        logits = self.engine.decode_step([slots[i] for i in more], [group[i][1][t] for i in more])
                         for row, i in enumerate(more):
                             last[i] = logits[row]
             out.extend(zip(totals, greedy))

@@ -48,7 +48,7 @@ def decode_rss(
             token = engine.prefill(slot, prompt).argmax(-1)
             peak = 0
             for _ in range(decode_steps):
-                token = engine.decode([slot], token).argmax(-1)
+                token = engine.decode_step([slot], token).argmax(-1)
                 peak = max(peak, rss_bytes())
             out[ctx] = peak
     return out

@@ -164,7 +164,7 @@ def mqar_predictions_serving(engine: DecodeEngine, tokens: Tensor, mask: Tensor)
                 preds[r, p - 1] = int(engine.prefill(slots[r], tokens[r, :p])[0].argmax())
                 cursor[r] = p
             while live := [r for r in rows if cursor[r] <= int(last[r])]:
-                top = engine.decode([slots[r] for r in live], [int(tokens[r, cursor[r]]) for r in live]).argmax(-1)
+                top = engine.decode_step([slots[r] for r in live], [int(tokens[r, cursor[r]]) for r in live]).argmax(-1)
                 for r, token in zip(live, top.tolist()):
                     preds[r, cursor[r]] = token
                     cursor[r] += 1

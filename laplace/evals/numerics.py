@@ -89,7 +89,7 @@ def decode_logits(engine, prompts: Tensor, continuation: Tensor, width: int, rea
         for i, slot in enumerate(slots):
             engine.prefill(slot, prompts[i])
         for t in range(continuation.shape[1]):
-            out.append(engine.decode(slots, continuation[:real, t], width).float().cpu())
+            out.append(engine.decode_step(slots, continuation[:real, t], width).float().cpu())
     engine.reset()
     return torch.cat(out)
 
@@ -167,7 +167,7 @@ def reference(cfg: Config, ref_model, held_out: Tensor) -> dict:
     from laplace.serving.engine import DecodeEngine
 
     n = cfg.numerics
-    engine = DecodeEngine.for_policy(ref_model, cfg.engine, "eager")
+    engine = DecodeEngine(ref_model, cfg.engine, "eager")
     prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens : n.prompt_tokens + n.decode_tokens]
     ref = {"prefill": prefill_logits(ref_model, held_out[: n.batch_size, : n.seq_len]), "decode": {}}
     for width in engine.ladder:
@@ -193,8 +193,8 @@ def check_dtype(
     comp_base, _, _ = load_export(export_dir, dtype=dtype)
     if corrupt_compiled is not None:
         corrupt_compiled(comp_base)
-    eager_engine = DecodeEngine.for_policy(eager, cfg.engine, "eager")
-    comp_engine = DecodeEngine.for_policy(comp_base, cfg.engine, "padded", backend)
+    eager_engine = DecodeEngine(eager, cfg.engine, "eager")
+    comp_engine = DecodeEngine(comp_base, cfg.engine, "padded", backend=backend)
     compiled = comp_base if cfg.engine.compile_scope == "block" else compiled_model(comp_base, "model", backend)
     out: dict = {}
     seconds: dict[str, float] = {}

@@ -26,7 +26,7 @@ def greedy_continue(engine: DecodeEngine, logits: Tensor, slot: int, new_tokens:
     for one row."""
     out = [int(logits[0].argmax())]
     while len(out) < new_tokens:
-        out.append(int(engine.decode([slot], [out[-1]])[0].argmax()))
+        out.append(int(engine.decode_step([slot], [out[-1]])[0].argmax()))
     return out
 
 

@@ -8,6 +8,7 @@ memory figures (evals.memory) next to them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -35,17 +36,8 @@ def _trained_recall(model, cfg: Config, p, progress: bool) -> dict:
     """The recall suite's MQAR on the probe-trained GLA, through a serving engine at the padded
     ladder widths (eager: a second set of compiled graphs would cost more than it shows), at its
     easiest pair count per length: the suite is seen to measure something on a model that can recall."""
-    from laplace.serving.engine import width_ladder
-
-    e = cfg.engine
-    engine = DecodeEngine(
-        model,
-        max_slots=e.max_slots,
-        ladder=width_ladder(e.max_slots, e.widths),
-        prefill_buckets=e.prefill_buckets,
-        max_prompt_tokens=2**62,
-        compile_scope=None,
-    )
+    params = dataclasses.replace(cfg.engine, max_prompt_tokens=2**62, prefix_cache_bytes=0)
+    engine = DecodeEngine(model, params, "padded", compiled=False)
     q = min(p.mqar_pairs)
     both = mqar_both_paths(model, engine, p.mqar_contexts, [q], p.mqar_samples, p.seed + 2, progress)
     grid = {c: both["serving"].get(c, both["eager"][c])[q] for c in both["eager"]}
@@ -76,17 +68,17 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     probes.paths_agree_min) and the measured state bytes equal the formula; retrieval quality
     is reported, not gated on."""
     from laplace.data.shards import open_split
-    from laplace.model.export import load_export
-    from laplace.runtime import compile_backend, configure_compiler, resolve_device
+    from laplace.runtime import resolve_device
 
     p = cfg.probes
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     device = resolve_device(cfg.engine.device)
-    model, tokenizer, export_config = load_export(export_dir, device=device, kernel=cfg.model.kernel)
+    engine, tokenizer, export_config = DecodeEngine.from_export(
+        export_dir, cfg.engine, "padded", device=device, kernel=cfg.model.kernel
+    )
+    model = engine.model
     bos_id = export_config.get("bos_id")  # the model's own convention: Llama tokenizers start with <s>
-    engine = DecodeEngine.for_policy(model, cfg.engine, "padded", compile_backend(device))
-    configure_compiler(engine.graphs_needed())
     engine.warmup()
     # Pad rows read and write the dummy slot: NaN there makes any leak into a real row visible.
     dummy = engine.pool.dummy

@@ -86,7 +86,7 @@ def greedy_batch(engine: DecodeEngine, prompts: list[list[int]], new_tokens: int
         with engine.leased(range(len(group))) as slots:
             out = [[int(engine.prefill(slot, p)[0].argmax())] for slot, p in zip(slots, group)]
             for _ in range(new_tokens - 1):
-                logits = engine.decode(slots, [o[-1] for o in out])
+                logits = engine.decode_step(slots, [o[-1] for o in out])
                 for o, row in zip(out, logits):
                     o.append(int(row.argmax()))
         outputs.extend(out)

@@ -11,6 +11,7 @@ MLflow INVALID_PARAMETER_VALUE error with the reason: HTTP 400 with a message, n
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import mlflow.models
@@ -36,24 +37,18 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
         import threading
 
-        from laplace.model.export import load_export
-        from laplace.serving.engine import SHAPE_KEYS, DecodeEngine, width_ladder
+        from laplace.serving.engine import SHAPE_KEYS, DecodeEngine
 
-        self.model, self.tokenizer, self.config = load_export(context.artifacts["export"])
         # the run's engine: shapes (its model_config), else the defaults (keys `engine.<shape>` as the
         # run's params name them; bare names from models logged before)
         given = {k.rpartition(".")[2]: v for k, v in (context.model_config or {}).items()}
-        shapes = {**{k: getattr(EngineSection(), k) for k in SHAPE_KEYS}, **given}
-        self.engine = DecodeEngine(
-            self.model,
-            max_slots=shapes["max_slots"],
-            ladder=width_ladder(shapes["max_slots"], shapes["widths"]),
-            prefill_buckets=shapes["prefill_buckets"],
-            max_prompt_tokens=shapes["max_prompt_tokens"],
-            compile_scope=None,
-            exact_widths=False,  # the padded ladder, as served
-            max_queue=shapes["max_queue"],
+        shapes = {k: v for k, v in given.items() if k in SHAPE_KEYS}
+        params = dataclasses.replace(EngineSection(), **shapes, prefix_cache_bytes=0)
+        # the padded ladder, as served, eagerly
+        self.engine, self.tokenizer, self.config = DecodeEngine.from_export(
+            context.artifacts["export"], params, "padded", compiled=False
         )
+        self.model = self.engine.model
         self.lock = threading.Lock()  # the scoring server may call predict from several threads
 
     def predict(self, context, model_input, params=None):

@@ -94,8 +94,7 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"laplace serve: error: {exc.strerror} (is another server running? pick another --port)", file=sys.stderr)
         return 1
-    from laplace.model.export import load_export
-    from laplace.runtime import compile_backend, configure_compiler, resolve_device
+    from laplace.runtime import resolve_device
     from laplace.serving.engine import DecodeEngine
     from laplace.serving.server import serve
     from laplace.serving.warmup import apply_compile_settings, settings_mismatch
@@ -109,9 +108,9 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
         if use_compile_cache(cache, scratch, policy) is not None and (why := settings_mismatch(cache, settings)):
             log.warning(why)
         device = resolve_device(cfg.engine.device)
-        model, tokenizer, config = load_export(export_dir, device=device, kernel=cfg.model.kernel)
-        engine = DecodeEngine.for_policy(model, cfg.engine, policy, compile_backend(device))
-        configure_compiler(engine.graphs_needed())
+        engine, tokenizer, config = DecodeEngine.from_export(
+            export_dir, cfg.engine, policy, device=device, kernel=cfg.model.kernel
+        )
         log.info(
             "serving %s (%s parameters) on %s, policy %s, as %r",
             args.model or export_dir,

@@ -323,6 +323,18 @@ class _Choice:
         return self.text.flush()
 
 
+@dataclass
+class Delta:
+    """What one engine event adds to a choice: its text, its finish reason once it has one, the
+    token ids behind it (the token's, or [] at the end), and the error of a failed choice."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    token_ids: list[int]
+    error: str | None = None
+
+
 class _Answer:
     """The answer to one completions request: the whole body, or its event stream."""
 
@@ -379,22 +391,33 @@ class _Answer:
             return JSONResponse({}, status_code=499)
         return collecting.result()
 
+    async def deltas(self):
+        """The engine's events for this request as Deltas, until every choice has ended: the one
+        loop both the JSON body and the event stream consume (vLLM's serving_completion.py shape).
+        A choice that has ended (its engine request finished, or a stop string matched and it was
+        cancelled) yields nothing more: the tokens the engine made after the match and its end
+        event are dropped."""
+        while self._open():
+            index, kind, value = await self.events_queue.get()
+            ch = self.choices[index]
+            if ch.ended or ch.finish_reason is not None:
+                continue
+            if kind == "token":
+                text = ch.token(value)
+                if ch.finish_reason == "stop":  # a stop string: this choice is done here
+                    self._cancel(index, "stop string")
+                yield Delta(index, text, ch.finish_reason, [value])
+            else:
+                text = ch.end(value)
+                yield Delta(index, text, ch.finish_reason, [], ch.error)
+
     async def _collect(self):
         from fastapi.responses import JSONResponse
 
         params, choices = self.params, self.choices
         texts = [self.service.prompt_text(params, i) if params.request.echo else "" for i in range(len(choices))]
-        while self._open():
-            index, kind, value = await self.events_queue.get()
-            ch = choices[index]
-            if ch.ended or (ch.finish_reason == "stop" and kind == "token"):
-                continue
-            if kind == "token":
-                texts[index] += ch.token(value)
-                if ch.finish_reason == "stop":
-                    self._cancel(index, "stop string")
-            else:
-                texts[index] += ch.end(value)
+        async for delta in self.deltas():
+            texts[delta.index] += delta.text
         failed = [ch for ch in choices if ch.error]
         if failed:
             status = max(ch.status for ch in failed)
@@ -433,26 +456,14 @@ class _Answer:
         try:
             if params.request.echo:
                 yield self._chunk([self._choice(i, self.service.prompt_text(params, i)) for i in range(len(choices))])
-            while self._open():
-                index, kind, value = await self.events_queue.get()
-                ch = choices[index]
-                if ch.ended or ch.finish_reason is not None:
+            async for d in self.deltas():
+                if d.error is None:
+                    yield self._chunk([self._choice(d.index, d.text, d.finish_reason, d.token_ids)])
                     continue
-                if kind == "token":
-                    text = ch.token(value)
-                    if ch.finish_reason == "stop":  # a stop string: this choice is done here
-                        self._cancel(index, "stop string")
-                        yield self._chunk([self._choice(index, text, "stop", [value])])
-                    else:
-                        yield self._chunk([self._choice(index, text, None, [value])])
-                    continue
-                text = ch.end(value)
-                if ch.error:
-                    if text:
-                        yield self._chunk([self._choice(index, text)])
-                    yield f"data: {json.dumps(ApiError(ch.status, f'generation failed: {ch.error}').body())}\n\n"
-                else:
-                    yield self._chunk([self._choice(index, text, ch.finish_reason, [])])
+                if d.text:
+                    yield self._chunk([self._choice(d.index, d.text)])
+                status = choices[d.index].status
+                yield f"data: {json.dumps(ApiError(status, f'generation failed: {d.error}').body())}\n\n"
             if params.include_usage:
                 yield self._chunk([], usage=self.usage())
             yield "data: [DONE]\n\n"

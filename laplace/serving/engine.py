@@ -1,373 +1,251 @@
-"""Continuous-batching decode engine over a fixed pool of recurrent-state slots.
+"""The decode engine: continuous batching over a fixed pool of state slots, built from the
+`engine:` params. A thin facade that wires three parts, as vLLM v1 splits its engine core:
 
-The state of every live sequence sits in one fixed-shape `State` of max_slots + 1
-rows; the last row is a dummy that padding rows read and write, so a pad row never
-touches a real sequence and is never indexed with -1. Requests are admitted into
-free slots, prefilled one at a time through padded prefill-length buckets (a prompt
-longer than the largest bucket goes in pieces; padding is an exact no-op for the
-state), then decoded together. With the `padded` policy each decode step runs at the
-smallest width of a fixed ladder that holds the live rows, so a static-shape compiler
-(torch.compile(dynamic=False) with Inductor, or Neuron) sees only the ladder's widths,
-all compiled ahead by `warmup()`. With the `exact` policy each step runs at exactly the
-live count: every new width compiles on first sight, which is the stall the article
-measured.
+- the Scheduler (serving/scheduler.py) decides what runs: admission into free slots, the rows of
+  each decode step and its width, the requests' lifecycle on a virtual clock;
+- the ModelRunner (serving/model_runner.py) owns the compiled graphs at the decode widths and
+  prefill buckets and runs a batch through them;
+- the CacheManager (serving/cache_manager.py) owns the slots, the per-sequence state in them and
+  the state prefix cache, within one byte budget.
 
-Time is a virtual clock advanced by the measured duration of each operation: a
-replayed workload then gets the latencies a real server would, without sleeping
-through the gaps between arrivals. The live server (serving/server.py) sets the clock to
-wall time before each step.
+One scheduler iteration (`step`): while a slot is free, admit the next waiting request and
+prefill it (through the prefix cache; its first token is sampled there), then one decode step of
+every running request at the smallest ladder width that holds them (`padded` policy; `exact`
+decodes at the live count, compiling every new width on first sight, the stall the article
+measured; `eager` runs no compiler). A step's outputs (tokens, finished requests, a StepRecord)
+are handed to the scheduler, which the server drains each step (`take_finished`, `take_steps`).
 
-The engine is the one place that knows about shapes: `admit` (a zeroed slot), `prefill`
-(bucket pieces), `decode` (a ladder width, pad rows on the dummy slot) and `release` are
-what the scheduler below, the probes, the numerics checks, generation and the server use.
+`DecodeEngine(model, params, policy)` is the one way to build an engine (from an export:
+`DecodeEngine.from_export`). The probes, numerics checks and the lm-eval harness drive slots by
+hand through `leased`, `prefill` and `decode_step`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
-import reprlib
-import time
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from laplace.config import EngineSection
-from laplace.errors import ConfigError, InputError, one_line
+from laplace.errors import ConfigError, one_line
 from laplace.model.kernels import resolve_kernel
 from laplace.model.lm import LaplaceLM, State
-from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
-from laplace.serving.prefix_cache import PrefixCache
+from laplace.runtime import compile_backend, compiled_graph_count, configure_compiler
+from laplace.serving.cache_manager import CacheManager, SlotPool
+from laplace.serving.model_runner import DecodeBatch, ModelRunner
 from laplace.serving.sampling import sample_next, stream_key
+from laplace.serving.scheduler import (
+    Completion,
+    DecodePlan,
+    Rejected,
+    Request,
+    Running,
+    Scheduler,
+    StepRecord,
+)
+from laplace.serving.shapes import fit, prefill_pieces, width_ladder
+
+__all__ = [
+    "ONE_SLOT",
+    "POLICIES",
+    "SHAPE_KEYS",
+    "Completion",
+    "DecodeEngine",
+    "Rejected",
+    "Request",
+    "SlotPool",
+    "StepRecord",
+    "fit",
+    "prefill_pieces",
+    "width_ladder",
+]
 
 POLICIES = ("padded", "exact", "eager")
 # The `engine:` params that decide an engine's shapes (the MLflow model is logged with them).
 SHAPE_KEYS = ("max_slots", "widths", "prefill_buckets", "max_prompt_tokens", "max_queue")
-
-
-class Rejected(InputError):
-    """A request the engine will not serve (the message says why)."""
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
-@dataclass
-class Request:
-    id: int
-    prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop_ids: tuple[int, ...] = ()
-    seed: int = 0
-    arrival_s: float = 0.0
-
-
-@dataclass
-class Completion:
-    request_id: int
-    status: str  # "done" | "rejected" | "cancelled" | "failed"
-    reason: str = ""
-    prompt_tokens: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    arrival_s: float = 0.0
-    admitted_s: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finished_s: float | None = None
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.token_times[0] - self.arrival_s if self.token_times else None
-
-    @property
-    def e2e_s(self) -> float | None:
-        return None if self.finished_s is None else self.finished_s - self.arrival_s
-
-    @property
-    def itl_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first."""
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
-
-
-@dataclass
-class StepRecord:
-    kind: str  # "prefill" | "decode"
-    start_s: float
-    seconds: float
-    width: int  # rows computed (decode) or padded prompt length (prefill)
-    live: int  # real rows
-    compiled: bool  # a graph was compiled during this step
-
-
-def width_ladder(max_slots: int, widths: list[int] | None = None) -> list[int]:
-    """The decode widths: `widths` sorted, or powers of two up to max_slots (max_slots included)."""
-    if widths:
-        ladder = sorted(set(widths))
-        if ladder[0] < 1:
-            raise ConfigError(f"engine.widths: widths must be >= 1, got {ladder}")
-        if ladder[-1] < max_slots:
-            raise ConfigError(f"engine.widths: the largest width {ladder[-1]} cannot hold max_slots={max_slots}")
-        return ladder
-    ladder = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots]
-    return ladder + [max_slots]
-
-
-def fit(n: int, ladder: list[int]) -> int:
-    """Smallest ladder entry >= n."""
-    for w in ladder:
-        if w >= n:
-            return w
-    raise ValueError(f"{n} rows do not fit the largest width {ladder[-1]}")
-
-
-def prefill_pieces(n: int, buckets: list[int]) -> list[tuple[int, int]]:
-    """(real tokens, bucket) of each piece a prompt of n tokens is prefilled in: full pieces of
-    the largest bucket, then the rest right-padded to the smallest bucket that holds it."""
-    largest = buckets[-1]
-    return [(min(largest, n - start), fit(min(largest, n - start), buckets)) for start in range(0, n, largest)]
-
-
-class SlotPool:
-    """max_slots state rows for live sequences plus one dummy row (index max_slots) for padding."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.dummy = capacity
-        self._free: deque[int] = deque(range(capacity))
-        self._owner: dict[int, int] = {}
-
-    def acquire(self, request_id: int) -> int:
-        if not self._free:
-            raise RuntimeError(f"no free slot: all {self.capacity} are owned")
-        slot = self._free.popleft()
-        self._owner[slot] = request_id
-        return slot
-
-    def release(self, slot: int) -> None:
-        if slot not in self._owner:
-            raise RuntimeError(f"slot {slot} released twice")
-        del self._owner[slot]
-        self._free.append(slot)
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    @property
-    def busy(self) -> int:
-        return len(self._owner)
-
-    @property
-    def owners(self) -> dict[int, int]:
-        return dict(self._owner)
-
-
-@dataclass
-class _Live:
-    request: Request
-    completion: Completion
-    slot: int
-
-
-class SlotStates(nn.Module):
-    """The state pool as module buffers, and the two computations over it.
-
-    As gpt-fast keeps its KV cache: buffers have static addresses, so a compiled step (and a
-    CUDA graph of it) reads and writes them in place, rows picked by `slots`, instead of taking
-    them as inputs. `decode` is one whole decode step: the model's recurrent form, then the
-    sampler on the device, returning the next tokens and the logits; nothing in it reads a value
-    back to the host."""
-
-    def __init__(self, model: LaplaceLM, rows: int):
-        super().__init__()
-        self.model = model
-        state = model.allocate_state(rows)
-        self.register_buffer("recurrent", state.recurrent, persistent=False)
-        self.register_buffer("conv", state.conv, persistent=False)
-
-    def state(self) -> State:
-        return State(self.recurrent, self.conv)
-
-    def decode(self, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
-        """ints [3, W] (tokens, slots, sampling keys), floats [2, W] (temperature, top_p): one token
-        per row, packed so a step copies two small inputs. Returns (next tokens [W], logits [W, V])."""
-        tokens, slots, keys = ints.unbind(0)
-        logits = self.model.decode_step(tokens, State(self.recurrent, self.conv), slots)
-        return sample_next(logits, floats[0], floats[1], keys), logits
-
-    def prefill(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
-        return self.model.prefill(tokens, State(self.recurrent, self.conv), slots, lengths)
+# One eager slot for one-off generation: prompts of any length (prefilled in pieces of the
+# default buckets), decoded at width 1, no prefix cache.
+ONE_SLOT = dataclasses.replace(EngineSection(), max_slots=1, widths=[], max_prompt_tokens=2**62, prefix_cache_bytes=0)
 
 
 class DecodeEngine:
     def __init__(
         self,
         model: LaplaceLM,
+        params: EngineSection,
+        policy: str = "padded",
         *,
-        max_slots: int,
-        ladder: list[int],
-        prefill_buckets: list[int],
-        max_prompt_tokens: int,
-        compile_scope: str | None,
-        exact_widths: bool = False,
-        backend: str = "inductor",
+        backend: str | None = None,
+        compiled: bool = True,
         pad_id: int = 0,
-        max_queue: int = EngineSection.max_queue,  # the params.yaml default
-        prefix_cache_bytes: int = 0,
-        prefix_cache_min_tokens: int = EngineSection.prefix_cache_min_tokens,
     ):
-        """compile_scope: None (eager), "model" (each decode width / prefill bucket is one graph)
-        or "block" (one GLA block is compiled per shape and reused by every layer).
-        max_prompt_tokens: longer prompts are rejected (prompts longer than the largest bucket
-        are prefilled in pieces). max_queue: requests that may wait for a slot; one arriving at
-        a full queue is rejected. prefix_cache_bytes: the budget of the state prefix cache of
-        requests' prompts (0: off; serving/prefix_cache.py)."""
-        if max_queue < 1:
-            raise ConfigError(f"engine.max_queue: must be >= 1, got {max_queue}")
-        if prefix_cache_bytes < 0:
+        """The engine of a serving policy from the `engine:` params: `padded` (ladder widths,
+        compiled with params.compile_scope), `exact` (live-count widths, compiled) or `eager`
+        (live-count widths, no compiler). compiled=False keeps the policy's widths but runs
+        eagerly. backend: the compiler's (default: the model device's, runtime.compile_backend).
+        A compiled engine raises the compiler's recompile limit to its graph count."""
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown serving policy {policy!r} (choose from {', '.join(POLICIES)})")
+        if params.prefix_cache_bytes < 0:
             raise ConfigError(
-                f"engine.prefix_cache_bytes: must be >= 0 (0 turns the cache off), got {prefix_cache_bytes}"
+                f"engine.prefix_cache_bytes: must be >= 0 (0 turns the cache off), got {params.prefix_cache_bytes}"
             )
-        if not prefill_buckets or min(prefill_buckets) < 1:
-            raise ConfigError(f"engine.prefill_buckets: need at least one length >= 1, got {prefill_buckets}")
+        if not params.prefill_buckets or min(params.prefill_buckets) < 1:
+            raise ConfigError(f"engine.prefill_buckets: need at least one length >= 1, got {params.prefill_buckets}")
         self.model = model.eval()
         first = next(model.parameters())
         self.device = first.device
         resolve_kernel(model.cfg.kernel, self.device, first.dtype)  # model.kernel: fla where it cannot run fails now
-        self.max_slots = max_slots
-        self.slot_states = SlotStates(model, max_slots + 1)
-        self.state: State = self.slot_states.state()  # views of the buffers: the same memory
-        self.ladder = ladder
-        self.buckets = sorted(set(prefill_buckets))
-        self.max_prompt_tokens = max_prompt_tokens
-        self.exact_widths = exact_widths
-        self.max_queue = max_queue
-        self.compiled = compile_scope is not None
+        self.params, self.policy = params, policy
+        self.max_slots = params.max_slots
+        self.ladder = width_ladder(params.max_slots, params.widths)
+        self.exact_widths = policy != "padded"
         self.pad_id = pad_id
         self.on_logits = None  # optional callback(logits of a step's real rows), for inspection
-        self.on_token: Callable[[Completion, int], None] | None = None  # called for every emitted token
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
-        self.warmup_report: dict[str, float] = {}  # what the last warmup() compiled or loaded (see there)
+        self.cache = CacheManager(model, self.max_slots, params.prefix_cache_bytes, params.prefix_cache_min_tokens)
+        self.scheduler = Scheduler(
+            ladder=self.ladder,
+            exact_widths=self.exact_widths,
+            max_queue=params.max_queue,
+            max_prompt_tokens=params.max_prompt_tokens,
+            vocab_size=model.cfg.vocab_size,
+            release=self.cache.release,
+        )
         self.reset()
-        self._decode, self._prefill = self.slot_states.decode, self.slot_states.prefill
-        # CUDA graphs for the whole decode step (gpt-fast's "reduce-overhead"): on a GPU an eager or
-        # per-block step is bound by kernel launches. Prefill, longer and run once per request, is not graphed.
-        self.cuda_graphs = compile_scope == "model" and self.device.type == "cuda" and backend == "inductor"
-        if compile_scope == "model":
-            self._decode = compile_static(
-                self.slot_states.decode, backend, mode="reduce-overhead" if self.cuda_graphs else None
-            )
-            self._prefill = compile_static(self.slot_states.prefill, backend)
-        elif compile_scope == "block":
-            for block in model.blocks:
-                compile_static(block, backend)
-        elif compile_scope is not None:
-            raise ConfigError(f"engine.compile_scope: unknown scope {compile_scope!r} (block or model)")
+        compile_scope = params.compile_scope if compiled and policy != "eager" else None
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            widths=list(range(1, self.max_slots + 1)) if self.exact_widths else self.ladder,
+            buckets=params.prefill_buckets,
+            compile_scope=compile_scope,
+            backend=backend or compile_backend(self.device),
+            pad_id=pad_id,
+        )
+        self.compiled = self.runner.compiled
+        if self.compiled:
+            configure_compiler(self.graphs_needed())
 
     @classmethod
-    def for_policy(
-        cls, model: LaplaceLM, engine: EngineSection, policy: str, backend: str = "inductor"
-    ) -> DecodeEngine:
-        """The engine of a serving policy from the `engine:` params: `padded` (ladder widths,
-        compiled), `exact` (live-count widths, compiled) or `eager` (live-count widths, no compiler)."""
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown serving policy {policy!r} (choose from {', '.join(POLICIES)})")
-        return cls(
-            model,
-            max_slots=engine.max_slots,
-            ladder=width_ladder(engine.max_slots, engine.widths),
-            prefill_buckets=engine.prefill_buckets,
-            max_prompt_tokens=engine.max_prompt_tokens,
-            compile_scope=None if policy == "eager" else engine.compile_scope,
-            exact_widths=policy != "padded",
-            backend=backend,
-            max_queue=engine.max_queue,
-            prefix_cache_bytes=engine.prefix_cache_bytes,
-            prefix_cache_min_tokens=engine.prefix_cache_min_tokens,
-        )
+    def from_export(
+        cls,
+        export_dir: Path | str,
+        params: EngineSection,
+        policy: str = "padded",
+        *,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        kernel: str | None = None,
+        compiled: bool = True,
+        backend: str | None = None,
+    ):
+        """The engine of an export directory (laplace.model.export.load_export): returns
+        (engine, tokenizer, export config); the model is `engine.model`."""
+        from laplace.model.export import load_export
 
-    @classmethod
-    def single(cls, model: LaplaceLM) -> DecodeEngine:
-        """One eager slot for one-off generation: prompts of any length (prefilled in pieces of
-        the default buckets), decoded at width 1."""
-        engine = EngineSection()
-        return cls(
-            model,
-            max_slots=1,
-            ladder=[1],
-            prefill_buckets=engine.prefill_buckets,
-            max_prompt_tokens=2**62,
-            compile_scope=None,
-            exact_widths=True,
-        )
+        kwargs = {k: v for k, v in (("device", device), ("dtype", dtype), ("kernel", kernel)) if v is not None}
+        model, tokenizer, config = load_export(Path(export_dir), **kwargs)
+        return cls(model, params, policy, backend=backend, compiled=compiled), tokenizer, config
+
+    # -- the parts' state, as the callers see it -------------------------------------------------
+
+    @property
+    def buckets(self) -> list[int]:
+        return self.runner.buckets
+
+    @property
+    def max_queue(self) -> int:
+        return self.scheduler.max_queue
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.scheduler.max_prompt_tokens
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.runner.cuda_graphs
+
+    @property
+    def state(self) -> State:
+        """Every slot's state rows (the dummy last): the runner's buffers, the same memory."""
+        return self.cache.state
+
+    @property
+    def pool(self) -> SlotPool:
+        return self.cache.pool
+
+    @property
+    def prefix_cache(self):
+        return self.cache.prefix_cache
+
+    @property
+    def queue(self) -> deque[Request]:
+        return self.scheduler.queue
+
+    @property
+    def live(self) -> list[Running]:
+        return self.scheduler.live
+
+    @property
+    def finished(self) -> list[Completion]:
+        return self.scheduler.finished
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        return self.scheduler.steps
+
+    @property
+    def now(self) -> float:
+        return self.scheduler.now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.scheduler.now = value
+
+    @property
+    def on_token(self) -> Callable[[Completion, int], None] | None:
+        return self.scheduler.on_token
+
+    @on_token.setter
+    def on_token(self, fn: Callable[[Completion, int], None] | None) -> None:
+        self.scheduler.on_token = fn
+
+    @property
+    def warmup_report(self) -> dict[str, float]:
+        return self.runner.warmup_report
 
     def graphs_needed(self) -> int:
         """Distinct shapes one compiled function may see: sets the recompile limit."""
-        return (self.max_slots if self.exact_widths else len(self.ladder)) + len(self.buckets)
+        return self.runner.graphs_needed()
 
     def reset(self) -> None:
         """Forget requests, timings and cached prefixes (compiled graphs stay), for the next workload."""
-        self.prefix_cache.clear()
-        self.pool = SlotPool(self.max_slots)
-        self.now = 0.0
-        self.queue: deque[Request] = deque()
-        self.live: list[_Live] = []
-        self.finished: list[Completion] = []
-        self.steps: list[StepRecord] = []
-        self.state.zero_()
+        self.cache.reset()
+        self.scheduler.reset()
 
-    # -- the two graphs (over the state buffers, mutated in place) -----------------------------
+    def warmup(
+        self,
+        widths: list[int] | None = None,
+        buckets: list[int] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """Every decode width and prefill bucket (or the given ones) run once: see ModelRunner.warmup."""
+        return self.runner.warmup(widths, buckets, log)
 
-    def step_rows(
-        self, tokens: Tensor, slots: Tensor, temperature: Tensor, top_p: Tensor, keys: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """The decode graph on exactly these rows (no padding: `decode` pads): next tokens [W] and
-        logits [W, V], both still on the device. Under CUDA graphs both live in the graph's static
-        memory until the next step: read or copy them before it."""
-        return self._run_step(torch.stack([tokens, slots, keys]), torch.stack([temperature, top_p]))
-
-    def _run_step(self, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's outputs may be overwritten
-        return self._decode(ints, floats)
-
-    def decode_rows(self, tokens: Tensor, slots: Tensor) -> Tensor:
-        """The decode graph, greedy, on exactly these rows: their logits [W, V] (a copy)."""
-        n = tokens.shape[0]
-        zeros = torch.zeros(n, dtype=torch.long, device=self.device)
-        greedy = torch.zeros(n, device=self.device), torch.ones(n, device=self.device)
-        return self.step_rows(tokens, slots, *greedy, zeros)[1].clone()
-
-    def prefill_rows(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
-        """The prefill graph on exactly these tokens (no padding: `prefill` pads)."""
-        return self._prefill(tokens, slots, lengths)
-
-    # -- the shapes: every caller goes through these four --------------------------------------
+    # -- slots by hand (probes, numerics, the lm-eval harness) -------------------------------------
 
     def admit(self, owner: int) -> int:
-        """A free slot for `owner`, zeroed: a reused slot must not carry its last sequence's state."""
-        slot = self.pool.acquire(owner)
-        self.state.zero_(torch.tensor([slot], device=self.device))
-        return slot
+        """A free slot for `owner`, zeroed."""
+        return self.cache.admit(owner)
 
     def release(self, slot: int) -> None:
-        self.pool.release(slot)
+        self.cache.release(slot)
 
     @contextlib.contextmanager
     def leased(self, owners: Iterable[int]) -> Iterator[list[int]]:
@@ -382,26 +260,30 @@ class DecodeEngine:
                 self.release(slot)
 
     def width_for(self, rows: int) -> int:
-        """The decode width for `rows` live rows: the smallest ladder width that holds them
-        (padded policy) or exactly their count."""
-        return rows if self.exact_widths else fit(rows, self.ladder)
+        return self.scheduler.width_for(rows)
+
+    def prefill(self, slot: int, prompt_ids) -> Tensor:
+        """Run a prompt of any length into `slot`, continuing its state: its last logits [1, V]."""
+        return self.runner.prefill(slot, prompt_ids)
+
+    def padded_tokens(self, n: int) -> int:
+        return self.runner.padded_tokens(n)
 
     @torch.inference_mode()
-    def prefill(self, slot: int, prompt_ids) -> Tensor:
-        """Run a prompt of any length into `slot`, continuing its state, through the bucket graphs
-        only (see prefill_pieces; each piece continues the state and padding is an exact no-op, so
-        the result equals one prefill of the whole prompt). Returns the last token's logits [1, V]."""
-        ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).flatten()
-        if ids.numel() == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
-        slots = torch.tensor([slot], device=self.device)
-        logits, start = None, 0
-        for n, bucket in prefill_pieces(ids.numel(), self.buckets):
-            tokens = torch.full((1, bucket), self.pad_id, dtype=torch.long)
-            tokens[0, :n] = ids[start : start + n]
-            logits = self.prefill_rows(tokens.to(self.device), slots, torch.tensor([n], device=self.device))
-            start += n
-        return logits
+    def decode_step(self, slots: Sequence[int], tokens, width: int | None = None) -> Tensor:
+        """One greedy decode step of the sequences in `slots`, each fed its token, at `width` rows
+        (default: width_for(len(slots))). The pad rows take pad tokens and the dummy slot, so they
+        never touch a live sequence. Returns the real rows' logits [len(slots), V] (a copy)."""
+        n = len(slots)
+        width = self.width_for(n) if width is None else width
+        if width < n or not (self.exact_widths or width in self.ladder):
+            raise ValueError(f"cannot decode {n} rows at width {width} (ladder {self.ladder})")
+        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten().to(self.device)
+        pad = width - n
+        if pad:
+            tokens = torch.cat([tokens, torch.full((pad,), self.pad_id, dtype=torch.long, device=self.device)])
+        rows = torch.tensor(list(slots) + [self.cache.dummy] * pad, device=self.device)
+        return self.runner.decode_step(DecodeBatch.greedy(tokens, rows))[1].clone()[:n]
 
     @torch.inference_mode()
     def prefill_cached(self, slot: int, prompt_ids) -> tuple[Tensor, int]:
@@ -411,205 +293,48 @@ class DecodeEngine:
         stored (serving/prefix_cache.py says which). Returns (the last token's logits [1, V], the
         padded tokens computed)."""
         ids = np.asarray(prompt_ids, dtype=np.int64).ravel()
-        if not self.prefix_cache.enabled:
+        prefix_cache = self.cache.prefix_cache
+        if not prefix_cache.enabled:
             return self.prefill(slot, ids), self.padded_tokens(len(ids))
-        start, cached, split = self.prefix_cache.plan(ids)
-        rows = torch.tensor([slot], device=self.device)
+        start, cached, split = prefix_cache.plan(ids)
         if cached is not None:
-            self._write_rows(rows, cached)
+            self.cache.write_slot(slot, cached)
         computed = 0
         if split is not None:
             self.prefill(slot, ids[start:split])
             computed += self.padded_tokens(split - start)
-            self.prefix_cache.put(ids[:split], self.state.select(rows))
+            prefix_cache.put(ids[:split], self.cache.read_slot(slot))
             start = split
         logits = self.prefill(slot, ids[start:])
-        self.prefix_cache.put(ids, self.state.select(rows))
+        prefix_cache.put(ids, self.cache.read_slot(slot))
         return logits, computed + self.padded_tokens(len(ids) - start)
 
-    def _write_rows(self, rows: Tensor, state: State) -> None:
-        self.state.recurrent.index_copy_(1, rows, state.recurrent)
-        if self.state.conv is not None:
-            self.state.conv.index_copy_(1, rows, state.conv)
-
-    def padded_tokens(self, n: int) -> int:
-        """Tokens the bucket graphs compute for an n-token prefill (its pieces, padded)."""
-        return sum(b for _, b in prefill_pieces(n, self.buckets))
-
     def prefix_cache_stats(self) -> dict[str, int]:
-        """The state prefix cache's counters: hits and misses (requests that did or did not start
-        from a cached prefix), bytes held, evictions; also entries and hit_tokens (prefill saved)."""
-        return self.prefix_cache.stats()
-
-    @torch.inference_mode()
-    def decode(self, slots: Sequence[int], tokens, width: int | None = None) -> Tensor:
-        """One decode step of the sequences in `slots`, each fed its token, at `width` rows
-        (default: width_for(len(slots))). The pad rows take pad tokens and the dummy slot, so they
-        never touch a live sequence. Returns the real rows' logits [len(slots), V]."""
-        n = len(slots)
-        width = self.width_for(n) if width is None else width
-        if width < n or not (self.exact_widths or width in self.ladder):
-            raise ValueError(f"cannot decode {n} rows at width {width} (ladder {self.ladder})")
-        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten().to(self.device)
-        pad = width - n
-        if pad:
-            tokens = torch.cat([tokens, torch.full((pad,), self.pad_id, dtype=torch.long, device=self.device)])
-        rows = torch.tensor(list(slots) + [self.pool.dummy] * pad, device=self.device)
-        return self.decode_rows(tokens, rows)[:n]
-
-    # -- warmup ---------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def warmup(
-        self,
-        widths: list[int] | None = None,
-        buckets: list[int] | None = None,
-        log: Callable[[str], None] | None = None,
-    ) -> dict[str, dict[int, float]]:
-        """Run every decode width (the ladder, or every live count with exact widths) and prefill
-        bucket, or the given ones, once on the dummy slot, compiling them when compiled. `log`
-        gets a line as each graph starts and one with its seconds, so a cold compile of minutes
-        is not silent, then a summary: how many graphs were loaded from the compile cache (a
-        server started after `laplace warmup` must load all of them). Returns seconds per graph;
-        `warmup_report` keeps the counts.
-
-        A graph is loaded (Inductor's FX graph cache hit, no miss), compiled (a miss: the cache
-        did not have it, e.g. it was built under another thread count, which Inductor's cache
-        key includes) or already compiled in this process."""
-        dummy = self.pool.dummy
-        counts = {"loaded_from_cache": 0, "compiled": 0, "already_compiled": 0, "eager": 0}
-        started = time.perf_counter()
-        out: dict[str, dict[int, float]] = {"decode": {}, "prefill": {}}
-        if widths is None:
-            widths = list(range(1, self.max_slots + 1)) if self.exact_widths else self.ladder
-        shapes = [("decode", w) for w in widths]
-        shapes += [("prefill", b) for b in (self.buckets if buckets is None else buckets)]
-        for i, (kind, size) in enumerate(shapes, 1):
-            what = f"{kind} {'width' if kind == 'decode' else 'bucket'} {size}"
-            if log:
-                log(f"warmup {i}/{len(shapes)}: {what} ...")
-            before, cache_before = compiled_graph_count(), compile_cache_counts()
-            if kind == "decode":
-                tokens = torch.full((size,), self.pad_id, dtype=torch.long, device=self.device)
-                slots = torch.full((size,), dummy, dtype=torch.long, device=self.device)
-                seconds = self._timed(lambda t=tokens, s=slots: self.decode_rows(t, s))[1]
-            else:
-                tokens = torch.full((1, size), self.pad_id, dtype=torch.long, device=self.device)
-                slots = torch.tensor([dummy], device=self.device)
-                lengths = torch.tensor([size], device=self.device)
-                seconds = self._timed(lambda t=tokens, s=slots, n=lengths: self.prefill_rows(t, s, n))[1]
-            out[kind][size] = seconds
-            hits, misses = (now - then for now, then in zip(compile_cache_counts(), cache_before))
-            if not self.compiled:
-                how, count = "ran eagerly", "eager"
-            elif compiled_graph_count() == before:
-                how, count = "was already compiled", "already_compiled"
-            elif misses or not hits:  # Neuron has no FX graph cache counters: counted as compiled
-                how, count = "compiled", "compiled"
-            else:
-                how, count = "loaded from the compile cache", "loaded_from_cache"
-            counts[count] += 1
-            if log:
-                log(f"warmup {i}/{len(shapes)}: {what} {how} in {seconds:.2f}s")
-        self.state.zero_()
-        self.warmup_report = {"graphs": len(shapes), **counts, "seconds": time.perf_counter() - started}
-        if log and self.compiled:
-            r = self.warmup_report
-            log(
-                f"warmup: {r['graphs']} graphs in {r['seconds']:.1f}s, loaded from cache "
-                f"{r['loaded_from_cache']}/{r['graphs']}, compiled {r['compiled']}, "
-                f"already compiled {r['already_compiled']}"
-            )
-        return out
-
-    def _timed(self, fn):
-        start = time.perf_counter()
-        result = fn()
-        synchronize(self.device)
-        return result, time.perf_counter() - start
+        """The state prefix cache's counters (CacheManager.stats)."""
+        return self.cache.stats()
 
     # -- requests -------------------------------------------------------------------------------
 
     def check(self, req: Request) -> None:
-        """Raise Rejected (one line naming the problem) for a request the engine cannot serve.
-        Types are checked too: a malformed request must not crash the loop serving the others."""
-        prompt = req.prompt_ids
-        if not isinstance(prompt, (list, tuple)):
-            raise Rejected(f"prompt_ids must be a list of token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise Rejected("empty prompt")
-        if len(prompt) > self.max_prompt_tokens:
-            raise Rejected(f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}")
-        if not _is_int(req.max_new_tokens):
-            raise Rejected(f"max_new_tokens must be an integer, got {reprlib.repr(req.max_new_tokens)}")
-        if req.max_new_tokens <= 0:
-            raise Rejected(f"max_new_tokens must be > 0, got {req.max_new_tokens}")
-        vocab = self.model.cfg.vocab_size
-        for i, t in enumerate(prompt):
-            if not _is_int(t):
-                raise Rejected(f"prompt token at position {i} is not an integer id: {reprlib.repr(t)}")
-            if not 0 <= t < vocab:
-                raise Rejected(f"prompt token id {t} at position {i} is outside the vocabulary [0, {vocab})")
-        if not (
-            _is_real(req.temperature)
-            and _is_real(req.top_p)
-            and math.isfinite(req.temperature)
-            and req.temperature >= 0
-            and 0 < req.top_p <= 1
-        ):
-            raise Rejected(
-                f"temperature must be >= 0 (finite) and top_p in (0, 1], got "
-                f"{reprlib.repr(req.temperature)}, {reprlib.repr(req.top_p)}"
-            )
-        if not (_is_int(req.seed) and -(2**63) <= req.seed < 2**64):  # stream_key hashes the low 64 bits
-            raise Rejected(f"seed must be an integer in [-2**63, 2**64), got {reprlib.repr(req.seed)}")
-
-    def _reject(self, req: Request, reason: str) -> Completion:
-        prompt_tokens = len(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else 0
-        done = Completion(req.id, "rejected", reason, prompt_tokens, arrival_s=req.arrival_s, finished_s=self.now)
-        self.finished.append(done)
-        return done
+        """Raise Rejected (one line naming the problem) for a request the engine cannot serve."""
+        self.scheduler.check(req)
 
     def submit(self, req: Request) -> Completion | None:
-        """Queue a request. A bad one, or one arriving while max_queue requests already wait, is
-        rejected at once (the Completion is returned) and the engine carries on."""
-        try:
-            self.check(req)
-        except Rejected as exc:
-            return self._reject(req, str(exc))
-        if len(self.queue) >= self.max_queue:  # shed load now rather than grow latency and memory without bound
-            return self._reject(req, f"queue full ({len(self.queue)} waiting)")
-        self.queue.append(req)
-        return None
+        """Queue a request; a bad one, or one arriving at a full queue, is rejected at once."""
+        return self.scheduler.submit(req)
 
     def cancel(self, request_id: int, reason: str = "cancelled") -> Completion | None:
-        """Drop a waiting or live request (its slot is free for the next admission). Returns its
-        Completion (status "cancelled", the tokens so far), or None if it is not here."""
-        for req in self.queue:
-            if req.id == request_id:
-                self.queue.remove(req)
-                done = Completion(
-                    req.id, "cancelled", reason, len(req.prompt_ids), arrival_s=req.arrival_s, finished_s=self.now
-                )
-                self.finished.append(done)
-                return done
-        for row in self.live:
-            if row.request.id == request_id:
-                self._finish(row, "cancelled", reason)
-                return row.completion
-        return None
+        """Drop a waiting or live request (its slot is free for the next admission)."""
+        return self.scheduler.cancel(request_id, reason)
 
     def has_work(self) -> bool:
-        return bool(self.queue or self.live)
+        return self.scheduler.has_work()
 
     def take_finished(self) -> list[Completion]:
-        """The completions finished since the last call (a live server drains them every step)."""
-        done, self.finished = self.finished, []
-        return done
+        return self.scheduler.take_finished()
 
     def take_steps(self) -> list[StepRecord]:
-        steps, self.steps = self.steps, []
-        return steps
+        return self.scheduler.take_steps()
 
     def complete(self, requests: list[Request]) -> list[Completion]:
         """Serve a batch to the end, all arriving now (as many wait as the queue takes), decoding
@@ -621,8 +346,9 @@ class DecodeEngine:
                 self.submit(pending.popleft())
             if self.has_work():
                 self.step()
-        mine = {c.request_id: c for c in self.finished if c.request_id in ids}
-        self.finished = [c for c in self.finished if c.request_id not in ids]
+        s = self.scheduler
+        mine = {c.request_id: c for c in s.finished if c.request_id in ids}
+        s.finished = [c for c in s.finished if c.request_id not in ids]
         return [mine[r.id] for r in requests]
 
     # -- one scheduler iteration -----------------------------------------------------------------
@@ -632,88 +358,63 @@ class DecodeEngine:
         """Admit queued requests into free slots (prefilling each), then one decode step.
         A request whose prefill or decode step raises is finished as "failed" (its slot freed)
         and the error propagates: a replay stops, a server answers those requests with an error."""
-        while self.queue and self.pool.free:
-            self._admit(self.queue.popleft())
-        if self.live:
-            self._decode_step()
+        while (req := self.scheduler.next_admission(self.cache.free_slots)) is not None:
+            self._prefill_request(req)
+        if (plan := self.scheduler.decode_plan()) is not None:
+            self._run_decode_step(plan)
 
-    def _record(self, kind: str, seconds: float, width: int, live: int, graphs_before: int) -> None:
-        compiled = self.compiled and compiled_graph_count() > graphs_before
-        self.steps.append(StepRecord(kind, self.now, seconds, width, live, compiled))
-        self.now += seconds
+    def _compiled_since(self, graphs_before: int) -> bool:
+        return self.compiled and compiled_graph_count() > graphs_before
 
-    def _admit(self, req: Request) -> None:
-        done = Completion(
-            req.id, "done", prompt_tokens=len(req.prompt_ids), arrival_s=req.arrival_s, admitted_s=self.now
-        )
-        live = _Live(req, done, self.admit(req.id))
+    def _prefill_request(self, req: Request) -> None:
+        row = self.scheduler.start(req, self.cache.admit(req.id))
         before = compiled_graph_count()
         try:
-            (token, padded_length), seconds = self._timed(lambda: self._first_token(live))
+            (token, padded_length), seconds = self.runner.timed(lambda: self._first_token(row))
         except BaseException as exc:
-            self.live.append(live)
-            self._finish(live, "failed", f"prefill of {len(req.prompt_ids)} tokens: {one_line(exc)}")
+            self.scheduler.finish(row, "failed", f"prefill of {len(req.prompt_ids)} tokens: {one_line(exc)}")
             raise
-        self._record("prefill", seconds, padded_length, 1, before)
-        self.live.append(live)
-        self._emit(live, token)
+        self.scheduler.record("prefill", seconds, padded_length, 1, self._compiled_since(before))
+        self.scheduler.emit(row, token)
 
-    def _first_token(self, live: _Live) -> tuple[int, int]:
+    def _first_token(self, row: Running) -> tuple[int, int]:
         """Prefill (through the prefix cache), then the first token by the same sampler the decode
         graph runs (here eagerly, once). Returns (the token, the padded tokens prefilled)."""
-        logits, padded_length = self.prefill_cached(live.slot, live.request.prompt_ids)
+        logits, padded_length = self.prefill_cached(row.slot, row.request.prompt_ids)
         if self.on_logits is not None:
             self.on_logits(logits)
-        r = live.request
+        r = row.request
         return int(sample_next(logits, r.temperature, r.top_p, stream_key(r.seed, 0))[0]), padded_length
 
-    def _decode_step(self) -> None:
-        rows = list(self.live)
-        width = self.width_for(len(rows))
+    def _run_decode_step(self, plan: DecodePlan) -> None:
+        rows, width = plan.rows, plan.width
         before = compiled_graph_count()
         try:
-            next_tokens, seconds = self._timed(lambda: self._sample_step(rows, width))
+            next_tokens, seconds = self.runner.timed(lambda: self._decode_step_tokens(plan))
         except BaseException as exc:
             for row in rows:
-                self._finish(row, "failed", f"decode step at width {width}: {one_line(exc)}")
+                self.scheduler.finish(row, "failed", f"decode step at width {width}: {one_line(exc)}")
             raise
-        self._record("decode", seconds, width, len(rows), before)
+        self.scheduler.record("decode", seconds, width, len(rows), self._compiled_since(before))
         for row, token in zip(rows, next_tokens):
-            self._emit(row, token)
+            self.scheduler.emit(row, token)
 
-    def _sample_step(self, rows: list[_Live], width: int) -> list[int]:
-        """One decode step with sampling on the device; the produced tokens are read back once."""
-        n, pad = len(rows), width - len(rows)
-        reqs = [r.request for r in rows]
-        ints = torch.tensor(
-            [
-                [r.completion.output_ids[-1] for r in rows] + [self.pad_id] * pad,
-                [r.slot for r in rows] + [self.pool.dummy] * pad,
-                # the draw's key: (request seed, index of the token drawn), whatever the batch
-                [stream_key(r.request.seed, len(r.completion.output_ids)) for r in rows] + [0] * pad,
-            ],
-            dtype=torch.long,
-        ).to(self.device)
-        floats = torch.tensor(
-            [[float(q.temperature) for q in reqs] + [0.0] * pad, [float(q.top_p) for q in reqs] + [1.0] * pad]
-        ).to(self.device)
-        tokens, logits = self._run_step(ints, floats)
+    def _decode_step_tokens(self, plan: DecodePlan) -> list[int]:
+        """The plan's decode step with sampling on the device; the produced tokens are read back once."""
+        rows, n = plan.rows, len(plan.rows)
+        batch = DecodeBatch.of_rows(
+            [r.completion.output_ids[-1] for r in rows],
+            [r.slot for r in rows],
+            # the draw's key: (request seed, index of the token drawn), whatever the batch
+            [stream_key(r.request.seed, len(r.completion.output_ids)) for r in rows],
+            [float(r.request.temperature) for r in rows],
+            [float(r.request.top_p) for r in rows],
+            width=plan.width,
+            pad_id=self.pad_id,
+            dummy=self.cache.dummy,
+            device=self.device,
+        )
+        tokens, logits = self.runner.decode_step(batch)
         if self.on_logits is not None:
             self.on_logits(logits[:n].clone())
         return tokens[:n].tolist()  # the step's one read of device memory
-
-    def _finish(self, row: _Live, status: str = "done", reason: str = "") -> None:
-        c = row.completion
-        c.status, c.reason, c.finished_s = status, reason, self.now
-        self.live.remove(row)
-        self.release(row.slot)  # free at once: the next admission reuses it
-        self.finished.append(c)
-
-    def _emit(self, row: _Live, token: int) -> None:
-        c = row.completion
-        c.output_ids.append(token)
-        c.token_times.append(self.now)
-        if token in row.request.stop_ids or len(c.output_ids) >= row.request.max_new_tokens:
-            self._finish(row)
-        if self.on_token is not None:
-            self.on_token(c, token)

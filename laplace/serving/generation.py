@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from laplace.serving.engine import DecodeEngine, Rejected, Request
+from laplace.serving.engine import ONE_SLOT, DecodeEngine, Rejected, Request
 
 
 def generate_ids(
@@ -20,7 +20,11 @@ def generate_ids(
     """Generate up to max_new_tokens ids after the prompt (stops early at a stop id, which is kept),
     through a DecodeEngine: the one given, or a one-slot eager engine around a bare model. A request
     the engine rejects raises Rejected (an InputError) with the reason."""
-    engine = model_or_engine if isinstance(model_or_engine, DecodeEngine) else DecodeEngine.single(model_or_engine)
+    engine = (
+        model_or_engine
+        if isinstance(model_or_engine, DecodeEngine)
+        else DecodeEngine(model_or_engine, ONE_SLOT, "eager")
+    )
     request = Request(0, list(prompt_ids), max_new_tokens, temperature, top_p, tuple(stop_ids), seed)
     (done,) = engine.complete([request])
     if done.status != "done":
@@ -40,10 +44,7 @@ def generate_text(
 ) -> dict:
     """Generate from an export directory through the decode engine of `policy` built from the
     `engine:` params (default: one eager slot): the prompt, the completion, its ids and the rate."""
-    from laplace.model.export import load_export
-
-    model, tokenizer, config = load_export(model_dir)
-    decoder = DecodeEngine.single(model) if engine is None else DecodeEngine.for_policy(model, engine, policy)
+    decoder, tokenizer, config = DecodeEngine.from_export(model_dir, ONE_SLOT if engine is None else engine, policy)
     prompt_ids = tokenizer.encode(prompt).ids
     start = time.perf_counter()
     ids = generate_ids(

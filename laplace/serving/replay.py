@@ -178,7 +178,7 @@ def decode_cost(engine, contexts: list[int], steps: int, text) -> dict:
             # steps is the one more often preempted, which must not bias either context
             for ctx in contexts if i % 2 == 0 else contexts[::-1]:
                 start = time.perf_counter()
-                tokens[ctx] = engine.decode([slots[ctx]], tokens[ctx]).argmax(-1)
+                tokens[ctx] = engine.decode_step([slots[ctx]], tokens[ctx]).argmax(-1)
                 if i >= 4:  # the first rounds warm caches
                     times[ctx].append(time.perf_counter() - start)
     out = {
@@ -200,8 +200,7 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
     import torch
 
     from laplace.data.shards import open_split
-    from laplace.model.export import load_export
-    from laplace.runtime import compile_backend, configure_compiler, resolve_device
+    from laplace.runtime import compile_backend, resolve_device
     from laplace.serving.warmup import apply_compile_settings
     from laplace.serving.workload import SHARED_PREFIX, build_requests
 
@@ -209,11 +208,9 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
     # phase compares like with like
     apply_compile_settings(cfg.server.threads)
     device = resolve_device(cfg.engine.device)
-    model, _, _ = load_export(export_dir, device=device, kernel=cfg.model.kernel)
+    engine, _, _ = DecodeEngine.from_export(export_dir, cfg.engine, policy, device=device, kernel=cfg.model.kernel)
     text = open_split(data_dir, "val")
     backend = compile_backend(device)
-    engine = DecodeEngine.for_policy(model, cfg.engine, policy, backend)
-    configure_compiler(engine.graphs_needed())
     result: dict = {"policy": policy, "backend": backend, "workloads": {}, "traces": {}, "outputs": {}}
     stance = contextlib.nullcontext()
     if policy == "padded":

@@ -70,7 +70,7 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
     import torch
 
     from laplace.model.lm import LaplaceLM, torch_dtype
-    from laplace.runtime import compile_backend, configure_compiler, resolve_device
+    from laplace.runtime import compile_backend, resolve_device
     from laplace.serving.engine import DecodeEngine
 
     settings = apply_compile_settings(cfg.server.threads)  # as serve-check and laplace serve will run
@@ -79,8 +79,7 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
     torch.manual_seed(cfg.seed)
     model = LaplaceLM(model_cfg).to(device=device, dtype=torch_dtype(model_cfg.dtype))
     backend = compile_backend(device)
-    engine = DecodeEngine.for_policy(model, cfg.engine, "padded", backend)
-    configure_compiler(engine.graphs_needed())
+    engine = DecodeEngine(model, cfg.engine, "padded", backend=backend)
     seconds = engine.warmup(log=lambda line: print(line, flush=True))  # one line per graph as it compiles
     cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if cache_dir:

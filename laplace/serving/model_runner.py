@@ -1,0 +1,255 @@
+"""The model runner: the compiled graphs over the slots' state, and running one batch through them.
+
+As vLLM v1's model runner owns the model, its compiled or graph-captured forms and the
+execution of a scheduled batch, this owns the two computations the engine runs, a decode step
+and a prefill piece, at the static shapes (serving/shapes.py): one graph per decode width and
+per prefill bucket, all compiled ahead by `warmup()`. It reads and writes the cache manager's
+state rows in place (they are its module buffers) and knows nothing of requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from laplace.errors import ConfigError
+from laplace.model.lm import LaplaceLM, State
+from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
+from laplace.serving.cache_manager import CacheManager, state_tensors
+from laplace.serving.sampling import sample_next
+from laplace.serving.shapes import prefill_pieces
+
+
+@dataclass
+class DecodeBatch:
+    """The inputs of one decode step, packed so a step copies two small tensors: ints [3, W]
+    (tokens, slots, sampling keys) and floats [2, W] (temperature, top_p), one row per column."""
+
+    ints: Tensor
+    floats: Tensor
+
+    @property
+    def width(self) -> int:
+        return self.ints.shape[1]
+
+    @classmethod
+    def of_rows(
+        cls,
+        tokens: list[int],
+        slots: list[int],
+        keys: list[int],
+        temperature: list[float],
+        top_p: list[float],
+        *,
+        width: int,
+        pad_id: int,
+        dummy: int,
+        device: torch.device,
+    ) -> DecodeBatch:
+        """Live rows padded to `width`: pad rows take the pad token, the dummy slot, greedy sampling."""
+        pad = width - len(tokens)
+        ints = torch.tensor([tokens + [pad_id] * pad, slots + [dummy] * pad, keys + [0] * pad], dtype=torch.long).to(
+            device
+        )
+        floats = torch.tensor([temperature + [0.0] * pad, top_p + [1.0] * pad]).to(device)
+        return cls(ints, floats)
+
+    @classmethod
+    def stack(cls, tokens: Tensor, slots: Tensor, keys: Tensor, temperature: Tensor, top_p: Tensor) -> DecodeBatch:
+        """Rows given as device tensors, exactly these (no padding)."""
+        return cls(torch.stack([tokens, slots, keys]), torch.stack([temperature, top_p]))
+
+    @classmethod
+    def greedy(cls, tokens: Tensor, slots: Tensor) -> DecodeBatch:
+        """Greedy rows (temperature 0, key 0) given as device tensors."""
+        n, device = tokens.shape[0], tokens.device
+        zeros = torch.zeros(n, dtype=torch.long, device=device)
+        return cls.stack(tokens, slots, zeros, torch.zeros(n, device=device), torch.ones(n, device=device))
+
+
+class StepGraphs(nn.Module):
+    """The state rows as module buffers, and the two computations over them.
+
+    As gpt-fast keeps its KV cache: buffers have static addresses, so a compiled step (and a
+    CUDA graph of it) reads and writes them in place, rows picked by `slots`, instead of taking
+    them as inputs. Every tensor of the State is a buffer by its field name, so a field added to
+    State is carried without a change here. `decode_step` is one whole decode step: the model's
+    recurrent form, then the sampler on the device; nothing in it reads a value back to the host."""
+
+    def __init__(self, model: LaplaceLM, state: State):
+        super().__init__()
+        self.model = model
+        tensors = state_tensors(state)
+        self._state_fields = {f.name: f.name in tensors for f in dataclasses.fields(state)}  # name: has a tensor
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor, persistent=False)
+
+    def state(self) -> State:
+        """The buffers as a State (views of the same memory)."""
+        return State(**{name: getattr(self, name) if present else None for name, present in self._state_fields.items()})
+
+    def decode_step(self, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns (next tokens [W], logits [W, V])."""
+        tokens, slots, keys = ints.unbind(0)
+        logits = self.model.decode_step(tokens, self.state(), slots)
+        return sample_next(logits, floats[0], floats[1], keys), logits
+
+    def prefill(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+        return self.model.prefill(tokens, self.state(), slots, lengths)
+
+
+class ModelRunner:
+    """The model's graphs at the decode widths and prefill buckets, over the cache manager's state."""
+
+    def __init__(
+        self,
+        model: LaplaceLM,
+        cache: CacheManager,
+        *,
+        widths: list[int],
+        buckets: list[int],
+        compile_scope: str | None,
+        backend: str = "inductor",
+        pad_id: int = 0,
+    ):
+        """widths: every decode width a step may run at (the ladder, or 1..max_slots for exact
+        widths). compile_scope: None (eager), "model" (each decode width / prefill bucket is one
+        graph) or "block" (one GLA block is compiled per shape and reused by every layer)."""
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.widths = list(widths)
+        self.buckets = sorted(set(buckets))
+        self.pad_id = pad_id
+        self.compiled = compile_scope is not None
+        self.graphs = StepGraphs(model, cache.state)
+        self.warmup_report: dict[str, float] = {}  # what the last warmup() compiled or loaded (see there)
+        self._decode_graph, self._prefill_graph = self.graphs.decode_step, self.graphs.prefill
+        # CUDA graphs for the whole decode step (gpt-fast's "reduce-overhead"): on a GPU an eager or
+        # per-block step is bound by kernel launches. Prefill, longer and run once per request, is not graphed.
+        self.cuda_graphs = compile_scope == "model" and self.device.type == "cuda" and backend == "inductor"
+        if compile_scope == "model":
+            self._decode_graph = compile_static(
+                self.graphs.decode_step, backend, mode="reduce-overhead" if self.cuda_graphs else None
+            )
+            self._prefill_graph = compile_static(self.graphs.prefill, backend)
+        elif compile_scope == "block":
+            for block in model.blocks:
+                compile_static(block, backend)
+        elif compile_scope is not None:
+            raise ConfigError(f"engine.compile_scope: unknown scope {compile_scope!r} (block or model)")
+
+    def graphs_needed(self) -> int:
+        """Distinct shapes one compiled function may see: sets the recompile limit."""
+        return len(self.widths) + len(self.buckets)
+
+    # -- the two graphs (over the state buffers, mutated in place) -----------------------------
+
+    def decode_step(self, batch: DecodeBatch) -> tuple[Tensor, Tensor]:
+        """The decode graph on exactly these rows: next tokens [W] and logits [W, V], both still on
+        the device. Under CUDA graphs both live in the graph's static memory until the next step:
+        read or copy them before it."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's outputs may be overwritten
+        return self._decode_graph(batch.ints, batch.floats)
+
+    def prefill_piece(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+        """The prefill graph on exactly these tokens [B, bucket] (no padding: `prefill` pads)."""
+        return self._prefill_graph(tokens, slots, lengths)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt_ids) -> Tensor:
+        """Run a prompt of any length into `slot`, continuing its state, through the bucket graphs
+        only (see prefill_pieces; each piece continues the state and padding is an exact no-op, so
+        the result equals one prefill of the whole prompt). Returns the last token's logits [1, V]."""
+        ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).flatten()
+        if ids.numel() == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        slots = torch.tensor([slot], device=self.device)
+        logits, start = None, 0
+        for n, bucket in prefill_pieces(ids.numel(), self.buckets):
+            tokens = torch.full((1, bucket), self.pad_id, dtype=torch.long)
+            tokens[0, :n] = ids[start : start + n]
+            logits = self.prefill_piece(tokens.to(self.device), slots, torch.tensor([n], device=self.device))
+            start += n
+        return logits
+
+    def padded_tokens(self, n: int) -> int:
+        """Tokens the bucket graphs compute for an n-token prefill (its pieces, padded)."""
+        return sum(b for _, b in prefill_pieces(n, self.buckets))
+
+    def timed(self, fn):
+        """(fn(), its seconds), the device synchronised before the clock stops."""
+        start = time.perf_counter()
+        result = fn()
+        synchronize(self.device)
+        return result, time.perf_counter() - start
+
+    # -- warmup ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def warmup(
+        self,
+        widths: list[int] | None = None,
+        buckets: list[int] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """Run every decode width and prefill bucket (or the given ones) once on the dummy slot,
+        compiling them when compiled. `log` gets a line as each graph starts and one with its
+        seconds, so a cold compile of minutes is not silent, then a summary: how many graphs were
+        loaded from the compile cache (a server started after `laplace warmup` must load all of
+        them). Returns seconds per graph; `warmup_report` keeps the counts.
+
+        A graph is loaded (Inductor's FX graph cache hit, no miss), compiled (a miss: the cache
+        did not have it, e.g. it was built under another thread count, which Inductor's cache
+        key includes) or already compiled in this process."""
+        dummy = self.cache.dummy
+        counts = {"loaded_from_cache": 0, "compiled": 0, "already_compiled": 0, "eager": 0}
+        started = time.perf_counter()
+        out: dict[str, dict[int, float]] = {"decode": {}, "prefill": {}}
+        shapes = [("decode", w) for w in (self.widths if widths is None else widths)]
+        shapes += [("prefill", b) for b in (self.buckets if buckets is None else buckets)]
+        for i, (kind, size) in enumerate(shapes, 1):
+            what = f"{kind} {'width' if kind == 'decode' else 'bucket'} {size}"
+            if log:
+                log(f"warmup {i}/{len(shapes)}: {what} ...")
+            before, cache_before = compiled_graph_count(), compile_cache_counts()
+            if kind == "decode":
+                tokens = torch.full((size,), self.pad_id, dtype=torch.long, device=self.device)
+                slots = torch.full((size,), dummy, dtype=torch.long, device=self.device)
+                batch = DecodeBatch.greedy(tokens, slots)
+                seconds = self.timed(lambda b=batch: self.decode_step(b)[1].clone())[1]
+            else:
+                tokens = torch.full((1, size), self.pad_id, dtype=torch.long, device=self.device)
+                slots = torch.tensor([dummy], device=self.device)
+                lengths = torch.tensor([size], device=self.device)
+                seconds = self.timed(lambda t=tokens, s=slots, n=lengths: self.prefill_piece(t, s, n))[1]
+            out[kind][size] = seconds
+            hits, misses = (now - then for now, then in zip(compile_cache_counts(), cache_before))
+            if not self.compiled:
+                how, count = "ran eagerly", "eager"
+            elif compiled_graph_count() == before:
+                how, count = "was already compiled", "already_compiled"
+            elif misses or not hits:  # Neuron has no FX graph cache counters: counted as compiled
+                how, count = "compiled", "compiled"
+            else:
+                how, count = "loaded from the compile cache", "loaded_from_cache"
+            counts[count] += 1
+            if log:
+                log(f"warmup {i}/{len(shapes)}: {what} {how} in {seconds:.2f}s")
+        self.cache.state.zero_()
+        self.warmup_report = {"graphs": len(shapes), **counts, "seconds": time.perf_counter() - started}
+        if log and self.compiled:
+            r = self.warmup_report
+            log(
+                f"warmup: {r['graphs']} graphs in {r['seconds']:.1f}s, loaded from cache "
+                f"{r['loaded_from_cache']}/{r['graphs']}, compiled {r['compiled']}, "
+                f"already compiled {r['already_compiled']}"
+            )
+        return out
