@@ -47,7 +47,8 @@ def bytes_per_sequence(cfg: Config, export_dir: Path, contexts: list[int], devic
     measured, formula = {}, {}
     for context in contexts:
         engine = _engine(export_dir, cfg, context, compiled=False, device=device)
-        measured[str(context)] = engine.cache.bytes_per_slot
+        # every tensor the engine allocated for its slot rows (the dummy pad row included), per row
+        measured[str(context)] = engine.cache.slot_bytes // (engine.cache.max_slots + 1)
         formula[str(context)] = sequence_bytes(engine.model.cfg, context)["total_bytes"]
         del engine
     return {"bytes_per_sequence": measured, "bytes_per_sequence_formula": formula}
