@@ -3,6 +3,7 @@ table's rules, and the engine's bytes and decode time against context for each a
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -88,3 +89,110 @@ def test_the_headline_states_the_share_of_the_gap_closed_and_the_bytes_it_costs(
 def test_binomial_error_has_a_floor_at_zero_and_one():
     assert compare.binomial_se(0.5, 100) == pytest.approx(0.05)
     assert compare.binomial_se(1.0, 100) == pytest.approx(math.sqrt(1 / 100) / 10)
+
+
+# --------------------------------------------------------------------------- end to end through DVC
+
+# two arms of two layers at the tests' tiny width, a few steps each; a third is added later
+ARM_LAYERS = {"model.n_layers": 2}
+E2E_ARMS = {
+    "gla": {"preset": "tiny"},
+    "softmax": {"preset": "tiny", "attn": {"layers": [0, 1], "num_heads": 2}},
+}
+E2E_OVERRIDES = {
+    "train.steps": 4,
+    "train.eval_every": 2,
+    "train.checkpoint_every": 2,
+    "serve_check.workloads": ["poisson"],
+    "serve_check.requests": 6,
+    "probes.mqar_train_layers": 2,
+    "probes.mqar_train_steps": 6,
+    "probes.memory_contexts": [128],
+}
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    from project import TINY_PARAMS, copy_project, run
+
+    repo = copy_project(
+        tmp_path_factory.mktemp("compare"),
+        {
+            **TINY_PARAMS,
+            **ARM_LAYERS,
+            "engine.max_context": 1024,
+            "compare.arms": E2E_ARMS,
+            "compare.overrides": E2E_OVERRIDES,
+            "compare.memory_contexts": [256, 1024],
+            "compare.decode_contexts": [64, 512],
+            "compare.decode_timing_steps": 4,
+            "compare.table_contexts": [64, 512],
+            "compare.lm_eval_tasks": [],
+        },
+    )
+    out = run(["python", "-m", "dvc", "repro", "compare/dvc.yaml"], repo, timeout=1500)
+    return repo, out.stdout + out.stderr
+
+
+def _ran(output: str) -> set[str]:
+    return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")}
+
+
+@pytest.mark.slow
+def test_the_comparison_runs_through_dvc_and_adding_an_arm_reruns_only_that_arm(compared):
+    from project import BIN, commit_all, run, set_params
+
+    repo, output = compared
+    assert _ran(output) >= {"compare/dvc.yaml:arm@gla", "compare/dvc.yaml:arm@softmax", "compare/dvc.yaml:table"}
+    status = run(["python", "-m", "dvc", "status", "compare/dvc.yaml"], repo)
+    assert "up to date" in status.stdout, status.stdout
+    table = json.loads((repo / "metrics" / "compare.json").read_text())
+    assert set(table["arms"]) == {"gla", "softmax"}
+    gla, soft = table["arms"]["gla"], table["arms"]["softmax"]
+    assert (gla["family"], soft["family"]) == ("gla", "softmax")
+    assert gla["val_loss"] > 0 and soft["val_loss"] > 0
+    # every arm served the workload with no compile, measured its bytes as the formula says
+    for row in (gla, soft):
+        assert row["compiles_while_serving"] == 0
+        assert row["bytes_per_sequence"] == row["bytes_per_sequence_formula"]
+    # a GLA's state is the same at every length; a softmax model's K/V grows with it, 4x for 4x
+    assert gla["bytes_per_sequence"]["256"] == gla["bytes_per_sequence"]["1024"]
+    assert soft["bytes_per_sequence"]["1024"] == 4 * soft["bytes_per_sequence"]["256"]
+    # the docs' commands (docs/architectures.md), as printed
+    shown = run([str(BIN / "laplace"), "compare", "--no-track"], repo)
+    assert "pick" in shown.stdout and "gla" in shown.stdout and "softmax" in shown.stdout
+    metrics = run(["python", "-m", "dvc", "metrics", "show"], repo)
+    assert "metrics/compare.json" in metrics.stdout
+    run(["python", "-m", "dvc", "plots", "show"], repo)
+    assert (repo / "dvc_plots" / "index.html").exists()
+
+    commit_all(repo, "the comparison")
+    set_params(
+        repo / "params.yaml", {"compare.arms.hybrid": {"preset": "tiny", "attn": {"layers": [1], "num_heads": 2}}}
+    )
+    again = run(["python", "-m", "dvc", "repro", "compare/dvc.yaml"], repo, timeout=1500).stdout
+    assert _ran(again) == {"compare/dvc.yaml:arm@hybrid", "compare/dvc.yaml:table"}, again
+
+
+@pytest.mark.slow
+def test_mlflow_holds_one_parent_and_a_child_per_arm_with_the_tables_figures(compared):
+    from mlflow import MlflowClient
+
+    repo, _ = compared
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("laplace-compare")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) >= 1
+    parent = parents[-1]  # the first comparison (a later one adds an arm)
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    table = json.loads((repo / "metrics" / "compare.json").read_text())
+    by_arm = {r.data.params["arm"]: r for r in children}
+    assert set(by_arm) <= set(table["arms"]) and len(by_arm) >= 2
+    for arm, child in by_arm.items():
+        assert child.data.metrics["val_loss"] == pytest.approx(table["arms"][arm]["val_loss"])
+        assert parent.data.metrics[f"{arm}.val_loss"] == pytest.approx(table["arms"][arm]["val_loss"])
+    # one registered model per family, each version's reason saying why
+    for family in ("gla", "softmax"):
+        versions = client.search_model_versions(f"name='laplace-compare-{family}'")
+        assert versions, family
