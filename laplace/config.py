@@ -282,6 +282,12 @@ class EngineSection:
     prefix_cache_min_tokens: int = knob(
         16, _positive, "state prefix cache: the shortest shared prefix worth splitting a prefill at and storing"
     )
+    max_context: int = knob(
+        2048,
+        _positive,
+        "models with attention layers: the tokens (prompt + generated) a sequence may reach; each slot's K/V "
+        "cache holds this many (a longer request is refused; a GLA model has no such limit)",
+    )
 
 
 @dataclass(frozen=True)
@@ -698,7 +704,19 @@ def config_from_dict(raw: dict) -> Config:
         )
     check_widths(cfg.engine.widths, cfg.engine.max_slots)
     check_project_paths(cfg)
+    check_attention_windows(cfg.model_config(), cfg.engine.max_context)
     return cfg
+
+
+def check_attention_windows(model: ModelConfig, max_context: int) -> None:
+    """A sliding window wider than the longest context a slot holds never slides: refused by name."""
+    for spec in model.attn_specs:
+        window = spec["window_size"]
+        if window is not None and window > max_context:
+            raise ConfigError(
+                f"model.attn: window_size={window} of layers {spec['layers']} is larger than the context, "
+                f"engine.max_context={max_context}"
+            )
 
 
 def check_widths(widths: list[int], max_slots: int, key: str = "engine.widths") -> None:

@@ -17,8 +17,9 @@ def test_the_byte_budget_is_the_slot_rows_plus_the_prefix_cache_by_the_formula()
     cache = CacheManager(m, max_slots=3, prefix_cache_bytes=3 * per_sequence, prefix_cache_min_tokens=1)
     assert cache.bytes_per_slot == per_sequence
     assert cache.slot_bytes == 4 * per_sequence  # 3 slots and the dummy
-    assert cache.memory() == {"slots": 4 * per_sequence, "prefix_cache": 0, "total": 4 * per_sequence,
-                              "budget": 7 * per_sequence}  # fmt: skip
+    assert cache.memory() == {"slots": 4 * per_sequence, "slots_state": 4 * per_sequence, "slots_kv": 0,
+                              "prefix_cache": 0, "prefix_cache_kv": 0, "total": 4 * per_sequence,
+                              "budget": 7 * per_sequence}  # fmt: skip  (a GLA model: no K/V)
     for n in range(5):  # five one-row entries into a budget of three: two evicted
         cache.prefix_cache.put(np.arange(n + 1), cache.read_slot(0))
     assert cache.memory()["prefix_cache"] == 3 * per_sequence and cache.stats()["evictions"] == 2

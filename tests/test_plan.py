@@ -14,7 +14,13 @@ from laplace.training.plan import GIB, as_text, parse_bytes, plan
 
 
 @pytest.mark.parametrize(
-    "overrides, micro_batch, seq_len", [({}, 2, 128), ({"n_layers": 6, "tie_embeddings": True}, 1, 256)]
+    "overrides, micro_batch, seq_len",
+    [
+        ({}, 2, 128),
+        ({"n_layers": 6, "tie_embeddings": True}, 1, 256),
+        ({"attn": {"layers": [1, 3], "num_heads": 4, "num_kv_heads": 2}}, 2, 128),  # a hybrid
+        ({"attn": {"layers": [0, 1, 2, 3], "num_heads": 4, "window_size": 64}}, 1, 256),  # softmax, windowed
+    ],
 )
 def test_plan_activation_bytes_are_within_15_percent_of_the_peak_measured_during_a_real_backward(
     overrides, micro_batch, seq_len
@@ -99,3 +105,45 @@ def test_checkpointed_blocks_leave_autograd_only_their_inputs():
     for mode in ("full", "selective"):
         assert kept[mode] == pytest.approx(inputs_only, rel=0.01), (mode, kept, inputs_only)
         assert kept[mode] < 0.1 * kept["none"]
+
+
+def test_a_hybrids_plan_counts_its_attention_layers_and_their_growth_with_the_length():
+    gla = preset_model_config("tiny", vocab_size=2048)
+    hybrid = preset_model_config("tiny-hybrid", vocab_size=2048)
+    p_gla, p_hybrid = (plan(c, 2, "fp32", seq_len=128) for c in (gla, hybrid))
+    # parameters: the attention layer's q/k/v/o replace a GLA layer's projections, routed to Muon
+    assert p_hybrid["params"] == meta_params(hybrid) and p_hybrid["params"] != p_gla["params"]
+    growth = p_hybrid["activation_growth"]
+    assert list(growth) == [128, 256, 512]
+    assert (
+        growth[128]["attention_block_saved_bytes"] > 0
+        and p_gla["activation_growth"][128]["attention_block_saved_bytes"] == 0
+    )
+    # at least linear in the length
+    assert growth[512]["activation_bytes"] >= 4 * growth[128]["activation_bytes"] * 0.99
+    assert "activations of one sequence as it grows" in as_text(p_hybrid, "tiny-hybrid")
+
+
+def meta_params(cfg) -> int:
+    with torch.device("meta"):
+        return LaplaceLM(cfg).num_parameters()
+
+
+def test_the_readme_hybrid_plan_command_runs_and_shows_the_attention_layers_growth():
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    (line,) = [
+        x for x in (root / "README.md").read_text().splitlines() if x.startswith("laplace plan --preset tiny-hybrid")
+    ]
+    args = shlex.split(line.split("  #")[0])
+    assert args[:4] == ["laplace", "plan", "--preset", "tiny-hybrid"]
+    out = subprocess.run(
+        [sys.executable, "-m", "laplace.pipeline.cli", *args[1:]], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "activations of one sequence as it grows" in out.stdout
+    assert all(f"{n:>8,} tokens" in out.stdout for n in (1024, 2048, 4096)), out.stdout

@@ -120,6 +120,7 @@ def test_lru_eviction_within_the_byte_budget():
         "hits": 1,
         "misses": 0,
         "bytes": 3 * nbytes,
+        "kv_bytes": 0,  # GLA rows: no attention K/V
         "evictions": 1,
         "entries": 3,
         "hit_tokens": 3,

@@ -62,8 +62,9 @@ def engine(model, *, max_slots=4, buckets=(16, 32), compile_scope=None):
 
 
 def poison_dummy(eng):
-    eng.state.recurrent[:, eng.pool.dummy] = float("nan")
-    eng.state.conv[:, eng.pool.dummy] = float("nan")
+    for tensor in eng.state.tensors().values():  # recurrent, conv and a hybrid's K/V
+        if tensor.is_floating_point():
+            tensor[:, eng.pool.dummy] = float("nan")
 
 
 # --------------------------------------------------------------------------- generator
@@ -147,8 +148,9 @@ def test_an_oracle_scores_100_and_a_random_guesser_scores_chance():
     assert score(preds, targets, mask) == pytest.approx(1 - pairs / queries)
 
 
-def test_serving_path_matches_the_eager_path_with_nan_pad_rows():
-    m = small_model(vocab=16)
+@pytest.mark.parametrize("attn", [None, {"layers": [1], "num_heads": 4}], ids=["gla", "hybrid"])
+def test_serving_path_matches_the_eager_path_with_nan_pad_rows(attn):
+    m = small_model(vocab=16, attn=attn)
     eng = engine(m, max_slots=4, buckets=(16, 32))
     poison_dummy(eng)
     widths, pads = [], []
@@ -166,7 +168,8 @@ def test_serving_path_matches_the_eager_path_with_nan_pad_rows():
     eager = mqar_predictions_eager(m, tokens)
     assert set(widths) <= {1, 2, 4} and sum(pads) > 0  # padded ladder widths, pad rows used
     assert eng.pool.free == 4 and not eng.pool.owners  # every slot released
-    assert torch.isfinite(eng.state.recurrent[:, :4]).all()  # NaN never left the dummy slot
+    for tensor in eng.state.tensors().values():  # NaN never left the dummy slot
+        assert torch.isfinite(tensor[:, :4].float()).all()
     assert argmax_agreement(served, eager) >= 0.99
     assert score(served, targets, mask) == score(eager, targets, mask)
     assert (served[mask] >= 0).all()  # every query was computed

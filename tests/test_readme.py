@@ -40,6 +40,7 @@ RUN_ELSEWHERE = {
     "prefect deployment run 'laplace-pipeline/tiny' -p": ("test_pipeline_prefect.py", ['"overrides"']),
     "make mlflow-ui": ("test_readme.py", ['"ui"', '"--backend-store-uri"']),
     "laplace plan": ("test_distributed.py", ['"plan"', '"--nproc"']),
+    "laplace plan --preset tiny-hybrid": ("test_plan.py", ['"plan", "--preset", "tiny-hybrid"']),
     "laplace serve --model models:/laplace-gla@champion": ("test_mlflow_model.py", ['"serve", "--model", uri']),
     "laplace corpus": ("test_pipeline_dvc.py", ['"repro"']),
     "laplace tokenize": ("test_pipeline_dvc.py", ['"repro"']),  # dvc.yaml's cmds are `laplace <stage>`

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from laplace.model.config import ModelConfig, preset_model_config
-from laplace.model.lm import LaplaceLM, State, analytic_state_bytes, kv_cache_bytes, torch_dtype
+from laplace.model.lm import LaplaceLM, State, analytic_kv_bytes, analytic_state_bytes, kv_cache_bytes, torch_dtype
 from laplace.progress import progress_bar
 from laplace.serving.engine import DecodeEngine
 
@@ -23,7 +23,7 @@ def meta_facts(cfg: ModelConfig) -> dict:
     """Parameters and state bytes from the real modules on the meta device (nothing allocated)."""
     with torch.device("meta"):
         model = LaplaceLM(cfg)
-    state = State.allocate(cfg, batch=1, device="meta", dtype=torch_dtype(cfg.dtype))
+    state = State.allocate(cfg, batch=1, device="meta", dtype=torch_dtype(cfg.dtype), max_context=0)
     return {
         "params": model.num_parameters(),
         "state_bytes": state.bytes_per_sequence,
@@ -75,6 +75,9 @@ def memory_report(
     return {
         "state_bytes_measured": engine.state.bytes_per_sequence,
         "state_bytes_analytic": analytic_state_bytes(cfg, dtype),
+        # a hybrid's slots also hold K/V up to engine.max_context (0 for GLA): measured vs formula
+        "kv_bytes_measured": engine.state.kv_bytes_per_sequence,
+        "kv_bytes_analytic": analytic_kv_bytes(cfg, engine.state.max_context, dtype),
         "kv_bytes": {c: kv_cache_bytes(cfg, c) for c in kv_contexts},
         "kv_bytes_8192": kv_cache_bytes(cfg, 8192),
         "decode_rss_bytes": rss,
@@ -83,7 +86,7 @@ def memory_report(
         "laplace_3b_state_bytes": facts_3b["state_bytes"],
         "laplace_3b_state_bytes_analytic": facts_3b["state_bytes_analytic"],
         "laplace_3b_kv_bytes_8192": kv_3b_8192,
-        "laplace_3b_state_vs_kv_8192": kv_3b_8192 / facts_3b["state_bytes"],
+        "laplace_3b_state_vs_kv_8192": kv_3b_8192 / facts_3b["state_bytes"] if facts_3b["state_bytes"] else None,
         # for the plot: the two configurations the curves are drawn for
         "model_config": cfg.to_dict(),
         "laplace_3b_config": cfg_3b.to_dict(),

@@ -22,6 +22,8 @@ from laplace.evals.passkey import passkey_probe
 from laplace.evals.recall import DIGITS, niah_suite, overall_verdict, verdicts
 from laplace.serving.engine import DecodeEngine
 
+CONTEXT_ROOM = 64  # tokens a probe prompt may add to its context length (BOS, the question, the answer)
+
 
 def _str_keys(obj):
     """JSON-friendly: dict keys as strings, all the way down."""
@@ -82,10 +84,18 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     engine.warmup()
     # Pad rows read and write the dummy slot: NaN there makes any leak into a real row visible.
     dummy = engine.pool.dummy
-    engine.state.recurrent[:, dummy] = float("nan")
-    if engine.state.conv is not None:
-        engine.state.conv[:, dummy] = float("nan")
+    for tensor in engine.state.tensors().values():
+        if tensor.is_floating_point():  # recurrent, conv and a hybrid's K/V (positions are counters)
+            tensor[:, dummy] = float("nan")
     seconds["load_and_warmup"] = time.perf_counter() - start
+    # a model with attention layers is probed at the lengths its slots hold (engine.max_context)
+    skipped: set[int] = set()
+
+    def fits(contexts: list[int]) -> list[int]:
+        limit = engine.max_context
+        kept = [c for c in contexts if limit is None or c + CONTEXT_ROOM <= limit]
+        skipped.update(set(contexts) - set(kept))
+        return kept
 
     # The exported model is probed at the easiest pair count only (it is a text model: if it cannot
     # recall 4 pairs it cannot recall 16); decoding every context token one step at a time is the
@@ -93,7 +103,7 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     t = time.perf_counter()
     exported_pairs = [min(p.mqar_pairs)]
     with torch.compiler.set_stance("fail_on_recompile"):  # serving runs the warmed-up graphs only
-        mqar = mqar_both_paths(model, engine, p.mqar_contexts, exported_pairs, p.mqar_samples, p.seed, progress)
+        mqar = mqar_both_paths(model, engine, fits(p.mqar_contexts), exported_pairs, p.mqar_samples, p.seed, progress)
     seconds["mqar_exported"] = time.perf_counter() - t
     served_cells = [(c, q) for c in mqar["serving"] for q in mqar["serving"][c]]
     max_gap = max((abs(mqar["serving"][c][q] - mqar["eager"][c][q]) for c, q in served_cells), default=0.0)
@@ -106,7 +116,7 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
             engine,
             tokenizer,
             haystack,
-            p.passkey_contexts,
+            fits(p.passkey_contexts),
             p.passkey_depths,
             p.passkey_samples,
             p.seed,
@@ -117,7 +127,7 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
 
     t = time.perf_counter()
     with torch.compiler.set_stance("fail_on_recompile"):
-        niah = niah_suite(engine, tokenizer, haystack, recall_lengths(cfg), p.recall_samples, p.seed, bos_id)
+        niah = niah_suite(engine, tokenizer, haystack, fits(recall_lengths(cfg)), p.recall_samples, p.seed, bos_id)
     seconds["niah"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -125,7 +135,7 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
         memory = memory_report(
             model,
             engine,
-            p.memory_contexts,
+            fits(p.memory_contexts),
             p.kv_contexts,
             text=haystack[: max(p.memory_contexts, default=0)],
             progress=progress,
@@ -149,8 +159,15 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
         "passkey_accuracy_overall": passkey["accuracy_overall"],
         **{k: v for k, v in memory.items() if not k.endswith("config")},
         "state_bytes_match": memory["state_bytes_measured"] == memory["state_bytes_analytic"],
+        "kv_bytes_match": memory["kv_bytes_measured"] == memory["kv_bytes_analytic"],
         "notes": list(mqar["notes"]),
     }
+    if skipped:
+        metrics["contexts_over_max_context"] = sorted(skipped)
+        metrics["notes"].append(
+            f"lengths {sorted(skipped)} not probed: longer than engine.max_context={engine.max_context} "
+            "(the attention layers' K/V cache)"
+        )
 
     if p.train_mqar:
         t = time.perf_counter()

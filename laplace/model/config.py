@@ -13,6 +13,9 @@ from typing import Any
 
 from laplace.errors import ConfigError
 
+# fla 0.6's AttentionSpec defaults (fla/models/configuration_utils.py, parse_attention_config)
+ATTN_DEFAULTS = {"qkv_bias": False, "window_size": None, "rope_theta": 10000.0}
+
 
 def _doc(default=dataclasses.MISSING, doc: str = ""):
     """A field with its one-line doc: laplace.config makes every field a `model:` knob documented by it."""
@@ -21,12 +24,12 @@ def _doc(default=dataclasses.MISSING, doc: str = ""):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a GLA language model (fla conventions)."""
+    """Architecture of a GLA language model, or a hybrid / softmax one (fla conventions)."""
 
     vocab_size: int = _doc(doc="empty: the preset's, else the tokenizer's")
     d_model: int = _doc(doc="hidden size")
-    n_layers: int = _doc(doc="GLA blocks")
-    n_heads: int = _doc(doc="attention heads; d_model * expand_k and d_model * expand_v divide by it")
+    n_layers: int = _doc(doc="blocks: GLA, or softmax attention where `attn` names them")
+    n_heads: int = _doc(doc="GLA heads; d_model * expand_k and d_model * expand_v divide by it")
     expand_k: float = _doc(0.5, "key dimension = d_model * expand_k")
     expand_v: float = _doc(1.0, "value dimension = d_model * expand_v")
     mlp_hidden: int = _doc(0, "0: fla's rule, 4 * d_model * 2/3 rounded up to a multiple of 256")
@@ -47,6 +50,11 @@ class ModelConfig:
     tie_embeddings: bool = _doc(False, "the output head shares the embedding matrix")
     init_std: float = _doc(0.02, "standard deviation of the initial weights")
     dtype: str = _doc("float32", "float32 | bfloat16 | float16 | float64: parameters, activations, conv cache")
+    attn: Any = _doc(
+        None,
+        "softmax attention layers, fla's AttentionSpec: {layers: [i, ...], num_heads: H, num_kv_heads: H, "
+        "qkv_bias: false, window_size: null, rope_theta: 10000.0} or a list of them; null: every layer GLA",
+    )
     # How the GLA core runs, not what the model is (laplace.model.kernels). Left out of exports
     # and of the training run's fingerprint.
     kernel: str = _doc(
@@ -78,6 +86,25 @@ class ModelConfig:
         raw = int(self.d_model * 4 * 2 / 3)
         return 256 * math.ceil(raw / 256)
 
+    @property
+    def attn_specs(self) -> list[dict]:
+        """The attention specs, normalised as fla's parse_attention_config leaves them (a list)."""
+        parsed = parse_attention_config(self.attn, self.n_layers)
+        return [] if parsed is None else [parsed] if isinstance(parsed, dict) else parsed
+
+    def attention_spec(self, layer: int) -> dict | None:
+        """The spec of layer `layer` if it is a softmax attention layer, else None (a GLA layer)."""
+        return next((s for s in self.attn_specs if layer in s["layers"]), None)
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(i for s in self.attn_specs for i in s["layers"]))
+
+    @property
+    def gla_layers(self) -> tuple[int, ...]:
+        attn = set(self.attn_layers)
+        return tuple(i for i in range(self.n_layers) if i not in attn)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -86,18 +113,138 @@ class ModelConfig:
         return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
 
 
+def attn_every(n_layers: int, every: int, num_heads: int, **spec) -> dict:
+    """An AttentionSpec putting softmax attention in the last layer of every `every` (1: all layers):
+    the m-a-p hybrids' N:1 pattern (arXiv 2507.06457) has one attention layer per N-1 GLA layers."""
+    return {"layers": list(range(every - 1, n_layers, every)), "num_heads": num_heads, **spec}
+
+
+_TINY = dict(vocab_size=0, d_model=256, n_layers=4, n_heads=4, chunk_size=64)
+_SMALL = dict(vocab_size=0, d_model=768, n_layers=12, n_heads=6, chunk_size=64)
+_3B = dict(vocab_size=50304, d_model=3072, n_layers=24, n_heads=16, chunk_size=128, dtype="bfloat16")
+
 PRESETS: dict[str, dict[str, Any]] = {
     # ~5.5M parameters with a 4k vocabulary: trains in minutes on 2 CPU cores.
-    "tiny": dict(vocab_size=0, d_model=256, n_layers=4, n_heads=4, chunk_size=64),
+    "tiny": _TINY,
     # ~110M parameters with a 16k vocabulary (GPT-2 small shape): benchmarks.
-    "small": dict(vocab_size=0, d_model=768, n_layers=12, n_heads=6, chunk_size=64),
+    "small": _SMALL,
     # Laplace 3B: 24 layers, hidden 3072; see README "Reproducing the 3B figures".
-    "laplace-3b": dict(vocab_size=50304, d_model=3072, n_layers=24, n_heads=16, chunk_size=128, dtype="bfloat16"),
+    "laplace-3b": _3B,
+    # Softmax baselines (every layer attention) and hybrids (one attention layer in N) of the same
+    # shapes: issue 32's side-by-side comparison takes them as they are.
+    "tiny-attn": {**_TINY, "attn": attn_every(4, 1, num_heads=4)},
+    "tiny-hybrid": {**_TINY, "attn": attn_every(4, 4, num_heads=4)},  # layer 3 of 0..3: 3 GLA, 1 attention
+    "small-attn": {**_SMALL, "attn": attn_every(12, 1, num_heads=12)},
+    "small-hybrid": {**_SMALL, "attn": attn_every(12, 4, num_heads=12)},  # 3:1
+    "laplace-3b-attn": {**_3B, "attn": attn_every(24, 1, num_heads=24, num_kv_heads=8)},
+    "laplace-3b-hybrid-3to1": {**_3B, "attn": attn_every(24, 4, num_heads=24, num_kv_heads=8)},
+    "laplace-3b-hybrid-7to1": {**_3B, "attn": attn_every(24, 8, num_heads=24, num_kv_heads=8)},
+    # one attention layer (the last) beside 23 GLA layers: the m-a-p 24:1 ratio in 24 layers
+    "laplace-3b-hybrid-24to1": {**_3B, "attn": attn_every(24, 24, num_heads=24, num_kv_heads=8)},
 }
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
 KERNELS = ("auto", "torch", "fla")  # laplace.model.kernels
 RUNTIME_FIELDS = ("kernel",)
+
+
+class AttentionSpecError(ConfigError):
+    """An `attn` spec fla 0.6 would refuse (its message, word for word), or Laplace cannot build."""
+
+
+def parse_attention_config(attn: Any, num_hidden_layers: int) -> dict | list[dict] | None:
+    """fla 0.6's parse_attention_config (fla/models/configuration_utils.py), transcribed so the knob
+    is checked where fla is not installed: the same defaults, the same refusals in the same words,
+    dict or list form kept, unknown keys kept, the input not modified."""
+    if attn is None:
+        return None
+    if isinstance(num_hidden_layers, bool) or not isinstance(num_hidden_layers, int) or num_hidden_layers < 0:
+        raise AttentionSpecError(f"field 'num_hidden_layers' must be a non-negative integer; got {num_hidden_layers!r}")
+    if not isinstance(attn, (dict, list, tuple)):
+        raise AttentionSpecError(f"attn must be None, a dictionary, or a list of dictionaries; got {attn!r}")
+    configs, assigned = [], {}
+    for i, config in enumerate([attn] if isinstance(attn, dict) else attn):
+        context = "attn specification" if isinstance(attn, dict) else f"attn specification at index {i}"
+        if not isinstance(config, dict):
+            raise AttentionSpecError(f"{context} must be a dictionary; got {config!r}")
+        config = dict(config)
+        for name in ("layers", "num_heads"):
+            if name not in config:
+                raise AttentionSpecError(f"{context} field {name!r} is required; got <missing>")
+        layers = config["layers"]
+        if not isinstance(layers, (list, tuple)):
+            raise AttentionSpecError(
+                f"{context} field 'layers' must be a list or tuple of integer layer indices; got {layers!r}"
+            )
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise AttentionSpecError(
+                    f"{context} field 'layers' must contain only integer layer indices; got {layer!r}"
+                )
+            if layer < 0 or layer >= num_hidden_layers:
+                raise AttentionSpecError(
+                    f"{context} field 'layers' contains out-of-range layer {layer!r}; "
+                    f"expected a value in [0, {num_hidden_layers})"
+                )
+            if layer in assigned:
+                if assigned[layer] == i:
+                    raise AttentionSpecError(
+                        f"{context} field 'layers' contains duplicate layer {layer!r}; got {layers!r}"
+                    )
+                raise AttentionSpecError(
+                    f"{context} assigns conflicting layer {layer!r}, "
+                    f"which is already assigned by attn specification at index {assigned[layer]}"
+                )
+            assigned[layer] = i
+        config["layers"] = list(layers)
+        if config.get("num_kv_heads") is None:
+            config["num_kv_heads"] = config["num_heads"]
+        for name in ("num_heads", "num_kv_heads"):
+            value = config[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise AttentionSpecError(f"{context} field {name!r} must be a positive integer; got {value!r}")
+        qkv_bias = config.setdefault("qkv_bias", ATTN_DEFAULTS["qkv_bias"])
+        if not isinstance(qkv_bias, bool):
+            raise AttentionSpecError(f"{context} field 'qkv_bias' must be a Boolean; got {qkv_bias!r}")
+        window = config.setdefault("window_size", ATTN_DEFAULTS["window_size"])
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise AttentionSpecError(f"{context} field 'window_size' must be a positive integer; got {window!r}")
+        theta = config.setdefault("rope_theta", ATTN_DEFAULTS["rope_theta"])
+        try:
+            valid = (
+                not isinstance(theta, bool) and isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0
+            )
+        except OverflowError:
+            valid = False
+        if not valid:
+            raise AttentionSpecError(f"{context} field 'rope_theta' must be positive and finite; got {theta!r}")
+        configs.append(config)
+    return configs[0] if isinstance(attn, dict) else configs
+
+
+def _check_attention(m: ModelConfig, prefix: str) -> None:
+    """fla's refusals (parse_attention_config), then what its Attention asserts or silently floors:
+    heads that divide the hidden size and kv heads that divide the heads, an even head dim (RoPE),
+    and no key Laplace would ignore."""
+    try:
+        specs = m.attn_specs
+    except AttentionSpecError as exc:
+        raise AttentionSpecError(f"{prefix}.attn: {exc}") from None
+    known = {"layers", "num_heads", "num_kv_heads", *ATTN_DEFAULTS}
+    for i, spec in enumerate(specs):
+        where = f"{prefix}.attn" if isinstance(m.attn, dict) else f"{prefix}.attn[{i}]"
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise AttentionSpecError(f"{where}.{unknown[0]}: not an AttentionSpec field Laplace implements")
+        h, kv = spec["num_heads"], spec["num_kv_heads"]
+        if m.d_model % h:
+            raise AttentionSpecError(f"{where}.num_heads: {h} does not divide d_model={m.d_model}")
+        if h % kv:
+            raise AttentionSpecError(f"{where}.num_kv_heads: {kv} does not divide num_heads={h}")
+        if (m.d_model // h) % 2:
+            raise AttentionSpecError(
+                f"{where}.num_heads: head dim d_model/num_heads={m.d_model // h} must be even (RoPE)"
+            )
 
 
 def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
@@ -142,6 +289,9 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
         bad("kernel", f"must be one of {', '.join(KERNELS)}, got {m.kernel!r}")
     if m.dtype not in MODEL_DTYPES:
         bad("dtype", f"must be one of {', '.join(MODEL_DTYPES)}, got {m.dtype!r}")
+    _check_attention(m, prefix)
+    if m.attn is not None:  # fla's normal form (defaults filled, lists): exports and fingerprints agree
+        m = dataclasses.replace(m, attn=parse_attention_config(m.attn, m.n_layers))
     return m
 
 

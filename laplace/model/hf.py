@@ -11,14 +11,16 @@ Every checkpoint of the field enters and leaves through here:
 Laplace's GLA language model and fla 0.6's GLAForCausalLM compute the same function, and the
 weights map one to one by renaming (`NAME_MAP`), so both directions move tensors bit for bit
 (no dtype change). config.json is mapped field by field (`config_from_hf`): a field Laplace does
-not implement (a feature map, no output gate, hybrid attention layers, grouped key heads ...)
-is refused by name and value, never ignored. An HF export carries the Laplace export's own
-config under the `laplace` key, so a Laplace export that goes out and comes back in is
-byte-identical.
+not implement (a feature map, no output gate, grouped key heads of the GLA layers ...)
+is refused by name and value, never ignored. A hybrid's `attn` (fla's AttentionSpec: softmax
+attention layers, weights model.layers.{i}.attn.{q,k,v,o}_proj) maps onto model.attn. An HF
+export carries the Laplace export's own config under the `laplace` key, so a Laplace export that
+goes out and comes back in is byte-identical.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -32,7 +34,7 @@ from safetensors.torch import save_file
 from laplace.data.tokenizer import load_tokenizer, tokenizer_sha256
 from laplace.errors import InputError, one_line
 from laplace.fileio import atomic_write_json, replace_dir, staging_dir
-from laplace.model.config import ModelConfig, validate_model_config
+from laplace.model.config import AttentionSpecError, ModelConfig, parse_attention_config, validate_model_config
 from laplace.model.export import FORMAT, load_export_tensors, write_export
 from laplace.model.lm import LaplaceLM
 
@@ -170,6 +172,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, i
     def bad(field: str, why: str):
         raise HFFormatError(f"{where}: {field}={json.dumps(hf.get(field))} {why}")
 
+    hf, attn = _split_attention(hf, where)
     if hf.get("model_type") != "gla":
         bad("model_type", "is not a GLA checkpoint (expected model_type: gla)")
     for field, allowed in REQUIRED_VALUES.items():
@@ -238,7 +241,35 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, i
         raise
     except (TypeError, ValueError) as exc:
         raise HFFormatError(f"{where}: {one_line(exc)}") from exc
+    cfg = _with_attention(cfg, attn, where)
     return cfg, _token_id(hf, "bos_token_id", where), _token_id(hf, "eos_token_id", where)
+
+
+# --------------------------------------------------------------------------- hybrid attention layers
+
+
+def _split_attention(hf: dict, where: str) -> tuple[dict, dict | list | None]:
+    """(config.json without `attn`, its AttentionSpec(s) parsed as fla's GLAConfig parses them):
+    a hybrid's softmax attention layers (fla.layers.attn.Attention) become Laplace's own."""
+    if hf.get("attn") is None:
+        return hf, None
+    n_layers = hf.get("num_hidden_layers")
+    try:
+        attn = parse_attention_config(hf["attn"], n_layers if isinstance(n_layers, int) else -1)
+    except AttentionSpecError as exc:
+        raise HFFormatError(f"{where}: attn: {exc}") from None
+    return {k: v for k, v in hf.items() if k != "attn"}, attn
+
+
+def _with_attention(cfg: ModelConfig, attn: dict | list | None, where: str) -> ModelConfig:
+    if attn is None:
+        return cfg
+    return validate_model_config(dataclasses.replace(cfg, attn=attn), prefix=where)
+
+
+def _attention_to_hf(cfg: ModelConfig) -> dict:
+    """GLAConfig's `attn` for a Laplace architecture: the spec as Laplace keeps it (fla's normal form)."""
+    return {"attn": cfg.attn}
 
 
 def _token_id(hf: dict, field: str, where: str) -> int | None:
@@ -480,7 +511,7 @@ def export_hf(export_dir: Path, out_dir: Path) -> dict:
     cfg = validate_model_config(ModelConfig(**config["model"]))
     tokenizer = load_tokenizer(export_dir / TOKENIZER)
     bos_id, eos_id = config.get("bos_id"), config.get("eos_id")
-    hf = {**config_to_hf(cfg, bos_id, eos_id), "laplace": config}
+    hf = {**config_to_hf(cfg, bos_id, eos_id), **_attention_to_hf(cfg), "laplace": config}
     fla = {to_fla_name(k): v.contiguous() for k, v in sorted(tensors.items())}
     tmp = staging_dir(out_dir)
     try:

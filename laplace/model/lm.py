@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from laplace.model import kernels
+from laplace.model.attention import SoftmaxAttention
 from laplace.model.config import ModelConfig
 from laplace.model.gla import accum_dtype
 
@@ -36,15 +37,25 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class State:
-    """Fixed-size decode state of a batch of sequences, all layers.
+    """Fixed-size decode state of a batch of sequences, all layers. Every field is a tensor with
+    the sequence (the row, a serving slot) at dimension 1, or None: rows are picked, copied and
+    zeroed the same way for all of them.
 
-    recurrent: [L, B, H, K/H, V/H] the GLA matrix state, always fp32 (fp64 for references).
-    conv:      [L, B, conv_size-1, 2K+V] the last inputs of the short convolutions, in the
+    recurrent: [L_gla, B, H, K/H, V/H] the GLA layers' matrix state, always fp32 (fp64 for references).
+    conv:      [L_gla, B, conv_size-1, 2K+V] the last inputs of the short convolutions, in the
                activation dtype (None without short convolutions).
+    keys, values: [L_attn, B, max_context, W] the softmax attention layers' K (after RoPE) and V,
+               in the activation dtype, a static-shape cache; layer a uses the first H_kv * head dim
+               of W (W is the widest layer's; every layer's when they share a spec). None for GLA.
+    positions: [1, B] int64 tokens each sequence has consumed (None for a GLA model, whose state
+               does not depend on where it is).
     """
 
     recurrent: Tensor
     conv: Tensor | None
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    positions: Tensor | None = None
 
     @classmethod
     def allocate(
@@ -54,63 +65,127 @@ class State:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         state_dtype: torch.dtype | None = None,
+        max_context: int | None = None,
     ) -> State:
+        """max_context: the tokens each attention layer's K/V cache holds per sequence (required
+        when the model has attention layers; 0 allocates an empty cache, for counting)."""
         dtype = dtype or torch_dtype(cfg.dtype)
         state_dtype = state_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)
-        rec = torch.zeros(
-            cfg.n_layers, batch, cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim, device=device, dtype=state_dtype
-        )
-        conv = None
+        n_gla = len(cfg.gla_layers)
+        rec = torch.zeros(n_gla, batch, cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim, device=device, dtype=state_dtype)
+        conv = keys = values = positions = None
         if cfg.use_short_conv:
             width = 2 * cfg.key_dim + cfg.value_dim
-            conv = torch.zeros(cfg.n_layers, batch, cfg.conv_size - 1, width, device=device, dtype=dtype)
-        return cls(rec, conv)
+            conv = torch.zeros(n_gla, batch, cfg.conv_size - 1, width, device=device, dtype=dtype)
+        if cfg.attn_layers:
+            if max_context is None:
+                raise ValueError("a model with attention layers needs max_context for its K/V cache")
+            shape = (len(cfg.attn_layers), batch, max_context, kv_width(cfg))
+            keys = torch.zeros(shape, device=device, dtype=dtype)
+            values = torch.zeros(shape, device=device, dtype=dtype)
+            positions = torch.zeros(1, batch, device=device, dtype=torch.long)
+        return cls(rec, conv, keys, values, positions)
 
     @property
     def batch_size(self) -> int:
         return self.recurrent.shape[1]
 
     @property
+    def max_context(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held by the live state tensors."""
-        total = self.recurrent.numel() * self.recurrent.element_size()
-        if self.conv is not None:
-            total += self.conv.numel() * self.conv.element_size()
-        return total
+        """Bytes held by the fixed-size state tensors (recurrent and conv; the K/V cache apart)."""
+        return sum(_bytes(t) for t in (self.recurrent, self.conv))
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes held by the attention layers' K/V cache (the 8-byte position counters apart)."""
+        return sum(_bytes(t) for t in (self.keys, self.values))
 
     @property
     def bytes_per_sequence(self) -> int:
         return self.nbytes // self.batch_size
 
+    @property
+    def kv_bytes_per_sequence(self) -> int:
+        return self.kv_nbytes // self.batch_size
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The fields that hold a tensor, by name (row at dimension 1)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
     def zero_(self, rows: Tensor | None = None) -> State:
-        for t in self._tensors():
+        for t in self.tensors().values():
             if rows is None:
                 t.zero_()
             else:
                 t.index_fill_(1, rows, 0)
         return self
 
-    def select(self, rows: Tensor) -> State:
-        """A copy of the given rows (a batch of sequences)."""
-        conv = None if self.conv is None else self.conv.index_select(1, rows)
-        return State(self.recurrent.index_select(1, rows), conv)
+    def select(self, rows: Tensor, kv_tokens: int | None = None) -> State:
+        """A copy of the given rows (a batch of sequences); with `kv_tokens`, only the first that
+        many positions of the K/V cache (all a sequence of that many tokens has written)."""
+        out = {k: t.index_select(1, rows) for k, t in self.tensors().items()}
+        for k in ("keys", "values"):
+            if k in out and kv_tokens is not None:
+                out[k] = out[k][:, :, :kv_tokens].clone()
+        return State(**{f.name: out.get(f.name) for f in fields(self)})
+
+    def restore(self, rows: Tensor, saved: State) -> None:
+        """Write a `select`ed copy back into rows `rows` (its K/V into the first positions of the
+        cache; the positions after them stay as they are: masked until the sequence writes them)."""
+        theirs = saved.tensors()
+        for k, mine in self.tensors().items():
+            if k in ("keys", "values"):
+                mine = mine[:, :, : theirs[k].shape[2]]
+            mine.index_copy_(1, rows, theirs[k])
 
     def clone(self) -> State:
-        return State(self.recurrent.clone(), None if self.conv is None else self.conv.clone())
+        return State(
+            **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).clone() for f in fields(self)}
+        )
 
-    def _tensors(self):
-        return [self.recurrent] + ([self.conv] if self.conv is not None else [])
+
+def _bytes(t: Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def kv_width(cfg: ModelConfig) -> int:
+    """Values per token per layer of each of K and V in the cache: the widest attention layer's
+    H_kv * head dim (layers of one spec, the usual case, all have it)."""
+    return max(s["num_kv_heads"] * (cfg.d_model // s["num_heads"]) for s in cfg.attn_specs)
 
 
 def analytic_state_bytes(cfg: ModelConfig, dtype: torch.dtype | None = None) -> int:
-    """The formula behind State.allocate, per sequence: L*H*(K/H)*(V/H)*4 + L*(conv-1)*(2K+V)*itemsize."""
+    """The formula behind State.allocate's fixed-size part, per sequence, over the GLA layers:
+    L_gla*H*(K/H)*(V/H)*4 + L_gla*(conv-1)*(2K+V)*itemsize."""
     dtype = dtype or torch_dtype(cfg.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     rec_itemsize = 8 if dtype == torch.float64 else 4
-    total = cfg.n_layers * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim * rec_itemsize
+    n_gla = len(cfg.gla_layers)
+    total = n_gla * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim * rec_itemsize
     if cfg.use_short_conv:
-        total += cfg.n_layers * (cfg.conv_size - 1) * (2 * cfg.key_dim + cfg.value_dim) * itemsize
+        total += n_gla * (cfg.conv_size - 1) * (2 * cfg.key_dim + cfg.value_dim) * itemsize
     return total
+
+
+def analytic_kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype | None = None) -> int:
+    """The formula behind State.allocate's K/V cache, per sequence holding `tokens` positions:
+    2 (K and V) * L_attn * tokens * W * itemsize, W = H_kv * head_dim (the widest layer's when specs
+    differ). A windowed layer keeps every position too: Laplace's cache is not a ring buffer. 0 for GLA."""
+    if not cfg.attn_layers:
+        return 0
+    itemsize = torch.empty((), dtype=dtype or torch_dtype(cfg.dtype)).element_size()
+    return 2 * len(cfg.attn_layers) * tokens * kv_width(cfg) * itemsize
+
+
+def sequence_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype | None = None) -> dict[str, int]:
+    """What one sequence of `tokens` tokens holds while decoding, for any architecture:
+    {"state_bytes": fixed-size GLA state, "kv_bytes": attention K/V, "total_bytes": their sum}."""
+    state, kv = analytic_state_bytes(cfg, dtype), analytic_kv_bytes(cfg, tokens, dtype)
+    return {"state_bytes": state, "kv_bytes": kv, "total_bytes": state + kv}
 
 
 def kv_cache_bytes(cfg: ModelConfig, tokens: int, bytes_per_value: int = 2) -> int:
@@ -315,16 +390,32 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm block: a token mixer (GLA, or softmax attention where `attn` names the layer:
+    fla's GLABlock with get_attention) and a SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        spec = cfg.attention_spec(layer)
+        self.is_attention = spec is not None
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = GatedLinearAttention(cfg)
+        self.attn = SoftmaxAttention(cfg, spec) if spec is not None else GatedLinearAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
-    def forward(self, x, recurrent=None, conv=None, lengths=None, step: bool = False):
+    def forward(self, x, recurrent=None, conv=None, lengths=None, step: bool = False, kv=None):
+        """GLA: (x, recurrent, conv) in, (x, new recurrent, new conv) out. Attention: `kv` =
+        (keys, values, rows, positions) of the cache (None: the full forward from position 0),
+        updated in place; returns (x, None, None)."""
         h = self.attn_norm(x)
-        if step:
+        S = c = None
+        if self.is_attention:
+            if kv is None:
+                a = self.attn(h)
+            elif step:
+                a = self.attn.step(h, *kv)
+            else:
+                a = self.attn.prefill(h, *kv, lengths)
+        elif step:
             a, S, c = self.attn.step(h, recurrent, conv)
         else:
             a, S, c = self.attn(h, recurrent, conv, lengths)
@@ -345,7 +436,7 @@ class LaplaceLM(nn.Module):
         # same weights from reset_parameters.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -404,12 +495,20 @@ class LaplaceLM(nn.Module):
         Returns the logits at each row's last real token [B, vocab] (or all [B, T, vocab])."""
         x = self.embed(tokens)
         rec, conv = self._read(state, slots)
+        rows, start = self._rows(state, slots, tokens)
         new_rec, new_conv = [], []
-        for i, block in enumerate(self.blocks):
-            x, S, c = block(x, rec[i], None if conv is None else conv[i], lengths)
+        for block, kv in self._layers(state, rows, start):
+            if block.is_attention:
+                x, _, _ = block(x, lengths=lengths, kv=kv)
+                continue
+            g = len(new_rec)
+            x, S, c = block(x, rec[g], None if conv is None else conv[g], lengths)
             new_rec.append(S)
             new_conv.append(c)
         self._write(state, slots, new_rec, new_conv)
+        if state.positions is not None:
+            consumed = torch.full_like(start, tokens.shape[1]) if lengths is None else lengths
+            state.positions.index_copy_(1, rows, (start + consumed).view(1, -1))
         if all_logits:
             return self._logits(x)
         if lengths is None:
@@ -422,13 +521,38 @@ class LaplaceLM(nn.Module):
         """One token per row: tokens [B] -> logits [B, vocab]; reads and writes state rows `slots`."""
         x = self.embed(tokens).unsqueeze(1)
         rec, conv = self._read(state, slots)
+        rows, start = self._rows(state, slots, tokens)
         new_rec, new_conv = [], []
-        for i, block in enumerate(self.blocks):
-            x, S, c = block(x, rec[i], None if conv is None else conv[i], step=True)
+        for block, kv in self._layers(state, rows, start):
+            if block.is_attention:
+                x, _, _ = block(x, step=True, kv=kv)
+                continue
+            g = len(new_rec)
+            x, S, c = block(x, rec[g], None if conv is None else conv[g], step=True)
             new_rec.append(S)
             new_conv.append(c)
         self._write(state, slots, new_rec, new_conv)
+        if state.positions is not None:
+            state.positions.index_copy_(1, rows, (start + 1).view(1, -1))
         return self._logits(x[:, 0])
+
+    @staticmethod
+    def _rows(state: State, slots: Tensor | None, tokens: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """(the state rows a call works on, their positions so far): only attention layers need them."""
+        if state.positions is None:
+            return slots, None
+        rows = torch.arange(tokens.shape[0], device=tokens.device) if slots is None else slots
+        return rows, state.positions.index_select(1, rows)[0]
+
+    def _layers(self, state: State, rows: Tensor | None, start: Tensor | None):
+        """(block, its K/V cache arguments or None) in order; the i-th attention layer owns keys[i]."""
+        a = 0
+        for block in self.blocks:
+            if block.is_attention:
+                yield block, (block.attn.cache_view(state.keys[a]), block.attn.cache_view(state.values[a]), rows, start)
+                a += 1
+            else:
+                yield block, None
 
     @staticmethod
     def _read(state: State, slots: Tensor | None):
@@ -439,6 +563,8 @@ class LaplaceLM(nn.Module):
 
     @staticmethod
     def _write(state: State, slots: Tensor | None, rec: list[Tensor], conv: list[Tensor | None]) -> None:
+        if not rec:  # a softmax model: no GLA layer, no recurrent state
+            return
         rec_t = torch.stack(rec).to(state.recurrent.dtype)
         if slots is None:
             state.recurrent.copy_(rec_t)
@@ -451,6 +577,11 @@ class LaplaceLM(nn.Module):
             else:
                 state.conv.index_copy_(1, slots, conv_t)
 
-    def allocate_state(self, batch: int, device=None, dtype: torch.dtype | None = None) -> State:
+    def allocate_state(
+        self, batch: int, device=None, dtype: torch.dtype | None = None, max_context: int | None = None
+    ) -> State:
+        """max_context: positions of each attention layer's K/V cache (required with attention layers)."""
         p = next(self.parameters())
-        return State.allocate(self.cfg, batch, device=device or p.device, dtype=dtype or p.dtype)
+        return State.allocate(
+            self.cfg, batch, device=device or p.device, dtype=dtype or p.dtype, max_context=max_context
+        )

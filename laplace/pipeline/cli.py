@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from laplace.errors import INPUT_ERROR_EXIT, Failure, InputError
-from laplace.model.config import preset_model_config
+from laplace.model.config import PRESETS, preset_model_config
 from laplace.pipeline import serve, stages, summary
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.logs import setup_logging
@@ -20,7 +20,8 @@ from laplace.pipeline.params import add_config_arguments, load_config
 def _model_config(preset: str | None, cfg):
     """A preset (the tokenizer's vocab size where the preset has none), or params.yaml's model."""
     if preset:
-        return preset_model_config(preset, vocab_size=None if preset == "laplace-3b" else cfg.tokenizer.vocab_size)
+        has_vocab = bool(PRESETS.get(preset, {}).get("vocab_size"))
+        return preset_model_config(preset, vocab_size=None if has_vocab else cfg.tokenizer.vocab_size)
     return cfg.model_config()
 
 
@@ -222,7 +223,16 @@ def _print_info(facts: dict, as_json: bool) -> None:
         f"  KV cache at 8,192 (bf16) {facts['kv_cache_bytes_8192']:,} bytes "
         f"({facts['kv_cache_bytes_8192'] / 1e9:.2f} GB)"
     )
-    print(f"  KV / state              {facts['state_vs_kv_8192']:.1f}x")
+    if facts["state_vs_kv_8192"] is not None:
+        print(f"  KV / state              {facts['state_vs_kv_8192']:.1f}x")
+    attn = facts["attn_layers"]
+    print(f"  layers                  {len(facts['gla_layers'])} GLA, {len(attn)} softmax attention {attn or ''}")
+    print("  per sequence            state bytes + KV bytes = total")
+    for n, b in facts["per_sequence"].items():
+        print(
+            f"    at {n:>6,} tokens      {b['state_bytes']:,} + {b['kv_bytes']:,} = {b['total_bytes']:,} "
+            f"({b['total_bytes'] / 1e6:.2f} MB)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

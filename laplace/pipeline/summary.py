@@ -128,6 +128,11 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
                 for c, v in sorted(pr["recall_verdict"].items(), key=lambda kv: int(kv[0]))
             )
             lines.append(f"{pr['recall_summary']} ({per_length})")
+        if pr.get("kv_bytes_measured"):  # a hybrid or softmax model: its slots' K/V beside the state
+            lines.append(
+                f"held per sequence: state {pr['state_bytes_measured']:,} B + attention K/V "
+                f"{pr['kv_bytes_measured']:,} B (up to engine.max_context)"
+            )
         lines.append(
             f"state {pr['state_bytes_measured']:,} B/sequence vs KV@8192 {pr['kv_bytes_8192']:,} B; "
             f"3B: {pr['laplace_3b_state_bytes'] / 1e6:.1f} MB vs {pr['laplace_3b_kv_bytes_8192'] / 1e9:.2f} GB "

@@ -20,6 +20,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from laplace.errors import InputError
 from laplace.model.lm import LaplaceLM, State
 from laplace.serving.prefix_cache import PrefixCache
 
@@ -72,9 +73,20 @@ class SlotPool:
 class CacheManager:
     """The slot pool, the state rows behind it and the prefix cache of prompt states."""
 
-    def __init__(self, model: LaplaceLM, max_slots: int, prefix_cache_bytes: int = 0, prefix_cache_min_tokens: int = 1):
+    def __init__(
+        self,
+        model: LaplaceLM,
+        max_slots: int,
+        prefix_cache_bytes: int = 0,
+        prefix_cache_min_tokens: int = 1,
+        max_context: int | None = None,
+    ):
+        """max_context: positions of each slot's attention K/V cache (engine.max_context; a model
+        with attention layers only: a GLA model's state does not grow, so it has no such limit)."""
         self.max_slots = max_slots
-        self.state: State = model.allocate_state(max_slots + 1)  # the model runner's buffers: the same memory
+        self.max_context = max_context if model.cfg.attn_layers else None
+        # the model runner's buffers: the same memory
+        self.state: State = model.allocate_state(max_slots + 1, max_context=self.max_context)
         self.device = self.state.recurrent.device
         self.pool = SlotPool(max_slots)
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
@@ -83,13 +95,24 @@ class CacheManager:
 
     @property
     def bytes_per_slot(self) -> int:
-        """The state of one sequence, all layers (laplace.model.lm.analytic_state_bytes)."""
-        return self.state.bytes_per_sequence
+        """One sequence's state and K/V cache, all layers (laplace.model.lm.sequence_bytes at max_context)."""
+        return self.state.bytes_per_sequence + self.state.kv_bytes_per_sequence
 
     @property
     def slot_bytes(self) -> int:
         """Every slot row, the dummy included: allocated once, whatever the load."""
-        return self.state.nbytes
+        return self.state.nbytes + self.state.kv_nbytes
+
+    def allocation(self) -> dict[str, int]:
+        """What the slots hold, measured on the State tensors: per sequence and in all (the dummy
+        row included), the fixed-size state and the attention K/V apart (issue 32 compares these)."""
+        return {
+            "state_bytes_per_slot": self.state.bytes_per_sequence,
+            "kv_bytes_per_slot": self.state.kv_bytes_per_sequence,
+            "state_bytes": self.state.nbytes,
+            "kv_bytes": self.state.kv_nbytes,
+            "max_context": self.max_context or 0,
+        }
 
     @property
     def budget_bytes(self) -> int:
@@ -101,7 +124,10 @@ class CacheManager:
         held = self.prefix_cache.bytes
         return {
             "slots": self.slot_bytes,
+            "slots_state": self.state.nbytes,
+            "slots_kv": self.state.kv_nbytes,
             "prefix_cache": held,
+            "prefix_cache_kv": self.prefix_cache.kv_bytes,
             "total": self.slot_bytes + held,
             "budget": self.budget_bytes,
         }
@@ -125,6 +151,16 @@ class CacheManager:
     def release(self, slot: int) -> None:
         self.pool.release(slot)
 
+    def check_room(self, slot: int, tokens: int) -> None:
+        """Raise InputError unless `slot`'s K/V cache has room for `tokens` more (attention models)."""
+        if self.max_context is None:
+            return
+        held = int(self.state.positions[0, slot])
+        if held + tokens > self.max_context:
+            raise InputError(
+                f"{held} + {tokens} tokens do not fit the slot's K/V cache: engine.max_context={self.max_context}"
+            )
+
     def reset(self) -> None:
         """Every slot free and zeroed, the prefix cache empty (its counters too)."""
         self.prefix_cache.clear()
@@ -134,15 +170,15 @@ class CacheManager:
     # -- rows in and out (the prefix cache's copies) ----------------------------------------------
 
     def read_slot(self, slot: int) -> State:
-        """A copy of one slot's state (batch 1)."""
-        return self.state.select(torch.tensor([slot], device=self.device))
+        """A copy of one slot's state (batch 1); of the K/V cache only the positions its sequence
+        has written (the tokens up to the junction, for the prefix cache)."""
+        rows = torch.tensor([slot], device=self.device)
+        written = None if self.state.positions is None else int(self.state.positions[0, slot])
+        return self.state.select(rows, kv_tokens=written)
 
     def write_slot(self, slot: int, row: State) -> None:
-        """Copy a one-row state (a cached prefix's) into `slot`, every field."""
-        rows = torch.tensor([slot], device=self.device)
-        src = state_tensors(row)
-        for name, dst in state_tensors(self.state).items():
-            dst.index_copy_(1, rows, src[name])
+        """Copy a one-row state (a cached prefix's) into `slot`, every field (K/V into its first positions)."""
+        self.state.restore(torch.tensor([slot], device=self.device), row)
 
     def stats(self) -> dict[str, int]:
         """The prefix cache's counters: hits and misses (requests that did or did not start from a

@@ -108,7 +108,9 @@ class DecodeEngine:
         self.exact_widths = policy != "padded"
         self.pad_id = pad_id
         self.on_logits = None  # optional callback(logits of a step's real rows), for inspection
-        self.cache = CacheManager(model, self.max_slots, params.prefix_cache_bytes, params.prefix_cache_min_tokens)
+        self.cache = CacheManager(
+            model, self.max_slots, params.prefix_cache_bytes, params.prefix_cache_min_tokens, params.max_context
+        )
         self.scheduler = Scheduler(
             ladder=self.ladder,
             exact_widths=self.exact_widths,
@@ -116,6 +118,7 @@ class DecodeEngine:
             max_prompt_tokens=params.max_prompt_tokens,
             vocab_size=model.cfg.vocab_size,
             release=self.cache.release,
+            max_context=self.cache.max_context,
         )
         self.reset()
         compile_scope = params.compile_scope if compiled and policy != "eager" else None
@@ -264,7 +267,14 @@ class DecodeEngine:
 
     def prefill(self, slot: int, prompt_ids) -> Tensor:
         """Run a prompt of any length into `slot`, continuing its state: its last logits [1, V]."""
+        self.cache.check_room(slot, len(prompt_ids))
         return self.runner.prefill(slot, prompt_ids)
+
+    @property
+    def max_context(self) -> int | None:
+        """The tokens a sequence may reach (engine.max_context) on a model with attention layers;
+        None for a GLA model, whose state does not grow."""
+        return self.cache.max_context
 
     def padded_tokens(self, n: int) -> int:
         return self.runner.padded_tokens(n)

@@ -61,7 +61,8 @@ class _PrefixCacheCollector(Collector):
             ("hits", "counter", "requests whose prompt started with a cached state prefix"),
             ("misses", "counter", "requests that found no cached state prefix"),
             ("evictions", "counter", "cached prefixes evicted to stay within serve.prefix_cache_bytes"),
-            ("bytes", "gauge", "bytes of recurrent state held by the prefix cache"),
+            ("bytes", "gauge", "bytes of state held by the prefix cache (recurrent, conv and attention K/V)"),
+            ("kv_bytes", "gauge", "of those, bytes of attention K/V (models with attention layers)"),
         ):
             if key in stats:
                 name = f"laplace_prefix_cache_{key}"
@@ -90,6 +91,13 @@ class ServerMetrics:
         self.slots.set(max_slots)
         self.max_slots = max_slots
         self.busy_slots = Gauge("laplace_busy_slots", "slots holding a live sequence", registry=r)
+        # what the slots hold, allocated once (the dummy row included): GLA state and attention K/V
+        self.slot_state_bytes = Gauge(
+            "laplace_slot_state_bytes", "bytes of fixed-size state (recurrent, conv) the slots hold", registry=r
+        )
+        self.slot_kv_bytes = Gauge(
+            "laplace_slot_kv_bytes", "bytes of attention K/V cache the slots hold, up to engine.max_context", registry=r
+        )
         self.queue_depth = Gauge("laplace_queue_depth", "requests waiting for a slot", registry=r)
         self.rate = _TokenRate()
         self.tokens_per_s = Gauge(

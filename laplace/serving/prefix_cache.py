@@ -61,7 +61,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every entry and zero the counters."""
         self._entries.clear()
-        self.bytes = 0
+        self.bytes = self.kv_bytes = 0  # kv_bytes: the part of bytes that is attention K/V
         self.hits = self.misses = self.evictions = self.hit_tokens = 0
 
     def __len__(self) -> int:
@@ -93,7 +93,7 @@ class PrefixCache:
         if not self.enabled:
             return
         key = tuple(int(t) for t in tokens)
-        nbytes = state.nbytes
+        nbytes = state.nbytes + state.kv_nbytes  # a hybrid's row carries its K/V up to the prefix's end
         if nbytes > self.budget_bytes:
             return
         if key in self._entries:
@@ -101,9 +101,11 @@ class PrefixCache:
             return
         self._entries[key] = _Entry(np.asarray(tokens, dtype=np.int64).copy(), state, nbytes)
         self.bytes += nbytes
+        self.kv_bytes += state.kv_nbytes
         while self.bytes > self.budget_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.nbytes
+            self.kv_bytes -= old.state.kv_nbytes
             self.evictions += 1
 
     def stats(self) -> dict[str, int]:
@@ -111,6 +113,7 @@ class PrefixCache:
             "hits": self.hits,
             "misses": self.misses,
             "bytes": self.bytes,
+            "kv_bytes": self.kv_bytes,
             "evictions": self.evictions,
             "entries": len(self._entries),
             "hit_tokens": self.hit_tokens,

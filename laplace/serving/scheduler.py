@@ -117,10 +117,12 @@ class Scheduler:
         max_prompt_tokens: int,
         vocab_size: int,
         release: Callable[[int], None],
+        max_context: int | None = None,
     ):
         """ladder: the decode widths (padded policy); exact_widths: decode at the live count
         instead. max_queue: requests that may wait for a slot; one arriving at a full queue is
-        rejected. release(slot): called when a running request finishes."""
+        rejected. release(slot): called when a running request finishes. max_context: the tokens
+        (prompt + generated) a slot's K/V cache holds, for a model with attention layers (None: no limit)."""
         if max_queue < 1:
             raise ConfigError(f"engine.max_queue: must be >= 1, got {max_queue}")
         self.ladder = ladder
@@ -129,6 +131,7 @@ class Scheduler:
         self.max_prompt_tokens = max_prompt_tokens
         self.vocab_size = vocab_size
         self.release = release
+        self.max_context = max_context
         self.on_token: Callable[[Completion, int], None] | None = None  # called for every emitted token
         self.reset()
 
@@ -160,6 +163,12 @@ class Scheduler:
             raise Rejected(f"max_new_tokens must be an integer, got {reprlib.repr(req.max_new_tokens)}")
         if req.max_new_tokens <= 0:
             raise Rejected(f"max_new_tokens must be > 0, got {req.max_new_tokens}")
+        if self.max_context is not None and len(prompt) + req.max_new_tokens > self.max_context:
+            raise Rejected(
+                f"prompt of {len(prompt)} tokens + max_new_tokens {req.max_new_tokens} = "
+                f"{len(prompt) + req.max_new_tokens} tokens is longer than the model's context, "
+                f"engine.max_context={self.max_context} (its attention layers' K/V cache)"
+            )
         vocab = self.vocab_size
         for i, t in enumerate(prompt):
             if not _is_int(t):

@@ -126,6 +126,9 @@ def serve(
 
     sock = sock or bind_socket(host, port)
     metrics = ServerMetrics(engine.max_slots, model_name)
+    held = engine.cache.allocation()
+    metrics.slot_state_bytes.set(held["state_bytes"])
+    metrics.slot_kv_bytes.set(held["kv_bytes"])
     loop = EngineLoop(engine, metrics, warmup_widths=warmup_widths)
     service = CompletionsService(
         loop, tokenizer, eos_id, model_name, Limits(max_tokens_limit, max_request_bytes, max_stop_chars), metrics

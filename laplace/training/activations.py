@@ -87,49 +87,79 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def _probe_config(model_cfg: ModelConfig) -> tuple[ModelConfig, list[int]]:
+    """A model with one block of each kind `model_cfg` has (GLA, and one per attention spec), and
+    for each of its layers the probe block that stands for it."""
+    specs = model_cfg.attn_specs
+    kinds = ([None] if model_cfg.gla_layers else []) + specs
+    probe_attn = [{**spec, "layers": [i]} for i, spec in enumerate(kinds) if spec is not None]
+    probe = dataclasses.replace(model_cfg, n_layers=len(kinds), attn=probe_attn or None)
+    which = []
+    for layer in range(model_cfg.n_layers):
+        spec = model_cfg.attention_spec(layer)
+        which.append(kinds.index(spec) if spec is not None else 0)
+    return probe, which
+
+
 def activation_bytes(model_cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype) -> dict:
     """What one micro-batch of `micro_batch` x `seq_len` tokens keeps for backward, per mode,
-    computed in `dtype` (bf16 under FSDP2 mixed precision): the parts and each mode's peak."""
+    computed in `dtype` (bf16 under FSDP2 mixed precision): the parts and each mode's peak.
+    A hybrid's attention blocks are measured apart from its GLA blocks: what they save grows with
+    the sequence as scaled_dot_product_attention's backward needs (its fused kernels: O(T) per
+    head; a materialised softmax: the O(T^2) probabilities)."""
+    probe_cfg, which = _probe_config(model_cfg)
     with torch.device("meta"):
-        model = LaplaceLM(dataclasses.replace(model_cfg, n_layers=1)).to(dtype)
+        model = LaplaceLM(probe_cfg).to(dtype)
     with FakeTensorMode(
         allow_non_fake_inputs=True
     ):  # meta storage, on the CPU as far as the code can tell (autocast checks it)
         model = model.to_empty(device="cpu")
         tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         x = torch.empty(micro_batch, seq_len, model.cfg.d_model, dtype=dtype, requires_grad=True)
-        return _measure(model, model_cfg, tokens, x, dtype)
+        return _measure(model, model_cfg, which, tokens, x, dtype)
 
 
-def _measure(model, model_cfg, tokens, x, dtype) -> dict:
+def _measure(model, model_cfg, which, tokens, x, dtype) -> dict:
     micro_batch, seq_len = tokens.shape
-    block = model.blocks[0]
-    with SavedTensors(exclude=model.parameters()) as saved:
-        block(x)
-    block_saved = saved.bytes
-    with _PolicySaved() as policy:
-        block(x)
+    kind_saved, kind_policy = [], []
+    for block in model.blocks:
+        with SavedTensors(exclude=model.parameters()) as saved:
+            block(x)
+        kind_saved.append(saved.bytes)
+        with _PolicySaved() as policy:
+            block(x)
+        kind_policy.append(policy.bytes)
     with SavedTensors(exclude=model.parameters()) as saved:
         _loss(model._logits(model.embed(tokens)), tokens)
     outer = saved.bytes
     block_input = x.untyped_storage().nbytes()
-    L = model_cfg.n_layers
-    stash = {"none": block_saved, "full": block_input, "selective": block_input + policy.bytes}
-    peak = {
-        "none": L * block_saved + outer,
-        "full": max(L * stash["full"] + outer, (L - 1) * stash["full"] + block_saved),
-        "selective": max(L * stash["selective"] + outer, (L - 1) * stash["selective"] + block_saved),
+    saved_per_layer = [kind_saved[k] for k in which]
+    kept = {
+        "none": saved_per_layer,
+        "full": [block_input] * len(which),
+        "selective": [block_input + kind_policy[k] for k in which],
     }
+    peak = {"none": sum(saved_per_layer) + outer}
+    for mode in ("full", "selective"):
+        total = sum(kept[mode])
+        # all blocks' kept tensors and the outer part, or at one block's backward its rerun forward
+        rerun = max(total - k + s for k, s in zip(kept[mode], saved_per_layer))
+        peak[mode] = max(total + outer, rerun)
     assert set(peak) == set(MODES)
     logits_grad = micro_batch * seq_len * model_cfg.vocab_size * (4 + torch.empty((), dtype=dtype).element_size())
+    first = which[0] if which else 0
+    attention = [k for i, k in enumerate(which) if model_cfg.attention_spec(i) is not None]
+    gla = [k for i, k in enumerate(which) if model_cfg.attention_spec(i) is None]
     return {
         "micro_batch": micro_batch,
         "seq_len": seq_len,
-        "block_saved_bytes": block_saved,
+        "block_saved_bytes": kind_saved[gla[0] if gla else first],
         "block_input_bytes": block_input,
-        "block_projection_outputs_bytes": policy.bytes,
+        "block_projection_outputs_bytes": kind_policy[gla[0] if gla else first],
+        "attention_block_saved_bytes": [kind_saved[k] for k in sorted(set(attention))],
+        "attention_layers": len(attention),
         "outer_saved_bytes": outer,
-        "kept_per_block_bytes": stash,
+        "kept_per_block_bytes": {mode: max(v) for mode, v in kept.items()},
         "peak_bytes": peak,
         "logits_gradient_bytes": logits_grad,
     }

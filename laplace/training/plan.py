@@ -189,6 +189,7 @@ def plan(
             "fits": static + acts <= hbm,
             "max_micro_batch": max(0, (hbm - static) // per_sequence),
         }
+    growth = activation_growth(model_cfg, seq_len, dtype, activation_checkpoint, one)
     # the least recompute that fits: none, then selective (recomputes the cheap ops), then full
     needs = next((m for m in ("none", "selective", "full") if modes[m]["fits"]), None)
     return {
@@ -210,6 +211,7 @@ def plan(
         "micro_batch": micro_batch,
         "grad_accum_steps": grad_accum_steps,
         "activations": one,
+        "activation_growth": growth,
         "activation_checkpoint": activation_checkpoint,
         "modes": modes,
         "needs_activation_checkpoint": needs,
@@ -217,6 +219,22 @@ def plan(
         "muon_traffic": traffic,
         "article": ARTICLE if world == ARTICLE["world_size"] else None,
     }
+
+
+def activation_growth(
+    model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype, mode: str, at_seq_len: dict | None = None
+) -> dict[int, dict]:
+    """Activations of one sequence at seq_len, 2x and 4x, in `mode`: how they grow with the
+    length (linearly for GLA; an attention layer adds what its softmax keeps, O(T) fused or O(T^2)
+    materialised), and the attention blocks' part of it."""
+    out = {}
+    for n in (seq_len, 2 * seq_len, 4 * seq_len):
+        a = at_seq_len if n == seq_len and at_seq_len else activation_bytes(model_cfg, 1, n, dtype)
+        out[n] = {
+            "activation_bytes": a["peak_bytes"][mode] + a["logits_gradient_bytes"],
+            "attention_block_saved_bytes": sum(a["attention_block_saved_bytes"]),
+        }
+    return out
 
 
 def as_text(p: dict, name: str) -> str:
@@ -263,6 +281,11 @@ def as_text(p: dict, name: str) -> str:
             f"    needs train.activation_checkpoint: {p['needs_activation_checkpoint']}"
             if p["needs_activation_checkpoint"]
             else "    does NOT fit in any mode: more ranks, a shorter train.seq_len or a smaller micro-batch"
+        ),
+        f"  activations of one sequence as it grows ({p['activation_checkpoint']}; of which attention blocks save)",
+        *(
+            f"    {n:>8,} tokens{'':<19}{gib(g['activation_bytes'])}  ({gib(g['attention_block_saved_bytes']).strip()})"
+            for n, g in p["activation_growth"].items()
         ),
         f"  Muon traffic per rank per optimizer step ({t['bytes_per_value']}-byte values)",
         f"    {'':<34}{'ours':>11}" + (f"{'article':>14}" if p["article"] else ""),

@@ -1,0 +1,161 @@
+"""The decode engine serving a hybrid (GLA + softmax attention layers): each slot's K/V cache,
+static shape up to engine.max_context, decoding that equals the full forward across prefill
+buckets, ladder widths and prefix-cache hits, the prefix cache holding K/V up to the junction,
+byte accounting against the formula, a request longer than the context refused, and no
+compilation while serving after warmup."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from laplace.config import EngineSection
+from laplace.model.lm import LaplaceLM, sequence_bytes
+from laplace.runtime import configure_compiler
+from laplace.serving.engine import DecodeEngine, Rejected, Request
+from laplace.serving.replay import replay
+
+from project import tiny_model_config
+
+VOCAB = 97
+MAX_CONTEXT = 64
+ATTN = {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 24}
+
+
+def hybrid(seed=0, attn=ATTN):
+    torch.manual_seed(seed)
+    cfg = tiny_model_config(VOCAB, n_layers=3, init_std=0.3, attn=attn)  # wide logits: no near-ties
+    return LaplaceLM(cfg).eval()
+
+
+def engine(m, *, buckets=(8, 16), compile_scope=None, prefix_cache_bytes=0):
+    params = dataclasses.replace(
+        EngineSection(),
+        max_slots=4,
+        widths=[1, 2, 4],
+        prefill_buckets=list(buckets),
+        max_prompt_tokens=48,
+        max_context=MAX_CONTEXT,
+        compile_scope=compile_scope or "block",
+        prefix_cache_bytes=prefix_cache_bytes,
+        prefix_cache_min_tokens=4,
+    )
+    return DecodeEngine(m, params, "padded", compiled=compile_scope is not None)
+
+
+@torch.inference_mode()
+def full_forward_greedy(m, prompt, n):
+    """Greedy tokens and their logits by the training forward over the growing sequence."""
+    seq, logits = list(prompt), []
+    for _ in range(n):
+        out = m(torch.tensor([seq]))[0, -1]
+        logits.append(out)
+        seq.append(int(out.argmax()))
+    return seq[len(prompt) :], torch.stack(logits)
+
+
+def requests(seed=0, n=9):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, VOCAB, 20).tolist()  # a common prefix: the prefix cache splits and hits
+    out = []
+    for i in range(n):
+        tail = rng.integers(0, VOCAB, int(rng.integers(1, 20))).tolist()
+        prompt = shared[: int(rng.integers(5, 21))] + tail if i % 2 else tail + shared[:3]
+        out.append(Request(i, prompt, int(rng.integers(2, 12)), arrival_s=0.001 * i))
+    return out
+
+
+@pytest.mark.parametrize("prefix_cache_bytes", [0, 1 << 22], ids=["no-prefix-cache", "prefix-cache"])
+def test_engine_decoding_equals_the_full_forward(prefix_cache_bytes):
+    m = hybrid()
+    eng = engine(m, prefix_cache_bytes=prefix_cache_bytes)
+    logits: list[torch.Tensor] = []
+    eng.on_logits = lambda rows: logits.append(rows.clone())
+    reqs = requests()
+    done = replay(eng, reqs)
+    widths = {s.width for s in eng.steps if s.kind == "decode"}
+    assert widths <= {1, 2, 4} and len(widths) >= 2  # the ladder's widths, more than one of them
+    prefill_lengths = {s.width for s in eng.steps if s.kind == "prefill"}
+    assert any(w > 16 for w in prefill_lengths)  # prompts longer than the largest bucket went in pieces
+    for req, c in zip(reqs, done):
+        assert c.status == "done", c.reason
+        want, want_logits = full_forward_greedy(m, req.prompt_ids, req.max_new_tokens)
+        assert c.output_ids == want, req.id
+    if prefix_cache_bytes:
+        stats = eng.prefix_cache_stats()
+        assert stats["hits"] >= 2 and stats["kv_bytes"] > 0, stats
+        assert stats["bytes"] <= prefix_cache_bytes
+    # logits of every engine step (prefill's first token included) against the full forward, fp32
+    first = reqs[0]
+    eng2 = engine(hybrid(), prefix_cache_bytes=prefix_cache_bytes)
+    with eng2.leased([0]) as (slot,):
+        got = [eng2.prefill(slot, first.prompt_ids)[0]]
+        want, want_logits = full_forward_greedy(m, first.prompt_ids, 6)
+        for token in want[:-1]:
+            got.append(eng2.decode_step([slot], [token])[0])
+    assert (torch.stack(got) - want_logits).abs().max() < 1e-4 * want_logits.abs().max()
+
+
+def test_slots_hold_kv_up_to_max_context_by_the_formula_and_longer_requests_are_refused():
+    m = hybrid()
+    eng = engine(m)
+    per_sequence = sequence_bytes(m.cfg, MAX_CONTEXT)
+    alloc = eng.cache.allocation()
+    # K and V, 64 positions, 2 kv heads of d_model/4, fp32
+    assert alloc["kv_bytes_per_slot"] == per_sequence["kv_bytes"] == 2 * MAX_CONTEXT * 2 * (m.cfg.d_model // 4) * 4
+    assert alloc["state_bytes_per_slot"] == per_sequence["state_bytes"]
+    assert alloc["kv_bytes"] == 5 * per_sequence["kv_bytes"]  # 4 slots and the dummy
+    assert eng.cache.bytes_per_slot == per_sequence["total_bytes"]
+    assert eng.cache.memory()["slots_kv"] == alloc["kv_bytes"]
+    with pytest.raises(Rejected, match="engine.max_context=64"):
+        eng.check(Request(0, [1] * 40, 25))
+    eng.check(Request(0, [1] * 40, 24))  # exactly the context: served
+    # a GLA model has no context limit
+    gla = engine(hybrid(attn=None))
+    gla.check(Request(0, [1] * 40, 1000))
+    assert gla.cache.allocation()["kv_bytes"] == 0
+
+
+def test_the_prefix_cache_stores_kv_up_to_the_junction_only():
+    m = hybrid()
+    eng = engine(m, prefix_cache_bytes=1 << 22)
+    prompt = list(range(1, 30))
+    with eng.leased([0]) as (slot,):
+        eng.prefill_cached(slot, prompt)
+    (entry,) = eng.cache.prefix_cache._entries.values()
+    assert entry.state.keys.shape[2] == len(prompt)  # positions written, not max_context
+    assert entry.nbytes == entry.state.nbytes + entry.state.kv_nbytes
+    assert entry.state.kv_nbytes == sequence_bytes(m.cfg, len(prompt))["kv_bytes"]
+
+
+@pytest.mark.slow  # about 4.5 min on the loaded 2-core machine: 4 graph shapes of a 3-layer hybrid
+def test_a_compiled_hybrid_engine_never_compiles_while_serving():
+    m = hybrid()
+    eng = engine(m, buckets=(16,), compile_scope="block")
+    configure_compiler(eng.graphs_needed() + 4)
+    seconds = eng.warmup()
+    assert set(seconds["decode"]) == {1, 2, 4} and set(seconds["prefill"]) == {16}
+    reqs = requests(seed=1, n=6)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        done = replay(eng, reqs)
+    assert not any(s.compiled for s in eng.steps)
+    eager = hybrid()
+    for req, c in zip(reqs, done):
+        assert c.output_ids == full_forward_greedy(eager, req.prompt_ids, req.max_new_tokens)[0], req.id
+
+
+def test_the_numerics_checks_decode_paths_run_unchanged_on_a_hybrid():
+    """evals/numerics.py's teacher-forced decode at ladder widths with pad rows (NaN-free) equals
+    the fp32 full forward, and its fp64 reference of the same weights agrees with both."""
+    from laplace.evals.numerics import decode_logits, prefill_logits
+
+    m = hybrid()
+    tokens = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
+    want = m(tokens)[:, 12:19].transpose(0, 1).reshape(-1, VOCAB)  # position-major, as decode_logits
+    for width in (2, 4):  # 2 live rows: width 2 exact, width 4 with two pad rows on the dummy slot
+        got = decode_logits(engine(m), tokens[:, :12], tokens[:, 12:19], width, real=2)
+        ref = want.view(7, 3, VOCAB)[:, :2].reshape(-1, VOCAB)
+        assert (got - ref).abs().max() < 1e-4 * ref.abs().max(), width
+    fp64 = hybrid().double()
+    assert (prefill_logits(fp64, tokens).float() - prefill_logits(m, tokens)).abs().max() < 1e-4
