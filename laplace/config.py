@@ -499,7 +499,7 @@ class CompareSection:
             "probes.passkey_contexts": [256, 1024],
             "probes.passkey_depths": [0.5],
             "probes.recall_contexts": [256, 1024],
-            "probes.memory_contexts": [1024, 8192],
+            "probes.memory_contexts": [1024],
             "probes.mqar_train_steps": 400,
             "probes.mqar_train_layers": 4,
         },
