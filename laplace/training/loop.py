@@ -34,7 +34,7 @@ from laplace.data.sampler import sample_batch, validation_batches
 from laplace.data.shards import SPLITS, data_digests, open_split, read_manifest, verify_share
 from laplace.errors import ConfigError, DataError, InputError
 from laplace.model.lm import LaplaceLM
-from laplace.runtime import compile_backend, compile_static, keep_cpu_allocations, resolve_device
+from laplace.runtime import compile_backend, compile_static, keep_cpu_allocations, resolve_device, set_threads
 from laplace.training import checkpoint as ckpt
 from laplace.training import distributed, lifecycle
 from laplace.training.activation_checkpoint import apply_activation_checkpointing
@@ -61,6 +61,7 @@ _LAUNCH = {
     "rdzv_id",
     "max_restarts",
     "device",
+    "threads",
     "compile",
     "activation_checkpoint",
     "grad_accum_steps",
@@ -276,6 +277,7 @@ def train(
     from laplace.optim.muon_adamw import MuonAdamW
 
     t = cfg.train
+    set_threads(t.threads)  # in each rank too: torchrun's OMP_NUM_THREADS says the same (stage_train)
     device = resolve_device(t.device)
     if device.type == "cpu":
         keep_cpu_allocations()
@@ -486,6 +488,7 @@ def _loop(
         "params": model.num_parameters(),  # DTensor shapes are global
         "tokens_per_step": tokens_per_step,
         "world_size": group.world,
+        "threads": torch.get_num_threads(),  # train.threads as this rank ran
         "muon_comm": optimizer.muon.comm,  # owner_reduce falls back to alltoall under bf16
         "val_loss_initial": evals[0]["val_loss"] if evals else None,
         "val_loss": evals[-1]["val_loss"] if evals else None,
