@@ -330,3 +330,24 @@ def test_make_prefect_ready_gives_up_in_its_bound_when_the_server_never_answers(
         took = time.monotonic() - started
     assert done.returncode != 0 and "is make prefect-worker running?" in done.stderr, done.stderr
     assert took < 5 + 20 + 15, took  # the deadline, one bounded check, and slack for a loaded machine
+
+
+def test_the_shared_prefix_line_says_when_the_cache_comparison_is_within_noise():
+    """One replay a side: a p50 gap smaller than both replays' p50-to-p99 spread is called noise,
+    a larger one faster or slower; the README's sample line is what the summary prints on its figures."""
+
+    def line(on_p50, on_p99, off_p50, off_p99):
+        pc = {
+            "on": {"ttft_p50_s": on_p50, "ttft_p99_s": on_p99, "hits": 46, "misses": 2},
+            "off": {"ttft_p50_s": off_p50, "ttft_p99_s": off_p99},
+            "identical_outputs_share": 1.0,
+        }
+        (out,) = summary._prefix_cache_line({"prefix_cache": pc})
+        return out
+
+    sample = line(0.2513, 0.7036, 0.0802, 0.2615)
+    assert sample.endswith("within noise: the p50s differ by 0.1711s, less than either replay's p50-to-p99 spread")
+    assert sample in README
+    # a gap wider than the tighter replay's spread is a verdict, either way
+    assert "slower with the cache by 0.2000s at p50" in line(0.30, 0.32, 0.10, 0.40)
+    assert "faster with the cache by 0.2000s at p50" in line(0.10, 0.40, 0.30, 0.32)
