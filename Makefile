@@ -4,6 +4,7 @@
 #   make test-fast  the unit tests only (no end-to-end runs of DVC, Prefect, MLflow servers, torchrun)
 #   make lint   ruff check and ruff format --check
 #   make params rewrite params.yaml's comments from the knobs' docs in laplace/config.py (values kept)
+#   make stop   stop the servers started by make mlflow-ui / prefect-server / prefect-worker, and their flow runs
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 export PREFECT_HOME ?= $(abspath .prefect)
 
-.PHONY: setup run test test-fast lint format params clean prefect-server prefect-worker prefect-ready mlflow-ui
+.PHONY: setup run test test-fast lint format params clean prefect-server prefect-worker prefect-ready mlflow-ui stop
 
 setup: $(VENV)/.installed
 
@@ -57,8 +58,16 @@ format: setup
 params: setup
 	$(BIN)/python -m laplace.pipeline.params params.yaml
 
+# Each background server records its make (the recipe shell's parent) first: `make stop` ends that
+# make and every process under it, flow runs in sessions of their own included (laplace/pipeline/servers.py)
+SERVERS_DIR := runs/servers
+RECORD_SERVER = @mkdir -p $(SERVERS_DIR) && echo $$PPID > $(SERVERS_DIR)/$@.pid
+# how long make stop gives each process to exit on SIGTERM before SIGKILL (seconds)
+STOP_GRACE_S ?= 20
+
 # Prefect: a local server, a process work pool with its worker, and the deployments of prefect.yaml.
 prefect-server: setup
+	$(RECORD_SERVER)
 	$(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 PREFECT_API := http://127.0.0.1:$(PREFECT_PORT)/api
@@ -66,6 +75,7 @@ PREFECT_API := http://127.0.0.1:$(PREFECT_PORT)/api
 PREFECT_READY_S ?= 300
 # Waits (up to 5 minutes) for the server, so it may be started right after prefect-server.
 prefect-worker: setup
+	$(RECORD_SERVER)
 	@end=$$(($$(date +%s) + $(PREFECT_READY_S))); while [ $$(date +%s) -lt $$end ]; do timeout 20 $(BIN)/python -c "import urllib.request as u; u.urlopen('$(PREFECT_API)/health', timeout=5)" 2>/dev/null && exit 0; sleep 2; done; echo "no Prefect server at $(PREFECT_API): run make prefect-server first" >&2; exit 1
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect work-pool create laplace --type process --overwrite
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect --no-prompt deploy --all
@@ -80,7 +90,12 @@ prefect-ready: setup
 # no job runner (mlflow's defaults, 4 workers + a job runner + huey consumers, are 16 processes and
 # ~3 GB for a local UI)
 mlflow-ui: setup
+	$(RECORD_SERVER)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath mlflow.db) --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
+
+# the MLflow UI, the Prefect server, the worker and its flow runs: SIGTERM, STOP_GRACE_S, then SIGKILL
+stop:
+	@$(BIN)/python -m laplace.pipeline.servers $(SERVERS_DIR) --grace-s $(STOP_GRACE_S)
 
 clean:
 	rm -rf data runs artifacts metrics plots dvc_plots

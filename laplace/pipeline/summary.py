@@ -221,7 +221,7 @@ def next_steps(root: Path, info: dict | None = None) -> list[str]:
         "make prefect-worker &   # once the server answers: the work pool, the deployments, a worker",
         "export PREFECT_API_URL=http://127.0.0.1:4200/api && make prefect-ready"
         " && prefect deployment run 'laplace-pipeline/tiny' --watch",
-        "kill $(jobs -p)   # stop the background servers",
+        "make stop   # stop the MLflow UI, the Prefect server, the worker and its flow runs",
     ]
 
 
