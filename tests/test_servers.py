@@ -82,11 +82,16 @@ def test_make_stop_stops_a_real_mlflow_ui_and_prefect_server(tmp_path):
     project.mkdir()
     shutil.copy(ROOT / "Makefile", project / "Makefile")
     shutil.copy(ROOT / "pyproject.toml", project / "pyproject.toml")
-    # the venv is this one, already set up: its stamp must be newer than pyproject.toml, or make
-    # would reinstall into it (the test is of make stop, not of make setup)
+    # the venv is this one, already set up, entry by entry, with stamps of its own newer than
+    # pyproject.toml: make neither reinstalls nor touches this venv (the test is of make stop)
     os.utime(project / "pyproject.toml", (0, 0))
-    (project / ".venv").symlink_to(BIN.parent)
-    assert (BIN.parent / ".installed").exists()
+    venv = project / ".venv"
+    venv.mkdir()
+    for entry in BIN.parent.iterdir():
+        if entry.name not in (".installed", ".runtime"):
+            (venv / entry.name).symlink_to(entry)
+    for stamp in (".installed", ".runtime"):
+        (venv / stamp).touch()
     prefect_port, mlflow_port = free_port(), free_port()
     env = {
         "HOME": str(tmp_path),
