@@ -3,6 +3,13 @@ approach, side by side on the same text, the same tokenizer and the same number 
 
     python bench/tokenize_throughput.py --sizes-mb 100 500 1000 --workers 2
     python bench/tokenize_throughput.py --sizes-mb 100 500 1000 --workers 2 --files 4 --record-mb 8
+    python bench/tokenize_throughput.py --sizes-mb 50 --sides laplace laplace-dask --dask-workers 1 2
+
+`laplace-dask`: the same stage with data.executor: dask on a LocalCluster of 1 and 2 workers
+(scheduler, nannies and workers all children of the run, so their CPU-seconds are counted);
+each run reports wall seconds, CPU-seconds of its whole process tree (getrusage of the reaped
+children), tokens per CPU-second, peak RSS (tree, parent, largest child) and the peak bytes of
+its staging directory plus output on disk.
 
 The text is JSON Lines files of real English (the python-docs corpus, each copy of a document
 numbered so none repeats exactly) until each size is reached. `--files 4 --record-mb 8`: few
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -81,6 +89,20 @@ def tree_peak_rss(proc: subprocess.Popen) -> tuple[int, float, dict[int, int]]:
 # --------------------------------------------------------------------------- one measured run
 
 
+def dir_bytes(*directories: Path) -> int:
+    """Bytes on disk under the directories, each inode once (the assembly hard-links the staged shards)."""
+    seen: dict[tuple[int, int], int] = {}
+    for directory in directories:
+        for root, _, files in os.walk(directory):
+            for name in files:
+                try:
+                    st = os.lstat(os.path.join(root, name))
+                except OSError:
+                    continue
+                seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
 def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: int) -> dict:
     code = (
         "import json, sys, os\n"
@@ -89,11 +111,12 @@ def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: i
         "from pathlib import Path\n"
         f"which, corpus, tok, out, workers = {which!r}, Path({str(corpus)!r}), {tokenizer_path!r}, "
         f"Path({str(out)!r}), {workers}\n"
-        "if which == 'laplace':\n"
+        "if which.startswith('laplace'):\n"
         "    from laplace.config import DataSection, TokenizerSection\n"
         "    from laplace.data.tokenize import tokenize_corpus\n"
+        "    executor = 'dask' if which == 'laplace-dask' else 'local'\n"
         "    data = DataSection(source='files', path=str(corpus), num_proc=workers, slices=32,\n"
-        "                       shard_tokens=SHARD_TOKENS)\n"
+        "                       shard_tokens=SHARD_TOKENS, executor=executor)\n"
         "    m = tokenize_corpus(data, TokenizerSection(from_=tok), out, seed=0)\n"
         "    tokens = m['tokens_train'] + m['tokens_val']\n"
         "else:\n"
@@ -102,13 +125,28 @@ def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: i
     )
     env = {**os.environ, "BENCH_ROOT": str(ROOT), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     peak = [(0, 0.0, {})]
+    disk = [0]
     watcher = threading.Thread(target=lambda: peak.__setitem__(0, tree_peak_rss(proc)))
     watcher.start()
+
+    def watch_disk() -> None:  # the staging directory and the output, what the run holds on disk
+        while proc.poll() is None:
+            disk[0] = max(
+                disk[0], dir_bytes(out.parent / f".{out.name}.partial", out, out.parent / f".{out.name}.next")
+            )
+            time.sleep(0.5)
+
+    disk_watcher = threading.Thread(target=watch_disk)
+    disk_watcher.start()
     stdout, _ = proc.communicate()
     watcher.join()
+    disk_watcher.join()
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the tree, once reaped
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode:
         raise SystemExit(f"{which} failed with exit status {proc.returncode}")
     tokens = json.loads(stdout.decode().strip().splitlines()[-1])["tokens"]
@@ -117,6 +155,9 @@ def run_one(which: str, corpus: Path, tokenizer_path: str, out: Path, workers: i
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "tokens_per_s_per_core": tokens / seconds / workers,
+        "cpu_seconds": cpu_s,
+        "tokens_per_cpu_s": tokens / max(cpu_s, 1e-9),
+        "peak_disk_mb": disk[0] / 1e6,
         "peak_rss_mb": peak[0][0] / 1e6,
         # the parent (laplace: the stage) and the largest of its children (the encode workers)
         "parent_peak_rss_mb": peak[0][2].get(proc.pid, 0) / 1e6,
@@ -132,8 +173,13 @@ def main() -> None:
     p.add_argument("--record-mb", type=float, default=0, help="join documents into records of about this size")
     p.add_argument("--scratch", default="/tmp/laplace-bench-tokenize")
     p.add_argument(
-        "--sides", nargs="+", default=["laplace", "nanogpt"], choices=["laplace", "nanogpt"], help="what to run"
+        "--sides",
+        nargs="+",
+        default=["laplace", "nanogpt"],
+        choices=["laplace", "laplace-dask", "nanogpt"],
+        help="what to run (laplace-dask: data.executor dask on a LocalCluster of --workers)",
     )
+    p.add_argument("--dask-workers", type=int, nargs="+", default=None, help="laplace-dask with each of these")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tokenize.json"))
     args = p.parse_args()
     scratch = Path(args.scratch)
@@ -159,12 +205,19 @@ def main() -> None:
         if not corpus.exists():
             make_corpus(corpus, size * 1_000_000, args.files, int(args.record_mb * 1_000_000))
         row = {}
-        for which in args.sides:
-            out = scratch / f"out-{which}-{size}mb"
+        sides = [(w, args.workers) for w in args.sides if w != "laplace-dask"]
+        if "laplace-dask" in args.sides:
+            sides += [("laplace-dask", n) for n in args.dask_workers or [args.workers]]
+        for which, workers in sides:
+            name = f"{which}-{workers}" if which == "laplace-dask" else which
+            out = scratch / f"out-{name}-{size}mb"
             subprocess.run(["rm", "-rf", str(out), str(out.parent / f".{out.name}.partial")], check=True)
-            row[which] = run_one(which, corpus, str(tokenizer_path), out, args.workers)
-            print(size, which, json.dumps(row[which]), flush=True)
-        if len(row) == 2:
+            row[name] = run_one(which, corpus, str(tokenizer_path), out, workers)
+            print(size, name, json.dumps(row[name]), flush=True)
+        for name in [n for n in row if n.startswith("laplace-dask")]:
+            if "laplace" in row:  # the fan-out's cost against the local pool, same corpus, same run
+                row[f"{name}_cpu_ratio"] = row[name]["cpu_seconds"] / row["laplace"]["cpu_seconds"]
+        if "laplace" in row and "nanogpt" in row:
             row["ratio_tokens_per_s"] = row["laplace"]["tokens_per_s"] / row["nanogpt"]["tokens_per_s"]
             row["ratio_peak_rss"] = row["laplace"]["peak_rss_mb"] / row["nanogpt"]["peak_rss_mb"]
         row["load_average_after"] = os.getloadavg()

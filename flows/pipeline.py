@@ -21,10 +21,11 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run
 
 from laplace.errors import INPUT_ERROR_EXIT
-from laplace.pipeline import mlflow_views, repro, summary
+from laplace.pipeline import repro, summary
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config, write_params
 from laplace.pipeline.stages import PIPELINE
+from laplace.tracking import views
 
 
 class StageFailed(RuntimeError):
@@ -59,7 +60,7 @@ def _mlflow_ui_url(info: dict) -> str | None:
     trk = info.get("tracking") or {}
     if not trk.get("run_id"):
         return None
-    return mlflow_views.ui_url(trk["tracking_uri"], trk["experiment_id"], trk["run_id"])
+    return views.ui_url(trk["tracking_uri"], trk["experiment_id"], trk["run_id"])
 
 
 @flow(name="laplace-pipeline")

@@ -2,8 +2,10 @@
 
 `config_from_dict()` builds frozen dataclasses from a params mapping; any unknown key,
 wrong type or impossible value raises `ConfigError` with a one-line message naming the
-key. This module knows nothing of files, stages or tracking, so the library may import
-it; reading params.yaml and applying `--set` overrides live in `laplace.pipeline.params`.
+key. This module knows nothing of stages or tracking, so the library may import it; reading
+params.yaml and applying `--set` overrides live in `laplace.pipeline.params`. The one file it
+reads is the one a knob names as the model: model.init's config.json (init_model_config: the
+architecture of an import, which its weights decide); paths are otherwise checked lexically.
 """
 
 from __future__ import annotations
@@ -136,6 +138,11 @@ class DataSection:
     max_document_chars: int = knob(
         1_000_000, _positive, "longer text files and records are cut at blank lines (or at this size) into documents"
     )
+    max_record_bytes: int = knob(
+        512_000_000,
+        _positive,
+        "a longer JSON line (or .json file) is skipped, named and counted; a worker holds about 2x a record",
+    )
     split_bytes: int = knob(
         32_000_000, _positive, "a larger .jsonl or text file is split by byte ranges (at line starts) over slices"
     )
@@ -149,7 +156,20 @@ class DataSection:
         16, _positive, "input slices (files hashed by path, hub shards): the unit of parallel work and of reuse"
     )
     shard_tokens: int = knob(100_000_000, _positive, "tokens per shard file (the last shard of each slice is shorter)")
-    num_proc: int = knob(2, _positive, "tokenizer worker processes")
+    num_proc: int = knob(
+        2, _positive, "tokenize worker processes: the local pool's, or a LocalCluster's (executor: dask, no address)"
+    )
+    executor: Literal["local", "dask"] = knob(
+        "local",
+        doc="where tokenize's slices run (survey, sample, encode): local (a process pool) | dask (a Dask cluster; "
+        "every worker must see the project directory)",
+    )
+    dask_address: str = knob(
+        "", doc="executor: dask: a running scheduler (tcp://HOST:8786); empty = a LocalCluster of data.num_proc workers"
+    )
+    dask_in_flight: int = knob(
+        256, _positive, "executor: dask: slices submitted to the scheduler at a time (its memory stays bounded)"
+    )
 
 
 @dataclass(frozen=True)
@@ -633,22 +653,25 @@ def config_from_dict(raw: dict) -> Config:
             f"train.batch_size: {t.batch_size} is not divisible by the "
             f"{t.nproc_per_node * t.nnodes} ranks (nproc_per_node x nnodes)"
         )
-    check_widths(cfg.engine.widths, cfg.engine.max_slots)
+    width_ladder(cfg.engine.max_slots, cfg.engine.widths)  # refused now, not when an engine is built
     check_project_paths(cfg)
     return cfg
 
 
-def check_widths(widths: list[int], max_slots: int, key: str = "engine.widths") -> None:
-    """A decode width ladder as written: strictly increasing, from >= 1 up to exactly max_slots
-    (a wider graph would only pad rows no slot can fill). Empty: powers of two up to max_slots."""
+def width_ladder(max_slots: int, widths: list[int] | None = None) -> list[int]:
+    """The decode widths (engine.widths), the one rule for them: as written, strictly increasing
+    from >= 1 up to exactly max_slots (a wider graph would only pad rows no slot can fill), else a
+    ConfigError; empty: powers of two up to max_slots, max_slots included. The config checks it
+    when it is read and every engine builds its ladder with it."""
+    ladder = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots] + [max_slots]
     if not widths:
-        return
+        return ladder
     ordered = all(a < b for a, b in zip(widths, widths[1:]))
     if not ordered or widths[0] < 1 or widths[-1] != max_slots:
-        example = [1 << i for i in range(max_slots.bit_length()) if (1 << i) < max_slots] + [max_slots]
         raise ConfigError(
-            f"{key}: must increase strictly from >= 1 to max_slots={max_slots} (e.g. {example}), got {widths}"
+            f"engine.widths: must increase strictly from >= 1 to max_slots={max_slots} (e.g. {ladder}), got {widths}"
         )
+    return list(widths)
 
 
 def project_path_knobs(cfg: Config) -> list[tuple[str, str]]:

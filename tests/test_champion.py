@@ -16,12 +16,13 @@ import pytest
 from mlflow import MlflowClient
 
 from laplace.config import default_params
-from laplace.pipeline import headline, summary
-from laplace.pipeline.champion import champion_decision
+from laplace.pipeline import summary
 from laplace.pipeline.layout import Paths, stamp_measurement
 from laplace.pipeline.params import load_config
-from laplace.pipeline.provenance import source_text
 from laplace.pipeline.stages import STAGES
+from laplace.tracking import headline
+from laplace.tracking.champion import champion_decision
+from laplace.tracking.provenance import source_text
 
 from project import ROOT, write_stage_results
 

@@ -1,6 +1,7 @@
 """params.yaml is the one place for every knob; bad values fail with one line naming the key."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,24 @@ def test_an_unsorted_or_too_wide_width_ladder_is_one_line(capsys):
     assert load_config(ROOT / "params.yaml", ["engine.widths=[1,3,8]"]).engine.widths == [1, 3, 8]
 
 
+def test_the_width_ladder_has_one_rule_in_one_place():
+    """[1, 4, 16] with max_slots 8 was refused by the config and accepted by the engine: now
+    both use config.width_ladder, and no other module words an engine.widths error."""
+    from laplace.config import width_ladder
+
+    with pytest.raises(ConfigError, match="engine.widths: must increase strictly"):
+        load_config(ROOT / "params.yaml", ["engine.widths=[1,4,16]", "engine.max_slots=8"])
+    with pytest.raises(ConfigError, match="engine.widths: must increase strictly"):
+        width_ladder(8, [1, 4, 16])
+    assert width_ladder(8, [1, 4, 8]) == [1, 4, 8] and width_ladder(8) == [1, 2, 4, 8]
+    elsewhere = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "laplace").rglob("*.py"))
+        if p.name != "config.py" and re.search(r"engine\.widths: |def width_ladder", p.read_text(encoding="utf-8"))
+    ]
+    assert elsewhere == []
+
+
 def test_summary_and_generate_before_any_run_say_what_to_run(tmp_path, capsys):
     assert main(["summary", "--params", str(ROOT / "params.yaml"), "--root", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
@@ -174,3 +193,52 @@ def test_every_stage_help_says_what_it_does_reads_and_writes(capsys):
             assert (param if isinstance(param, str) else "every param") in reads, (name, reads)
         for out in dvc[name].get("outs", []):
             assert (out if isinstance(out, str) else next(iter(out))) in text.split(" writes: ")[1], (name, text)
+
+
+# --------------------------------------------------------------------------- words that name knobs
+
+# `--set section.key=...` or `set section.key` in a message or a doc: a suggestion to the user.
+SET_SUGGESTION = re.compile(r"(?:--set[ =]|\bset )`?([a-z_]+)\.([a-z_]+)\b")
+# What the project shows to users: messages in the code, the docs, the front doors' files.
+SHOWN_FILES = ("laplace/**/*.py", "flows/*.py", "bench/*.py", "docs/*.md", "README.md", "Makefile", "*.yaml")
+
+
+def set_suggestions(text: str) -> set[str]:
+    """The keys a text suggests setting, less those it shows being refused (`unknown key 'k'`: the
+    README's example of a typo) and placeholders (`--set section.key=value`)."""
+    keys = {f"{a}.{b}" for a, b in SET_SUGGESTION.findall(text) if a != "section"}
+    return {k for k in keys if f"unknown key '{k}'" not in text}
+
+
+def test_every_suggested_set_is_a_key_the_config_accepts():
+    """A message that says `set serve.threads` (refused since server: took it) sends the user to an
+    error: every key suggested anywhere is a knob of the config."""
+    knobs = set(knob_docs())
+    found = {
+        (str(path.relative_to(ROOT)), key)
+        for pattern in SHOWN_FILES
+        for path in sorted(ROOT.glob(pattern))
+        for key in set_suggestions(path.read_text(encoding="utf-8"))
+    }
+    assert len(found) > 20  # the collector sees the suggestions there are (README, docs, messages)
+    assert sorted(f"{path}: {key}" for path, key in found if key not in knobs) == []
+
+
+def test_the_set_collector_sees_messages_and_docs():
+    text = "rerun with --set train.lr=0.1, or set serve.threads as warmup had it; `--set section.key=value`"
+    assert set_suggestions(text) == {"train.lr", "serve.threads"}
+    assert set_suggestions("laplace train --set train.lrr=0.01\nerror: unknown key 'train.lrr'") == set()
+    assert "serve.threads" not in knob_docs() and "server.threads" in knob_docs()
+
+
+def test_the_docs_name_every_section_and_stage_in_order():
+    """docs/model.md and docs/architecture.md list params.yaml's sections, docs/pipeline.md the
+    stage order: each list as the code has it."""
+    sections = [f.name for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING]
+    for doc, lead in (("docs/model.md", "Sections:"), ("docs/architecture.md", "in sections by owner (")):
+        text = " ".join((ROOT / doc).read_text(encoding="utf-8").split())
+        listed = re.findall(r"`([a-z_]+)`", text.split(lead, 1)[1].split(".", 1)[0].split(")", 1)[0])
+        assert listed == sections, doc
+    text = " ".join((ROOT / "docs/pipeline.md").read_text(encoding="utf-8").split())
+    order = text.split("The order is ", 1)[1].split(" (", 1)[0].split(" -> ")
+    assert order == list(STAGES)

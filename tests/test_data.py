@@ -18,8 +18,9 @@ from laplace.data.readers import iter_documents
 from laplace.data.sampler import sample_batch, validation_batches
 from laplace.data.shards import open_split, read_manifest
 from laplace.data.tokenize import tokenize_corpus
-from laplace.data.tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_sha256, train_tokenizer
+from laplace.data.tokenizer import EOS_TOKEN, train_tokenizer
 from laplace.errors import DataError
+from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
 SMALL_TOKENIZER = TokenizerSection(vocab_size=320, min_frequency=1)
 
@@ -195,7 +196,7 @@ def test_skipped_counts_and_bad_files_are_named(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="laplace.data.tokenize"):
         metrics = tokenize_corpus(files(root, min_chars=40, val_fraction=0.3), SMALL_TOKENIZER, out, seed=0)
     manifest = read_manifest(out)
-    assert manifest["skipped"] == {"empty": 2, "too_short": 1, "undecodable": 2}
+    assert manifest["skipped"] == {"empty": 2, "too_short": 1, "undecodable": 2, "too_large": 0}
     assert manifest["documents"]["total_read"] == 17
     assert manifest["documents"]["train"] + manifest["documents"]["val"] == 12
     assert metrics["skipped_undecodable"] == 2 and metrics["skipped_empty"] == 2
@@ -305,7 +306,7 @@ def test_jsonl_bad_records_are_named_and_skipped(tmp_path):
     out = tmp_path / "out"
     tokenize_corpus(data, TokenizerSection(vocab_size=300, min_frequency=1), out, seed=0)
     manifest = read_manifest(out)
-    assert manifest["skipped"] == {"empty": 1, "too_short": 0, "undecodable": 2}
+    assert manifest["skipped"] == {"empty": 1, "too_short": 0, "undecodable": 2, "too_large": 0}
     assert sorted(manifest["bad_input"]) == [
         f"{tmp_path / 'c.jsonl'}:3: not valid UTF-8 (invalid start byte at byte 17)",
         f"{tmp_path / 'c.jsonl'}:7: not a JSON record (JSONDecodeError: Expecting property name enclosed in "

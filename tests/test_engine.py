@@ -66,8 +66,9 @@ def test_ladders():
     assert width_ladder(20) == [1, 2, 4, 8, 16, 20]
     assert width_ladder(20, [1, 2, 4, 8, 12, 16, 20]) == [1, 2, 4, 8, 12, 16, 20]
     assert [fit(n, [1, 2, 4, 8, 12, 16, 20]) for n in (1, 3, 9, 13, 20)] == [1, 4, 12, 16, 20]
-    with pytest.raises(ValueError, match="cannot hold max_slots=20"):
-        width_ladder(20, [1, 2, 16])
+    for refused in ([1, 2, 16], [1, 4, 32], [4, 2, 20], [0, 20]):  # short, too wide, unsorted, zero
+        with pytest.raises(ValueError, match="engine.widths: must increase strictly from >= 1 to max_slots=20"):
+            width_ladder(20, refused)
 
 
 @pytest.mark.parametrize("widths", [None, [1, 3, 4]])

@@ -86,7 +86,7 @@ def _laplace_export(tmp_path: Path, **model) -> tuple[Path, LaplaceLM]:
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
     tok = llama_style_tokenizer(tmp_path / "tok" / "tokenizer.json")
-    from laplace.data.tokenizer import load_tokenizer, tokenizer_sha256
+    from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
     config = {
         "format": FORMAT,

@@ -99,11 +99,16 @@ def test_no_script_folder_shadows_the_standard_library():
     assert clashes == []
 
 
-def test_prefect_lives_in_flows_and_mlflow_in_the_tracking_modules():
-    allowed = {"mlflow": {"pipeline/tracking.py", "pipeline/mlflow_model.py"}, "prefect": set()}
+# Third-party packages that only one room of laplace may import (Prefect: none, it lives in flows/).
+ROOM_OF = {"mlflow": "tracking", "prefect": None}
+
+
+def test_prefect_lives_in_flows_and_mlflow_in_the_tracking_room():
+    """A folder rule: any file under laplace/tracking/ may import mlflow (a new tracking module
+    needs no entry here), no file elsewhere in laplace may; Prefect no file of laplace."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        rel = str(path.relative_to(PACKAGE))
+        rel = path.relative_to(PACKAGE)
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             names = (
@@ -115,7 +120,7 @@ def test_prefect_lives_in_flows_and_mlflow_in_the_tracking_modules():
             )
             for name in names:
                 top = name.split(".")[0]
-                if top in allowed and rel not in allowed[top]:
+                if top in ROOM_OF and rel.parts[0] != ROOM_OF[top]:
                     offenders.append(f"{rel} imports {name}")
     assert offenders == []
 
@@ -123,7 +128,7 @@ def test_prefect_lives_in_flows_and_mlflow_in_the_tracking_modules():
 def test_subpackages_are_one_level_deep_and_the_rooms_exist():
     nested = [str(p.relative_to(PACKAGE)) for p in PACKAGE.glob("*/*/__init__.py")]
     assert nested == []
-    for room in LIBRARY + ("pipeline",):
+    for room in LIBRARY + ("tracking", "pipeline"):
         assert (PACKAGE / room / "__init__.py").is_file(), room
 
 
@@ -368,6 +373,120 @@ def test_imports_point_down_no_circle():
 def test_the_circle_check_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_circles(graph) == [["a", "b", "c"]]
+
+
+# --------------------------------------------------------------------------- layers
+
+# The rooms of laplace, lowest first. A module imports only its own room and the rooms of lower
+# layers; rooms that share a layer are independent (data, model and optim never import each
+# other: what two of them share is a base module, as laplace/sharding.py and
+# laplace/tokenizer_file.py are). "base" is every module directly under laplace/ (errors,
+# fileio, runtime, config, manifest, progress, processes, ...).
+LAYERS = (
+    ("base",),
+    ("data", "model", "optim"),
+    ("training",),
+    ("serving",),
+    ("evals",),
+    ("tracking",),
+    ("pipeline",),
+)
+# Imports the layers allow although they point up, each with why. The importer's target must
+# itself import nothing above the base (test_the_allowed_upward_imports_are_leaves).
+UPWARD_ALLOWED = {
+    # config.py's model: section is ModelConfig's fields (one knob, one place), and ModelConfig
+    # lives beside the model it configures
+    ("laplace.config", "laplace.model.config"),
+}
+
+
+def room_of(module: str, package: Path = PACKAGE) -> str:
+    """`laplace.serving.engine` -> serving; a module directly under laplace/ (or laplace itself) -> base."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (package / parts[1]).is_dir()) else "base"
+
+
+def layer_of(room: str) -> int:
+    return next(i for i, rooms in enumerate(LAYERS) if room in rooms)
+
+
+def package_imports(package: Path) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (function-level included), for any tree laid
+    out as laplace is (so the check can run on a planted tree too)."""
+    top = package.parent
+
+    def known(name: str) -> bool:
+        base = top.joinpath(*name.split("."))
+        return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+    graph = {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(top).with_suffix("")
+        me = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            found |= {n for n in names if n.split(".")[0] == package.name and known(n)}
+        graph[me] = found - {me}
+    return graph
+
+
+def layer_violations(package: Path) -> list[str]:
+    """Every import of a higher layer's room, or of another room of the same layer, in `package`."""
+    out = []
+    for module, targets in sorted(package_imports(package).items()):
+        mine = room_of(module, package)
+        for target in sorted(targets):
+            theirs = room_of(target, package)
+            if theirs == mine or (module, target) in UPWARD_ALLOWED:
+                continue
+            if layer_of(theirs) > layer_of(mine):
+                out.append(f"{module} ({mine}) imports {target} ({theirs}): a higher layer")
+            elif layer_of(theirs) == layer_of(mine):
+                out.append(f"{module} ({mine}) imports {target} ({theirs}): a room beside it")
+    return out
+
+
+def test_every_room_is_in_a_layer():
+    rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert rooms | {"base"} == {room for layer in LAYERS for room in layer}
+
+
+def test_imports_follow_the_layers():
+    """base, then data | model | optim, training, serving, evals, tracking, pipeline."""
+    problems = layer_violations(PACKAGE)
+    assert problems == [], "imports against the layers:\n" + "\n".join(problems)
+
+
+def test_the_allowed_upward_imports_are_leaves():
+    """An allowed upward import may not carry a room along: its target imports only base modules."""
+    graph = package_imports(PACKAGE)
+    for _, target in sorted(UPWARD_ALLOWED):
+        assert {room_of(m) for m in graph[target]} <= {"base"}, target
+
+
+def test_the_layer_check_finds_planted_violations(tmp_path):
+    """The checker run on a tree with an upward, a sideways and a lazy upward import."""
+    pkg = tmp_path / "laplace"
+    for room in ("data", "model", "serving"):
+        (pkg / room).mkdir(parents=True)
+        (pkg / room / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "data" / "shards.py").write_text("from laplace import errors\n")  # down: fine
+    (pkg / "serving" / "engine.py").write_text("import laplace.model.lm\n")  # down: fine
+    (pkg / "model" / "lm.py").write_text("from laplace.data.shards import x\n")  # beside
+    (pkg / "model" / "export.py").write_text("def f():\n    from laplace.serving import engine\n")  # up, lazily
+    assert layer_violations(pkg) == [
+        "laplace.model.export (model) imports laplace.serving (serving): a higher layer",
+        "laplace.model.export (model) imports laplace.serving.engine (serving): a higher layer",
+        "laplace.model.lm (model) imports laplace.data.shards (data): a room beside it",
+    ]
 
 
 # --------------------------------------------------------------------------- tests found by name

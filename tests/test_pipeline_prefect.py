@@ -102,7 +102,7 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
                 "--watch-timeout",
                 str(PIPELINE_RUN_S - 100),
                 "--params",
-                json.dumps({"overrides": {"train.lr": 0.002}}),
+                json.dumps({"overrides": {"train.lr": 0.002, "data.executor": "dask"}}),
             ],
             repo,
             env=e,
@@ -124,6 +124,7 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
     assert runs[0].data.params["train.lr"] == "0.002"
     assert "Data and pipelines are up to date" in run(["python", "-m", "dvc", "status"], repo).stdout
     assert json.loads((repo / "metrics" / "train.json").read_text())["steps"] == TINY_PARAMS["train.steps"]
+    assert json.loads((repo / "metrics" / "tokenize.json").read_text())["executor"] == "dask"  # the knob reached it
     import yaml
 
     lock = yaml.safe_load((repo / "dvc.lock").read_text())

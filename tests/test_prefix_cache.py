@@ -11,7 +11,7 @@ import torch
 from laplace.config import EngineSection, ServeCheckSection
 from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM, State
-from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.engine import DecodeEngine, Request, prefill_pieces
 from laplace.serving.prefix_cache import PrefixCache, common_prefix
 from laplace.serving.replay import prefix_cache_comparison, replay
 from laplace.serving.workload import SHARED_PREFIX, build_requests
@@ -69,7 +69,8 @@ def test_outputs_with_the_cache_equal_those_without_and_hits_are_counted(tempera
     # request 0, so its prefill is split there and the system prompt's state stored; 2.. hit it
     assert (stats["hits"], stats["misses"], stats["evictions"]) == (n - 2, 2, 0)
     assert stats["hit_tokens"] == (n - 2) * 37
-    assert stats["entries"] == n + 1 and stats["bytes"] == (n + 1) * row
+    assert stats["entries"] == n + 1 and stats["bytes"] == (n + 1) * (row + 4 * VOCAB)  # state + fp32 logits
+    assert stats["query_tokens"] == sum(len(r.prompt_ids) for r in requests)
     # a hit prefills only the user text: fewer padded tokens than the whole prompt
     prefill = [s.width for s in cached_engine.steps if s.kind == "prefill"]
     assert prefill[2] < cached_engine.padded_tokens(len(requests[2].prompt_ids))
@@ -113,8 +114,8 @@ def test_lru_eviction_within_the_byte_budget():
     keys = [np.array([k, k + 1, k + 2]) for k in range(0, 40, 10)]
     for i, k in enumerate(keys[:3]):
         cache.put(k, row(i))
-    start, state, _ = cache.plan(np.concatenate([keys[0], [99]]))  # uses keys[0]: now most recent
-    assert start == 3 and float(state.recurrent[0, 0, 0]) == 0.0
+    plan = cache.plan(np.concatenate([keys[0], [99]]))  # uses keys[0]: now most recent
+    assert plan.start == 3 and float(plan.state.recurrent[0, 0, 0]) == 0.0
     cache.put(keys[3], row(3))  # over budget: the least recently used (keys[1]) goes
     assert cache.stats() == {
         "hits": 1,
@@ -123,26 +124,74 @@ def test_lru_eviction_within_the_byte_budget():
         "evictions": 1,
         "entries": 3,
         "hit_tokens": 3,
+        "query_tokens": 4,
     }
-    assert cache.plan(np.concatenate([keys[1], [99]]))[1] is None  # evicted: a miss
-    assert cache.plan(np.concatenate([keys[2], [99]]))[0] == 3
+    assert cache.plan(np.concatenate([keys[1], [99]])).state is None  # evicted: a miss
+    assert cache.plan(np.concatenate([keys[2], [99]])).start == 3
     PrefixCache(budget_bytes=nbytes - 1).put(keys[0], row(0))  # larger than the budget: not stored, no error
     off = PrefixCache(0)
     off.put(keys[0], row(0))
     assert len(off) == 0 and not off.enabled
 
 
-def test_split_points_and_the_last_token_is_always_prefilled():
+def test_an_exact_repeat_prefills_nothing_and_a_split_is_made_only_where_it_saves_a_bucket():
     cache = PrefixCache(budget_bytes=1 << 20, min_tokens=4)
-    s = State(torch.zeros(1, 1, 2), None)
-    cache.put(np.arange(10), s)
-    # the same prompt again: the whole entry cannot be used (its last token's logits are needed),
-    # so the prefill is split one token short and that prefix stored
-    assert cache.plan(np.arange(10)) == (0, None, 9)
-    # shares 6 tokens: split there; shares 2 (< min_tokens): no split
-    assert cache.plan(np.r_[np.arange(6), 50, 51])[2] == 6
-    assert cache.plan(np.r_[0, 1, 50, 51, 52])[2] is None
+    s, logits = State(torch.zeros(1, 1, 2), None), torch.zeros(1, 5)
+    cache.put(np.arange(10), s, logits)
+    # the same prompt again: its state and last logits are cached, nothing is prefilled (the old plan
+    # split it one token short: two prefill pieces where no cache needs one)
+    plan = cache.plan(np.arange(10))
+    assert (plan.start, plan.split) == (10, None) and plan.logits is logits
+
+    # shares 6 tokens: split there when the remainder fits a smaller bucket than the whole prompt
+    def buckets(sizes):
+        return lambda n: sum(b for _, b in prefill_pieces(n, sizes))
+
+    prompt = np.r_[np.arange(6), 50, 51]
+    assert cache.plan(prompt, buckets([2, 8])).split == 6  # 2 tokens left: bucket 2 instead of 8
+    assert cache.plan(prompt, buckets([8])).split is None  # bucket 8 either way: no split, no second piece
+    assert cache.plan(np.r_[0, 1, 50, 51, 52]).split is None  # shares 2 (< min_tokens)
     assert common_prefix(np.arange(5), np.arange(3)) == 3 and common_prefix(np.array([1]), np.array([2])) == 0
+
+
+def test_an_exact_repeat_is_never_slower_than_no_cache_in_prefill_tokens():
+    """The issue's case: a prompt under the largest bucket, seen twice. Without the cache each sighting
+    prefills one bucket; with it the first does the same and the repeat prefills nothing; a long prompt's
+    remainder after a cached prefix runs at the smallest bucket that holds it; outputs are identical."""
+    m = model()
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, VOCAB, 57).tolist()  # like 228 tokens under a 256 bucket
+    off, on = engine(m, 0, buckets=(16, 64)), engine(m, 1 << 20, buckets=(16, 64))
+    outs = {}
+    for name, eng in (("off", off), ("on", on)):
+        outs[name] = [eng.complete([Request(i, prompt, 4)])[0].output_ids for i in range(2)]
+    prefill = {name: [s.width for s in e.steps if s.kind == "prefill"] for name, e in (("off", off), ("on", on))}
+    assert prefill["off"] == [64, 64] and prefill["on"] == [64, 0]
+    assert outs["on"] == outs["off"]
+    # a long shared prefix: the remainder runs at the smallest bucket that holds it
+    long_prefix = rng.integers(0, VOCAB, 150).tolist()
+    first, second = long_prefix + [1, 2, 3], long_prefix + [4, 5, 6, 7, 8]
+    on.complete([Request(10, first, 2)])
+    on.complete([Request(11, second, 2)])  # shares 150 with the first: split there (5 left: bucket 16)
+    on.steps.clear()
+    third = long_prefix + [9] * 10
+    (done,) = on.complete([Request(12, third, 3)])
+    assert [s.width for s in on.steps if s.kind == "prefill"] == [16]  # 10 tokens after the cached 150
+    (alone,) = engine(m, 0, buckets=(16, 64)).complete([Request(12, third, 3)])
+    assert done.output_ids == alone.output_ids
+    stats = on.prefix_cache_stats()
+    assert stats["hit_tokens"] == 57 + 150 and stats["query_tokens"] == 2 * 57 + 153 + 155 + 160
+    # vLLM's prefix-cache counters (in tokens, as vLLM counts them) are exported from these
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from laplace.serving.metrics import ServerMetrics
+
+    metrics = ServerMetrics(2, "m")
+    metrics.prefix_cache.snapshot = stats
+    families = {f.name: f for f in text_string_to_metric_families(metrics.exposition()[0].decode())}
+    assert families["vllm:prefix_cache_queries"].samples[0].value == stats["query_tokens"]
+    assert families["vllm:prefix_cache_hits"].samples[0].value == stats["hit_tokens"]
+    assert families["vllm:prefix_cache_hits"].samples[0].labels == {"model_name": "m"}
 
 
 def test_the_shared_prefix_workload_and_the_replay_side_by_side():

@@ -5,11 +5,17 @@ and an unreachable hub is a crash to retry rather than bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
 import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +26,7 @@ from laplace.data.readers import (
     _raise_if_network,
     corpus_units,
     iter_documents,
+    plan_slices,
     record_pieces,
     slice_documents,
     unit_fingerprint,
@@ -157,3 +164,158 @@ def test_an_unreachable_hub_is_a_retryable_failure_not_bad_input():
                 _raise_if_network(wrapped, "could not load 'x'")
     assert isinstance(caught.value, Failure) and not isinstance(caught.value, DataError)
     _raise_if_network(FileNotFoundError("Dataset 'x' doesn't exist on the Hub"), "could not load 'x'")  # bad input
+
+
+# --------------------------------------------------------------------------- inputs that used to crash
+# (a line nested 100,000 deep, a truncated or non-gzip .jsonl.gz, an unreadable .jsonl read under
+# another user id since root ignores file modes, a BOM, a .json array with a non-object, a full disk)
+
+GOOD = [{"text": f"{i} {TEXT}"} for i in range(5)]
+
+
+def one_slice(path, **kw) -> DataSection:
+    return DataSection(source="files", path=str(path), min_chars=10, slices=1, **kw)
+
+
+def jsonl(records) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def read(directory: Path, **kw) -> tuple[list[str], SliceStats]:
+    """Every document of the corpus and what was skipped, as the stage's survey and encode read it."""
+    data = one_slice(directory, **kw)
+    (units,) = plan_slices(corpus_units(data), 1)
+    problems = {u.name: p for u in units if (p := unit_fingerprint(u, data)[1])}
+    stats = SliceStats()
+    return list(slice_documents(units, problems, data, 0, stats)), stats
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    directory = tmp_path / "corpus"
+    directory.mkdir()
+    (directory / "good.jsonl").write_text(jsonl(GOOD))
+    return directory
+
+
+def test_a_line_nested_100000_deep_is_skipped_and_named(corpus):
+    (corpus / "deep.jsonl").write_text(jsonl(GOOD[:1]) + "[" * 100_000 + "]" * 100_000 + "\n" + jsonl(GOOD[1:2]))
+    docs, stats = read(corpus)
+    assert len(docs) == len(GOOD) + 2
+    assert stats.bad == [f"{corpus / 'deep.jsonl'}:2: not a JSON record (nested too deeply to parse)"]
+
+
+def test_a_truncated_gzip_keeps_the_records_before_the_cut_and_names_the_file(corpus):
+    whole = gzip.compress(jsonl([{"text": f"gz {i} {TEXT}"} for i in range(200)]).encode())
+    (corpus / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    docs, stats = read(corpus)
+    kept = [d for d in docs if d.startswith("gz ")]
+    assert 0 < len(kept) < 200 and kept == [f"gz {i} {TEXT}" for i in range(len(kept))]
+    (bad,) = stats.bad
+    assert bad.startswith(f"{corpus / 'cut.jsonl.gz'}: a truncated gzip file (EOFError")
+
+
+def test_a_jsonl_gz_that_is_not_gzip_is_skipped_and_named(corpus):
+    (corpus / "plain.jsonl.gz").write_text(jsonl(GOOD))  # not compressed
+    docs, stats = read(corpus)
+    assert len(docs) == len(GOOD)
+    (bad,) = stats.bad
+    assert bad.startswith(f"{corpus / 'plain.jsonl.gz'}: not a valid gzip file (BadGzipFile")
+
+
+@contextlib.contextmanager
+def as_user(uid: int):
+    """This process's effective uid set to `uid` (root's file access checks then apply to it)."""
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads the corpus as another user: needs root to switch")
+def test_an_unreadable_jsonl_is_skipped_and_named():
+    corpus = Path(tempfile.mkdtemp(prefix="laplace-unreadable-"))  # outside pytest's root-only tmp
+    try:
+        os.chmod(corpus, 0o755)
+        (corpus / "good.jsonl").write_text(jsonl(GOOD))
+        secret = corpus / "secret.jsonl"
+        secret.write_text(jsonl(GOOD))
+        secret.chmod(0o000)
+        with as_user(65534):  # nobody: the real PermissionError that a file mode gives
+            docs, stats = read(corpus)
+    finally:
+        shutil.rmtree(corpus)
+    assert len(docs) == len(GOOD)
+    (bad,) = stats.bad
+    assert bad == f"{secret}: unreadable (PermissionError: [Errno 13] Permission denied: '{secret}')"
+
+
+def test_a_bom_at_the_start_of_a_jsonl_keeps_its_first_record(corpus):
+    (corpus / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + jsonl([{"text": f"bom {TEXT}"}] + GOOD[:1]).encode())
+    (corpus / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([{"text": f"array {TEXT}"}]).encode())
+    docs, stats = read(corpus)
+    assert f"bom {TEXT}" in docs and f"array {TEXT}" in docs and not stats.bad
+
+
+def test_a_json_array_with_a_non_object_element_skips_that_element_only(corpus):
+    (corpus / "mixed.json").write_text(json.dumps([{"text": f"a {TEXT}"}, 7, {"text": f"b {TEXT}"}]))
+    docs, stats = read(corpus)
+    assert f"a {TEXT}" in docs and f"b {TEXT}" in docs
+    assert stats.bad == [f"{corpus / 'mixed.json'}[1]: a JSON int, not an object"]
+
+
+def test_every_crash_input_at_once_through_the_stage(corpus, tmp_path):
+    """The stage itself (worker processes) completes and lists each one in the manifest."""
+    (corpus / "deep.jsonl").write_text("{" * 50_000 + "\n" + jsonl(GOOD[:1]))
+    (corpus / "plain.jsonl.gz").write_text(jsonl(GOOD))
+    whole = gzip.compress(jsonl(GOOD).encode())
+    (corpus / "cut.jsonl.gz").write_bytes(whole[:-12])
+    (corpus / "mixed.json").write_text(json.dumps([{"text": f"a {TEXT}"}, "x"]))
+    tok = tmp_path / "tok.json"
+    train_tokenizer([TEXT * 3], 300, 1).save(str(tok))
+    data = DataSection(source="files", path=str(corpus), min_chars=10, slices=3, num_proc=2, val_fraction=0.3)
+    tokenize_corpus(data, TokenizerSection(from_=str(tok)), tmp_path / "out", 0)
+    bad = json.loads((tmp_path / "out" / "manifest.json").read_text())["bad_input"]
+    named = sorted(line.split(": ", 1)[0].rsplit("/", 1)[1] for line in bad)
+    assert named == ["cut.jsonl.gz", "deep.jsonl:1", "mixed.json[1]", "plain.jsonl.gz"], bad
+
+
+def small_tmpfs(path: Path) -> bool:
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a 256 KB tmpfs: needs root")
+def test_a_full_disk_is_one_line_and_a_crash(tmp_path):
+    """A real ENOSPC: the output goes to a 256 KB tmpfs, the corpus needs more."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "big.jsonl").write_text(jsonl({"text": f"{i} {TEXT * 4}"} for i in range(4000)))
+    tok = tmp_path / "tok.json"
+    train_tokenizer([TEXT * 3], 300, 1).save(str(tok))
+    disk = tmp_path / "disk"
+    if not small_tmpfs(disk):
+        pytest.skip("mount -t tmpfs is not permitted here")
+    params = {"data": {"source": "files", "path": str(corpus), "min_chars": 10, "slices": 2, "num_proc": 1}}
+    params["data"]["shard_tokens"] = 1000
+    params["tokenizer"] = {"from": str(tok)}
+    (disk / "params.yaml").write_text(json.dumps(params))  # the project on the small disk: data/ goes there
+    try:
+        out = subprocess.run(
+            [str(Path(sys.executable).parent / "laplace"), "tokenize"],
+            cwd=disk,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        left = sorted(p.name for p in (disk / "data").iterdir()) if (disk / "data").is_dir() else []
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert out.returncode == 1, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert errors[0].startswith("laplace tokenize: error: tokenize: no space left on device"), errors
+    assert "Traceback" not in out.stderr
+    assert "tokenized" not in left  # no half output: the last good one (none here) is what stays

@@ -19,8 +19,8 @@ from laplace.errors import ConfigError
 from laplace.pipeline.cli import main
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config, write_params
-from laplace.pipeline.redact import redact, secret_values
 from laplace.pipeline.stages import STAGES
+from laplace.tracking.redact import redact, secret_values
 
 from project import ROOT, write_stage_results
 

@@ -195,11 +195,10 @@ def test_sampling_seed_stop_strings_echo_and_batches(served):
     greedy = complete(url, prompt="The function", max_tokens=24, temperature=0).json()["choices"][0]["text"]
     stop = greedy[5:8]  # a stop string the greedy text is known to contain
     cut = greedy[: greedy.index(stop)]
-    for answer in (
-        complete(url, prompt="The function", max_tokens=24, temperature=0, stop=[stop, "\u2603"]).json()["choices"][0],
-        {**stream(url, prompt="The function", max_tokens=24, temperature=0, stop=stop), "finish_reason": "stop"},
-    ):
-        assert answer["text"] == cut and answer.get("finish_reason", answer.get("finish")) == "stop"
+    plain = complete(url, prompt="The function", max_tokens=24, temperature=0, stop=[stop, "\u2603"]).json()
+    streamed = stream(url, prompt="The function", max_tokens=24, temperature=0, stop=stop)
+    assert (plain["choices"][0]["text"], plain["choices"][0]["finish_reason"]) == (cut, "stop")
+    assert (streamed["text"], streamed["finish"], streamed["errors"]) == (cut, "stop", [])  # as the server sent it
     echoed = complete(url, prompt="The function", max_tokens=5, temperature=0, echo=True).json()
     assert echoed["choices"][0]["text"] == "The function" + greedy[: len(echoed["choices"][0]["text"]) - 12]
     batch = complete(url, prompt=["The function", "A class"], max_tokens=6, temperature=0).json()
@@ -468,7 +467,8 @@ def test_nothing_stalls_the_event_loop_a_10_mb_prompt_nor_a_200_kb_stop_string(s
         ({"prompt": ["The value " * 10] * 16}, 200),  # tokenized off the loop, and served
     ]
     gaps: list[tuple[float, float]] = []  # (time, gap) of the stream's chunks
-    health: list[tuple[float, float]] = []
+    health: list[tuple[float, float, int]] = []  # (time, latency, status) of /health
+    failures: list[str] = []  # what went wrong in a thread: pytest only warns about a thread's exception
     stop = threading.Event()
 
     def read_stream():
@@ -487,19 +487,38 @@ def test_nothing_stalls_the_event_loop_a_10_mb_prompt_nor_a_200_kb_stop_string(s
         with httpx.Client(timeout=30) as client:
             while not stop.is_set():
                 started = time.perf_counter()
-                assert client.get(url + "/health").status_code == 200
-                health.append((started, time.perf_counter() - started))
+                status = client.get(url + "/health").status_code
+                health.append((started, time.perf_counter() - started, status))
                 time.sleep(0.01)
+
+    def recorded(fn):
+        def run():
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - reported by the test's own thread below
+                failures.append(f"{fn.__name__}: {exc!r}")
+
+        return run
+
+    def wait_for(what: str, ready, timeout_s: float = 60.0):
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert not failures, failures
+            assert time.monotonic() < deadline, f"no {what} within {timeout_s:g}s"
+            time.sleep(0.01)
+
+    def spans(samples, seconds: float) -> bool:
+        return len(samples) > 1 and samples[-1][0] - samples[0][0] >= seconds
 
     # encoded before the measurement: json.dumps of 10 MB holds this process's GIL, which would
     # stall the test's own reader threads and be mistaken for the server's stall
     encoded = [(json.dumps({"model": MODEL, "max_tokens": 4, **body}).encode(), status) for body, status in abusive]
     headers = {"content-type": "application/json"}
-    threads = [threading.Thread(target=read_stream), threading.Thread(target=poll_health)]
+    threads = [threading.Thread(target=recorded(read_stream)), threading.Thread(target=recorded(poll_health))]
     for t in threads:
         t.start()
     try:
-        time.sleep(1.5)  # the baseline
+        wait_for("baseline", lambda: spans(gaps, 1.0) and spans(health, 1.0))  # a second of each before
         attack_start = time.perf_counter()
         for raw, status in encoded:
             sent = time.perf_counter()
@@ -507,14 +526,17 @@ def test_nothing_stalls_the_event_loop_a_10_mb_prompt_nor_a_200_kb_stop_string(s
             assert r.status_code == status, (status, r.text[:300])
             print(f"stall test: {len(raw):,} bytes answered {status} in {time.perf_counter() - sent:.3f}s")
         attack_end = time.perf_counter()
-        time.sleep(0.3)
+        # a chunk and a /health answer after the window, so a stall reaching past its end is measured
+        wait_for("samples after the abuse", lambda: gaps[-1][0] > attack_end + 0.3 and health[-1][0] > attack_end + 0.3)
     finally:
         stop.set()
         for t in threads:
             t.join(60)
+    assert failures == [] and not any(t.is_alive() for t in threads), failures
+    assert {status for *_, status in health} == {200}
 
     def worst(samples, start, end):
-        return max((v for t, v in samples if start <= t <= end), default=0.0)
+        return max((s[1] for s in samples if start <= s[0] <= end), default=0.0)
 
     base_gap, base_health = (
         worst(gaps, attack_start - 1.0, attack_start),
@@ -526,7 +548,7 @@ def test_nothing_stalls_the_event_loop_a_10_mb_prompt_nor_a_200_kb_stop_string(s
         f"(baseline {base_gap * 1e3:.0f} ms), worst /health {health_s * 1e3:.0f} ms "
         f"(baseline {base_health * 1e3:.0f} ms)"
     )
-    assert len([t for t, _ in gaps if attack_start <= t <= attack_end]) > 0
+    assert len([t for t, _ in gaps if attack_start <= t <= attack_end]) > 0  # the stream went on during it
     assert gap < base_gap + 0.1 and health_s < base_health + 0.1
     wait_for_free_slots(url)
 
@@ -703,6 +725,7 @@ def streams_during(url: str, n: int, max_tokens: int, on_first_token) -> list[di
                 if out["ids"] and len(admitted) == n and not fired.is_set():
                     fired.set()
                     on_first_token()
+        out["ended_s"] = time.perf_counter()
         return out
 
     async def run():
@@ -720,17 +743,33 @@ def test_sigterm_during_load_finishes_in_flight_requests_and_exits_0(tiny_artifa
     kept_alive = httpx.Client(timeout=30)  # a connection opened before the signal, kept open
     assert kept_alive.get(server.url + "/health").status_code == 200
 
+    signalled = []
+
     def terminate():
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        signalled.append(time.perf_counter())
+        # the server has taken the signal once /health says so on the open connection (no fixed sleep)
+        deadline = time.monotonic() + 30
+        while (health := kept_alive.get(server.url + "/health").json()) != {"status": "draining"}:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         # no new request is admitted: 503 on the open connection, a new connection is refused
         r = kept_alive.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         refused.append((r.status_code, r.json()["error"]["message"]))
-        refused.append(kept_alive.get(server.url + "/health").json())
-        try:
-            refused.append(httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code)
-        except httpx.ConnectError:
-            refused.append("refused")
+        refused.append(health)
+        # the listening socket closes within one 50 ms tick of the drain starting: until then a new
+        # connection is answered 503, after it refused
+        while True:
+            try:
+                status = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code
+            except httpx.ConnectError:
+                refused.append("refused")
+                break
+            if status != 503 or time.monotonic() > deadline:
+                refused.append(status)
+                break
+            time.sleep(0.02)
 
     try:
         results = streams_during(server.url, 8, 300, terminate)  # 4 decoding, 4 waiting for a slot
@@ -739,7 +778,14 @@ def test_sigterm_during_load_finishes_in_flight_requests_and_exits_0(tiny_artifa
         server.stop()
     kept_alive.close()
     assert refused == [(503, "server shutting down: not admitting new requests"), {"status": "draining"}, "refused"]
-    assert all(r["finish"] == "length" and len(r["ids"]) == 300 and not r["errors"] for r in results)
+    # the 4 decoding finish; the 4 still waiting for a slot are answered at once (an error event), not
+    # cancelled with 0 tokens at the end of the grace period
+    finished = [r for r in results if not r["errors"]]
+    queued = [r for r in results if r["errors"]]
+    assert len(finished) == len(queued) == 4, results
+    assert all(r["finish"] == "length" and len(r["ids"]) == 300 for r in finished)
+    assert all(not r["ids"] and "still waiting for a slot" in r["errors"][0] for r in queued)
+    assert all(r["ended_s"] - signalled[0] < 2.0 for r in queued), [r["ended_s"] - signalled[0] for r in queued]
     log = "\n".join(server.lines)
     assert status == 0 and "Traceback" not in log, log[-3000:]
     assert "SIGTERM: draining" in log

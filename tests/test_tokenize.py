@@ -250,51 +250,73 @@ def test_sigterm_handler_is_not_left_installed():
     assert os.environ.get("HF_DATASETS_CACHE") is None or "partial" not in os.environ["HF_DATASETS_CACHE"]
 
 
-def test_dask_fan_out_gives_the_local_runs_shards_byte_for_byte(tmp_path, monkeypatch):
-    """flows/tokenize_slices.py: the slices on a real Dask cluster (two worker processes on loopback) as
-    Prefect tasks; the shards are byte-identical to the local pool's, and the manifest is written
-    by the final merge in the flow's process."""
-    from distributed import Client, LocalCluster, get_task_stream
-    from prefect.testing.utilities import prefect_test_harness
-    from prefect_dask import DaskTaskRunner
+def staged_bytes(staging: Path) -> tuple[int, int]:
+    """(bytes of the tokenizer sample, bytes of everything else but shards and the staged tokenizer)."""
+    sample = other = 0
+    for path in list(staging.rglob("*")) if staging.is_dir() else []:
+        try:
+            size = path.stat().st_size if path.is_file() else 0
+        except OSError:  # removed while we looked
+            continue
+        rel = path.relative_to(staging).parts
+        if rel[0] == "samples":
+            sample += size
+        elif rel[0] not in ("train", "val") and path.name not in ("tokenizer.json", "tokenizer.key"):
+            other += size
+    return sample, other
 
-    from flows.tokenize_slices import tokenize
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the Dask workers inherit it
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+def stage_in(tmp_path: Path, **tokenizer) -> subprocess.Popen:
     corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    docs = python_docs_documents()
-    for i in range(12):
-        (corpus / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[i::12][:60]))
-    tok = tmp_path / "tokenizer.json"
-    train_tokenizer(docs[:200], 600, 2).save(str(tok))
-    data = {"source": "files", "path": str(corpus), "slices": 4, "shard_tokens": 20_000, "num_proc": 2}
-    (tmp_path / "params.yaml").write_text(
-        json.dumps({"seed": 0, "data": data, "tokenizer": {"from": str(tok)}})
-    )  # YAML too
-    local = tmp_path / "local"
-    expected = tokenize_corpus(DataSection(**data), TokenizerSection(from_=str(tok)), local, 0)
+    write_corpus(corpus, 3, files=8)
+    params = {"seed": 0, "data": {"source": "files", "path": "corpus", "slices": 4, "num_proc": 2}}
+    params["tokenizer"] = {"vocab_size": 400, "sample_bytes": 300_000, **tokenizer}
+    (tmp_path / "params.yaml").write_text(json.dumps(params))
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "laplace"), "tokenize"],
+        cwd=tmp_path,
+        env=env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
-        ) as cluster,
-        Client(cluster) as client,
-        prefect_test_harness(server_startup_timeout=120),
-    ):
-        fanned = tmp_path / "fanned"
-        flow = tokenize.with_options(task_runner=DaskTaskRunner(address=cluster.scheduler_address))
-        with get_task_stream(client) as stream:
-            metrics = flow(root=str(tmp_path), out_dir=str(fanned))
-    workers = {t["worker"] for t in stream.data}
-    assert metrics["slices"] == expected["slices"] >= 3 and metrics["slices_reused"] == 0
-    assert len(workers) == 2, stream.data  # both Dask workers encoded slices
-    names = sorted(p.relative_to(local) for p in local.rglob("*") if p.is_file())
-    assert names == sorted(p.relative_to(fanned) for p in fanned.rglob("*") if p.is_file())
-    for name in names:
-        assert (fanned / name).read_bytes() == (local / name).read_bytes(), name
+
+def test_staging_holds_at_most_the_tokenizer_sample_besides_the_shards(tmp_path):
+    """3 MB of corpus, tokenizer.sample_bytes 300 KB: the slices' sample files (the only copy of the
+    sample) never add up to more, sampled every 10 ms through the run; the quota binds."""
+    proc = stage_in(tmp_path)
+    staging = staging_dir(tmp_path / "data" / "tokenized")
+    peak_sample = peak_other = 0
+    while proc.poll() is None:
+        sample, other = staged_bytes(staging)
+        peak_sample, peak_other = max(peak_sample, sample), max(peak_other, other)
+        time.sleep(0.01)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert 150_000 < peak_sample <= 300_000, peak_sample
+    assert peak_other < 64_000, peak_other  # survey results, the run ledger, the workers' tags
+    assert not staging.exists()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "refusal"])
+def test_staging_is_gone_after_sigterm_and_after_a_refusal(tmp_path, how):
+    """SIGTERM once the sample is on disk (no shard finished yet), or a refusal (a vocabulary the
+    sample cannot reach, exit status 2): no staging directory is left behind."""
+    proc = stage_in(tmp_path, **({"vocab_size": 60_000} if how == "refusal" else {}))
+    staging = staging_dir(tmp_path / "data" / "tokenized")
+    if how == "sigterm":
+        deadline = time.monotonic() + 120
+        while not list((staging / "samples").glob("*.jsonl")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == (2 if how == "refusal" else 128 + signal.SIGTERM), err[-3000:]
+    if how == "refusal":
+        assert "tokenizer.vocab_size" in err, err[-3000:]
+    assert not staging.exists(), sorted(str(p.relative_to(staging)) for p in staging.rglob("*"))
+    assert not (tmp_path / "data" / "tokenized").exists()
 
 
 # --------------------------------------------------------------------------- files knobs name are DVC deps

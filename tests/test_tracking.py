@@ -156,7 +156,7 @@ def test_server_down_fails_in_one_line_and_a_rerun_logs_everything(server, tmp_p
     ), error
     assert "nothing was lost" in error and "rerun `laplace track` (or `dvc repro`)" in error
     # besides the error, at most the one notice that it is retrying; never the password
-    assert [line for line in lines[:-1] if "laplace.pipeline." not in line] == [], lines
+    assert [line for line in lines[:-1] if "laplace.tracking.store:" not in line] == [], lines
     assert len(lines) <= 2 and PASSWORD not in out.stderr
     assert 3 <= elapsed < 3 + 45, elapsed  # bounded by the knob, not MLflow's minutes of HTTP retries
     assert digest_tree(project / "metrics", project / "plots") == before  # the spool is intact

@@ -44,6 +44,9 @@ def test_settings_mismatch_names_the_thread_count(tmp_path):
     assert settings_mismatch(tmp_path, {"threads": 2, "torch": "2.13.0"}) is None
     why = settings_mismatch(tmp_path, {"threads": 1, "torch": "2.13.0"})
     assert "threads 2 there, 1 here" in why and "every graph will compile" in why
+    assert "--set server.threads=2 as warmup had it" in why  # the knob, with the value that matches
+    other_torch = settings_mismatch(tmp_path, {"threads": 2, "torch": "2.14.0"})
+    assert "torch 2.13.0 there, 2.14.0 here" in other_torch and "--set" not in other_torch  # no knob for that
     assert settings_mismatch(tmp_path / "none", {"threads": 1}) is None  # a cache that says nothing
 
 
@@ -81,9 +84,14 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
     log = "\n".join(server.lines)
     assert counters["laplace_warmup_graphs"] == counters["laplace_warmup_graphs_loaded_from_cache"] == 3, log
     assert counters["laplace_compile_events_total"] == 0
-    # the shared system prompt: request 0 misses, 1 misses and is split where it diverges, 2 and 3 hit
+    # the shared system prompt under one prefill bucket: a split where the prompts diverge cannot save
+    # a bucket (the rest fills the same one), so none is made (it would cost request 1 a second piece
+    # for nothing) and every request misses; the prompts are still looked up, in tokens
     hits = {k: v for k, v in counters.items() if k.startswith("laplace_prefix_cache_hits")}
-    assert list(hits.values()) == [2.0], counters
+    misses = {k: v for k, v in counters.items() if k.startswith("laplace_prefix_cache_misses")}
+    assert list(hits.values()) == [0.0] and list(misses.values()) == [4.0], counters
+    queries = {k: v for k, v in counters.items() if k.startswith("vllm:prefix_cache_queries")}
+    assert list(queries.values()) == [float(sum(len(p) for p in prompts))], counters
     assert "loaded from cache 3/3, compiled 0" in log and "was built under other settings" not in log
     assert "3/3 graphs loaded from the compile cache, 0 compiled" in log  # the server's ready line
 
@@ -92,3 +100,59 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
     eager.prefix_cache.budget_bytes = 0
     done = eager.complete([Request(i, p, 6) for i, p in enumerate(prompts)])
     assert outputs == [tokenizer.decode(c.output_ids) for c in done]
+
+
+def test_a_server_without_a_warmup_cache_compiles_into_a_scratch_cache_of_its_own(tmp_path, monkeypatch):
+    """Never the user's shared default Inductor cache: an empty directory under the server's scratch."""
+    from laplace.pipeline.serve import use_compile_cache
+    from laplace.pipeline.workers import CACHE_ENV
+
+    for name in CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert use_compile_cache(tmp_path / "no-such-cache", tmp_path, "padded") is None
+    for name in CACHE_ENV:
+        assert os.environ[name] == str(tmp_path / "compile-cache")
+    assert (tmp_path / "compile-cache").is_dir() and not any((tmp_path / "compile-cache").iterdir())
+    import torch._inductor.runtime.cache_dir_utils as cache_dirs
+
+    assert cache_dirs.cache_dir() == str(tmp_path / "compile-cache")  # what Inductor will write into
+
+
+@pytest.mark.slow
+def test_sigterm_during_warmup_ends_within_2_s_and_leaves_no_compiler_running(tiny_artifacts, tmp_path):
+    """A server compiling cold (no warmup cache) gets SIGTERM once warmup has started: the process
+    ends within 2 s with exit 0, no process it started (g++, Inductor's compile workers) outlives it,
+    and the log has no compiler output or traceback."""
+    import signal
+    import time
+
+    import psutil
+
+    from laplace.pipeline.repro import subprocess_env
+
+    _, export_dir = tiny_artifacts
+    cfg = load_config(ROOT / "params.yaml", {"engine.max_slots": 2, "engine.prefill_buckets": [16]})
+    env = subprocess_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    server = ServerProcess(
+        cfg, model=export_dir, policy="padded", compile_cache=tmp_path / "none", root=tmp_path, env=env
+    ).start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any("warmup 1/" in line for line in server.lines) and time.monotonic() < deadline:
+            assert server.proc.poll() is None, "\n".join(server.lines)
+            time.sleep(0.1)
+        time.sleep(3.0)  # into the compile: Dynamo tracing, then g++
+        started = psutil.Process(server.proc.pid).children(recursive=True)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        status = server.proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        server.stop()
+    time.sleep(0.5)
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    log = "\n".join(server.lines)
+    assert elapsed < 2.0, (elapsed, log[-2000:])
+    assert status == 0 and not alive, (status, alive)
+    assert "Traceback" not in log and "g++" not in log and len(server.lines) < 60, log[-3000:]
+    assert "SIGTERM during warmup: stopping" in log

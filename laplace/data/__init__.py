@@ -3,7 +3,9 @@
 Modules: pydocs (the offline default corpus), readers (units and slices of a corpus: files,
 saved datasets, hub streams, read lazily), tokenizer (byte-level BPE, trained on a bounded
 seeded sample), tokenize (corpus -> fixed-size token shards with a manifest each, streamed by a
-worker pool, resumable), pool (the worker processes that die with the stage), shards (the shard
+worker pool, resumable), pool (the worker processes that die with the stage), dask_executor
+(the same jobs on a Dask cluster, data.executor: dask), long_records (a huge JSON line read from
+its bytes a piece at a time), shards (the shard
 writer, and a split as one virtual array over its memory-mapped shards, verified once per job),
 sampler (the stateless batch sampler).
 

@@ -76,8 +76,32 @@ def sigterm_unwinds():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _tagged(fn: Callable, job, name: str, tags: str):
+def record_run(ledger: str | Path, name: str) -> None:
+    """Count one run of the job `name` (a line in `<ledger>/<name>`, appended in one write): a
+    job run twice in one stage run (a recompute after a worker died) shows in runs_repeated."""
+    path = Path(ledger) / "".join(c if c.isalnum() else "_" for c in name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, f"{name}\t{os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def runs_repeated(ledger: Path) -> dict[str, int]:
+    """{job: runs beyond its first} for every job that ran more than once (see record_run)."""
+    if not ledger.is_dir():
+        return {}
+    repeated = {}
+    for path in sorted(ledger.iterdir()):
+        lines = path.read_text().splitlines()
+        if len(lines) > 1:
+            repeated[lines[0].split("\t")[0]] = len(lines) - 1
+    return repeated
+
+
+def _tagged(fn: Callable, job, name: str, tags: str, ledger: str):
     """Run one job in a worker, leaving `<tags>/<pid>` (the job's name) while it runs."""
+    record_run(ledger, name)
     tag = Path(tags) / str(os.getpid())
     tag.write_text(name)
     try:
@@ -98,8 +122,10 @@ class Workers:
     """Jobs on `num_proc` spawned worker processes (or in this process when num_proc is 1, where
     a crash is a crash of the stage itself), and `call` for one job in a child of its own."""
 
-    def __init__(self, num_proc: int, tags: Path):
-        self.num_proc, self.tags = num_proc, Path(tags)
+    kind = "local"
+
+    def __init__(self, num_proc: int, tags: Path, ledger: Path):
+        self.num_proc, self.tags, self.ledger = num_proc, Path(tags), Path(ledger)
         self._executors: list[cf.ProcessPoolExecutor] = []
         self._seen: dict = {}  # pid -> multiprocessing.Process, every worker started
         shutil.rmtree(self.tags, ignore_errors=True)  # a killed run's tags name processes long gone
@@ -119,20 +145,27 @@ class Workers:
         """fn(job) for every job, yielded as each finishes; a WorkerDied naming the job a dead worker held."""
         jobs = list(jobs)
         if self.num_proc <= 1 or len(jobs) <= 1:
-            yield from map(fn, jobs)
+            for job in jobs:
+                record_run(self.ledger, name(job))
+                yield fn(job)
             return
         executor = self._executor(min(self.num_proc, len(jobs)))
-        futures = {executor.submit(_tagged, fn, j, name(j), str(self.tags)): j for j in jobs}
+        futures = {executor.submit(_tagged, fn, j, name(j), str(self.tags), str(self.ledger)): j for j in jobs}
         yield from self._results(executor, futures)
         self._close(executor)
 
     def call(self, fn: Callable, job, name: str):
         """fn(job) in a child process of its own: SIGTERM (and a kill of the child) stops it at once."""
         executor = self._executor(1)
-        futures = {executor.submit(_tagged, fn, job, name, str(self.tags)): job}
+        futures = {executor.submit(_tagged, fn, job, name, str(self.tags), str(self.ledger)): job}
         (result,) = self._results(executor, futures)
         self._close(executor)
         return result
+
+    def small(self, fn: Callable, job, name: str):
+        """fn(job) in this process: light work (the sample's merge) that a child would only delay."""
+        record_run(self.ledger, name)
+        return fn(job)
 
     def _results(self, executor: cf.ProcessPoolExecutor, futures: dict) -> Iterator:
         # the executor knows its processes by a private attribute, which it clears once broken:
@@ -184,9 +217,9 @@ class Workers:
 
 
 @contextlib.contextmanager
-def process_pool(num_proc: int, tags: Path) -> Iterator[Workers]:
+def process_pool(num_proc: int, tags: Path, ledger: Path) -> Iterator[Workers]:
     """Workers for the stage; every one is killed and reaped on the way out, however it is left."""
-    workers = Workers(num_proc, tags)
+    workers = Workers(num_proc, tags, ledger)
     try:
         yield workers
     finally:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from laplace.config import DataSection
+from laplace.data.long_records import LongText, NotARecord, members, string_lines, string_pieces
 from laplace.data.pydocs import python_docs_documents
 from laplace.errors import DataError, Failure, one_line
 
@@ -32,14 +33,17 @@ GZIP_SUFFIXES = {".jsonl.gz": "jsonl-gz", ".ndjson.gz": "jsonl-gz"}
 SPLITTABLE = ("text", "jsonl")  # kinds read by byte ranges (a large file is several units)
 _BLOCK = 1 << 20  # bytes read at a time when hashing or validating a file
 _RECORD_BATCH = 1024  # Parquet / dataset rows read at a time
+# A longer JSON line is parsed from its bytes a piece at a time (long_records): json.loads would hold
+# it decoded twice beside its bytes (~8x the record with one non-Latin-1 character)
+_STREAM_RECORD_BYTES = 1 << 23
 
 
 class BadInput(Exception):
     """A file or record that is not text (undecodable, binary, unreadable): `where` names it."""
 
-    def __init__(self, where: str, why: str):
+    def __init__(self, where: str, why: str, too_large: bool = False):
         super().__init__(f"{where}: {why}")
-        self.where, self.why = where, why
+        self.where, self.why, self.too_large = where, why, too_large
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class SliceStats:
     empty: int = 0
     too_short: int = 0
     undecodable: int = 0
+    too_large: int = 0  # records over data.max_record_bytes (also named in `bad`)
     bad: list[str] = field(default_factory=list)  # "where: why", one per skipped file or record
 
     def merge(self, other: SliceStats) -> None:
@@ -70,6 +75,7 @@ class SliceStats:
         self.empty += other.empty
         self.too_short += other.too_short
         self.undecodable += other.undecodable
+        self.too_large += other.too_large
         self.bad.extend(other.bad)
 
 
@@ -460,14 +466,57 @@ def record_pieces(text: str, max_chars: int) -> Iterator[str]:
         yield from _cut(_string_lines(text, max_chars), max_chars)
 
 
-def _read_line(f, limit: int = 1 << 24) -> bytearray:
-    """One line, grown in place (BufferedReader.readline joins the pieces of a long line: 2x its size)."""
-    line = bytearray()
+def _read_line(f, max_bytes: int, limit: int = 1 << 20) -> tuple[bytearray, int]:
+    """One line, grown in place (BufferedReader.readline joins the pieces of a long line: 2x its
+    size), and its size; a line over max_bytes is read to its end but not kept (empty)."""
+    line, size = bytearray(), 0
     while piece := f.readline(limit):
-        line += piece
+        size += len(piece)
+        if size <= max_bytes:
+            line += piece
+        elif line:
+            line = bytearray()  # let go: the record is skipped
         if piece.endswith(b"\n"):
             break
-    return line
+    return line, size
+
+
+def _too_large(where: str, size: int, max_bytes: int) -> BadInput:
+    return BadInput(where, f"a record of {size:,} bytes, over data.max_record_bytes={max_bytes:,}", too_large=True)
+
+
+def _long_record(raw: bytearray, where: str, text_field: str):
+    """A long JSON line (see _STREAM_RECORD_BYTES): its text as a LongText checked piece by piece,
+    None, or a BadInput; the same verdicts json.loads would give."""
+    try:
+        found = members(raw)
+        others = [(key, start, end) for key, start, end in found if key != text_field]
+        for _, start, end in others:  # the other members parsed alone (small), as json.loads would
+            json.loads(bytes(raw[start:end]))
+    except UnicodeDecodeError as exc:
+        return BadInput(where, f"not valid UTF-8 ({exc.reason})")
+    except (NotARecord, ValueError) as exc:
+        return BadInput(where, f"not a JSON record ({one_line(exc)})")
+    except RecursionError:
+        return BadInput(where, "not a JSON record (nested too deeply to parse)")
+    text = [(start, end) for key, start, end in found if key == text_field]
+    if not text:
+        fields = ", ".join(key for key, *_ in found)
+        raise DataError(f"{where}: no field {text_field!r} (data.text_field; fields: {fields})")
+    start, end = text[-1]  # the last one wins, as in json.loads
+    if raw[start] != ord('"'):
+        return _checked_record(json.loads(bytes(raw[start:end])), where, text_field)
+    chars = 0
+    try:
+        for piece in string_pieces(raw, start, end):  # checked whole before any of it is used
+            if not _valid_text(piece):
+                return BadInput(where, "not valid Unicode text (a lone surrogate such as \\ud800)")
+            chars += len(piece)
+    except UnicodeDecodeError as exc:
+        return BadInput(where, f"not valid UTF-8 ({exc.reason})")
+    except ValueError as exc:
+        return BadInput(where, f"not a JSON record ({one_line(exc)})")
+    return LongText(raw, start, end, chars)
 
 
 class _Where:
@@ -489,36 +538,67 @@ class _Where:
         return f"{self.unit.location}:{self._before + number}"
 
 
-def _jsonl_texts(unit: Unit, text_field: str) -> Iterator[str | None | BadInput]:
+def _gzip_problem(exc: BaseException) -> str:
+    if isinstance(exc, EOFError):
+        return f"a truncated gzip file ({one_line(exc)}); the records before the cut are kept"
+    return f"not a valid gzip file ({one_line(exc)})"
+
+
+def _parse_record(raw: bytes | bytearray, where: str):
+    """A JSON line -> the parsed value, or a BadInput saying why not (not UTF-8, not JSON, too deep)."""
+    try:
+        line = raw.decode("utf-8")  # strict; then the bytes are let go (a record may be huge)
+        raw = None
+        return json.loads(line)
+    except UnicodeDecodeError as exc:
+        return BadInput(where, f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+    except ValueError as exc:
+        return BadInput(where, f"not a JSON record ({one_line(exc)})")
+    except RecursionError:  # json's C scanner recurses per nesting level (a line nested 100,000 deep)
+        return BadInput(where, "not a JSON record (nested too deeply to parse)")
+
+
+def _jsonl_texts(unit: Unit, text_field: str, max_bytes: int) -> Iterator[str | None | BadInput | LongText]:
     if unit.kind == "jsonl-gz":
         import gzip
+        import zlib
 
         opened, start, stop = gzip.open(unit.location, "rb"), 0, None
+        broken: tuple = (EOFError, gzip.BadGzipFile, zlib.error)
     else:
         opened = open(unit.location, "rb")
         start, stop = byte_range(unit, opened)
         opened.seek(start)
+        broken = ()
     where = _Where(unit, start)
     number, pos = 0, start
     with opened as f:
         while stop is None or pos < stop:
-            raw = _read_line(f)
-            if not raw:
-                break
-            pos += len(raw)
-            number += 1
-            if not raw.strip():
-                continue
             try:
-                line = raw.decode("utf-8")  # strict; then the bytes are let go (a record may be huge)
-                raw = None
-                record = json.loads(line)
-                line = None
-            except UnicodeDecodeError as exc:
-                yield BadInput(where(number), f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+                raw, size = _read_line(f, max_bytes)
+            except broken as exc:
+                yield BadInput(unit.location, _gzip_problem(exc))
+                return
+            if not size:
+                break
+            if pos == 0 and raw.startswith(codecs.BOM_UTF8):  # a UTF-8 byte order mark is not part of the record
+                del raw[:3]
+                pos, size = pos + 3, size - 3
+            pos += size
+            number += 1
+            if size > max_bytes:
+                yield _too_large(where(number), size, max_bytes)
                 continue
-            except ValueError as exc:
-                yield BadInput(where(number), f"not a JSON record ({one_line(exc)})")
+            if raw.isspace():  # (not raw.strip(): a copy of the line)
+                continue
+            if len(raw) > _STREAM_RECORD_BYTES:
+                yield _long_record(raw, where(number), text_field)
+                raw = None
+                continue
+            record = _parse_record(raw, where(number))
+            raw = None
+            if isinstance(record, BadInput):
+                yield record
                 continue
             if not isinstance(record, dict):
                 yield BadInput(where(number), f"a JSON {type(record).__name__}, not an object")
@@ -534,21 +614,30 @@ def _jsonl_texts(unit: Unit, text_field: str) -> Iterator[str | None | BadInput]
                 yield _checked_record(value, where(number), text_field)
 
 
-def _json_texts(path: Path, text_field: str) -> Iterator[str | None | BadInput]:
+def _json_texts(path: Path, text_field: str, max_bytes: int) -> Iterator[str | None | BadInput | LongText]:
     with open(path, "rb") as f:
-        head = f.read(64).lstrip()
+        head = f.read(64).removeprefix(codecs.BOM_UTF8).lstrip()
     if not head.startswith(b"["):
-        yield from _jsonl_texts(Unit(path.name, "jsonl", str(path)), text_field)
+        yield from _jsonl_texts(Unit(path.name, "jsonl", str(path)), text_field, max_bytes)
         return
-    try:  # a JSON array is parsed whole: keep large corpora in JSON Lines or Parquet
-        records = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, ValueError) as exc:
-        yield BadInput(str(path), f"not valid JSON ({one_line(exc)})")
+    if (size := path.stat().st_size) > max_bytes:
+        yield _too_large(str(path), size, max_bytes)
+        return
+    # a JSON array is parsed whole: keep large corpora in JSON Lines or Parquet
+    records = _parse_record(path.read_bytes().removeprefix(codecs.BOM_UTF8), str(path))
+    if isinstance(records, BadInput):
+        yield BadInput(str(path), records.why.replace("not a JSON record", "not valid JSON"))
+        return
+    if not isinstance(records, list):
+        yield BadInput(str(path), f"a JSON {type(records).__name__}, not an array of records")
         return
     for i, record in enumerate(records):
         where = f"{path}[{i}]"
-        if not isinstance(record, dict) or text_field not in record:
-            raise DataError(f"{where}: no field {text_field!r} (data.text_field)")
+        if not isinstance(record, dict):  # skipped and named, as the same line in JSON Lines is
+            yield BadInput(where, f"a JSON {type(record).__name__}, not an object")
+            continue
+        if text_field not in record:
+            raise DataError(f"{where}: no field {text_field!r} (data.text_field; fields: {', '.join(record)})")
         yield _checked_record(record[text_field], where, text_field)
 
 
@@ -594,9 +683,9 @@ def _records(unit: Unit, data: DataSection) -> Iterator[str | None | BadInput]:
     elif unit.kind == "saved":
         yield from _saved_texts(unit, data)
     elif unit.kind in ("jsonl", "jsonl-gz"):
-        yield from _jsonl_texts(unit, data.text_field)
+        yield from _jsonl_texts(unit, data.text_field, data.max_record_bytes)
     elif unit.kind == "json":
-        yield from _json_texts(Path(unit.location), data.text_field)
+        yield from _json_texts(Path(unit.location), data.text_field, data.max_record_bytes)
     elif unit.kind == "parquet":
         yield from _parquet_texts(Path(unit.location), data.text_field)
     else:
@@ -613,12 +702,22 @@ def unit_texts(unit: Unit, data: DataSection, problem: str = "") -> Iterator[str
             yield BadInput(unit.location, problem)
         else:
             yield from _text_documents(unit, data.max_document_chars)
+    elif problem:  # unreadable (the survey could not hash it)
+        yield BadInput(unit.location, problem)
     else:
-        for record in _records(unit, data):
-            if isinstance(record, str) and len(record) > data.max_document_chars:
-                yield from record_pieces(record, data.max_document_chars)
-            else:
-                yield record
+        try:
+            for record in _records(unit, data):
+                if isinstance(record, LongText):  # the same documents as record_pieces of the whole text
+                    if record.chars <= data.max_document_chars:
+                        yield "".join(record.pieces())
+                    else:
+                        yield from _cut(string_lines(record.pieces(), data.max_document_chars), data.max_document_chars)
+                elif isinstance(record, str) and len(record) > data.max_document_chars:
+                    yield from record_pieces(record, data.max_document_chars)
+                else:
+                    yield record
+        except (PermissionError, IsADirectoryError, FileNotFoundError) as exc:  # gone or closed since the survey
+            yield BadInput(unit.location, f"unreadable ({one_line(exc)})")
 
 
 def slice_documents(
@@ -631,7 +730,10 @@ def slice_documents(
             if isinstance(text, BadInput):
                 if data.on_bad_file == "error":
                     raise DataError(f"{text} (data.on_bad_file: error; set it to skip to leave such input out)")
-                stats.undecodable += 1
+                if text.too_large:
+                    stats.too_large += 1
+                else:
+                    stats.undecodable += 1
                 stats.bad.append(str(text))
                 continue
             if quota and stats.read >= quota:

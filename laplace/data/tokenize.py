@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import hashlib
 import heapq
 import json
@@ -32,12 +33,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from laplace import manifest
 from laplace.config import DataSection, TokenizerSection
-from laplace.data.pool import Workers, process_pool, sigterm_unwinds
+from laplace.data.pool import Workers, process_pool, runs_repeated, sigterm_unwinds
 from laplace.data.readers import (
     SliceStats,
     Unit,
@@ -55,13 +57,15 @@ from laplace.data.tokenizer import (
     document_end_id,
     document_start_ids,
     given_tokenizer_file,
-    load_tokenizer,
-    tokenizer_sha256,
     train_reaching,
 )
-from laplace.errors import DataError
+from laplace.errors import DataError, Failure, InputError, one_line
 from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsync_file
 from laplace.progress import progress_bar
+from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
+
+if TYPE_CHECKING:
+    from laplace.data.dask_executor import DaskWorkers
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,17 @@ def _val_score(text: str, seed: int) -> float:
     key = str(seed).encode()[:64]
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=key).digest()
     return int.from_bytes(digest, "little") / 2.0**64
+
+
+class DiskFull(Failure):
+    """No space left for the shards or the manifest: one line naming the file, not a traceback;
+    a crash (retried), and the run resumes from the shards it finished once there is room."""
+
+
+_FULL_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+_PER_RUN = ("samples", "surveys", "runs", "workers")  # staging folders of one run, removed on every exit
 
 
 def staging_dir(out_dir: Path) -> Path:
@@ -102,8 +117,10 @@ class _SurveyJob:
     data: DataSection
     seed: int
     quota: int
-    sample_bytes: int  # 0: no sample needed (tokenizer.from)
+    sample_bytes: int  # the slice's quota of tokenizer.sample_bytes, on disk; 0: no sample (tokenizer.from)
     sample_file: str = ""  # where the slice's sample goes, sorted by keyed hash (JSON lines [hash, text])
+    result_file: str = ""  # where the survey's result is persisted before it is returned
+    run: str = ""  # this stage run: a result persisted by the same run is returned as it is
 
 
 @dataclass
@@ -114,23 +131,47 @@ class _Survey:
     sample_file: str = ""  # the slice's share of the sample (see _SurveyJob), read back streaming
 
 
+def _sample_line(key: int, text: str) -> bytes:
+    """A sample document as the slice's sample file holds it (its bytes count against the quota)."""
+    return (json.dumps([key, text], ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def _bounded_sample(texts: Iterator[str], seed: int, budget: int) -> list[tuple[int, str]]:
-    """The texts with the smallest keyed hashes whose sizes add up to at most `budget` bytes."""
-    heap: list[tuple[int, str]] = []  # max-heap on the hash (negated)
+    """The texts with the smallest keyed hashes whose sample lines add up to at most `budget` bytes
+    (so the slice's file, and what this worker holds, stay within its quota)."""
+    heap: list[tuple[int, int, str]] = []  # max-heap on the hash (negated), with each line's size
     size = 0
     for text in texts:
         key = stable_hash("sample", str(seed), text)
         if heap and size >= budget and key > -heap[0][0]:
             continue
-        heapq.heappush(heap, (-key, text))
-        size += len(text.encode("utf-8"))
+        line = len(_sample_line(key, text))
+        if line > budget:
+            continue
+        heapq.heappush(heap, (-key, line, text))
+        size += line
         while size > budget and heap:
-            _, dropped = heapq.heappop(heap)
-            size -= len(dropped.encode("utf-8"))
-    return sorted((-k, t) for k, t in heap)
+            _, dropped, _ = heapq.heappop(heap)
+            size -= dropped
+    return sorted((-k, t) for k, _, t in heap)
+
+
+def _persisted_survey(job: _SurveyJob) -> _Survey | None:
+    """The survey this stage run already finished for the slice (a job run again after its worker
+    died, or resubmitted), when its result and sample are still there."""
+    try:
+        saved = json.loads(Path(job.result_file).read_text())
+        if saved.pop("run") != job.run or (saved["sample_file"] and not Path(saved["sample_file"]).is_file()):
+            return None
+        return _Survey(**saved)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _survey(job: _SurveyJob) -> _Survey:
+    """One slice's survey; its result persisted (job.result_file) before it is returned."""
+    if job.result_file and (done := _persisted_survey(job)) is not None:
+        return done
     data = job.data
     found = {u.name: unit_fingerprint(u, data) for u in job.units}
     problems = {name: problem for name, (_, problem) in found.items() if problem}
@@ -146,11 +187,14 @@ def _survey(job: _SurveyJob) -> _Survey:
         sample = _bounded_sample(train, job.seed, job.sample_bytes)
         path = Path(job.sample_file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+        with open(f"{path}.tmp", "wb") as f:
             for key, text in sample:
-                f.write(json.dumps([key, text], ensure_ascii=False) + "\n")
+                f.write(_sample_line(key, text))
         os.replace(f"{path}.tmp", path)
         survey.sample_file = str(path)
+    if job.result_file:
+        Path(job.result_file).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(job.result_file), {**asdict(survey), "run": job.run})
     return survey
 
 
@@ -225,6 +269,22 @@ def _worker_tokenizer(tokenizer_json: str):
     return _TOKENIZER[tokenizer_json]
 
 
+def _encoded(tokenizer, pieces: list[str]) -> Iterator:
+    """The encodings of the pieces, in order, the encoder given at most about _ENCODE_BATCH_CHARS
+    characters per call: it holds ~300 bytes per character of what it is given (a 1M-character
+    document at once took ~300 MB), so a long document's pieces go a few at a time."""
+    group: list[str] = []
+    size = 0
+    for piece in pieces:
+        if group and size + len(piece) > _ENCODE_BATCH_CHARS:
+            yield from tokenizer.encode_batch_fast(group, add_special_tokens=False)
+            group, size = [], 0
+        group.append(piece)
+        size += len(piece)
+    if group:
+        yield from tokenizer.encode_batch_fast(group, add_special_tokens=False)
+
+
 def encode_slice(job: _EncodeJob) -> tuple[dict, int]:
     """Encode one slice: its record (what the manifest keeps) and how many of its shards were
     adopted from an interrupted run (a figure of this run, not of the slice)."""
@@ -245,7 +305,7 @@ def encode_slice(job: _EncodeJob) -> tuple[dict, int]:
 
     def flush() -> None:
         pieces = [list(_encoder_pieces(text, _ENCODE_PIECE_CHARS)) for *_, text in batch]
-        encodings = iter(tokenizer.encode_batch_fast([p for ps in pieces for p in ps], add_special_tokens=False))
+        encodings = _encoded(tokenizer, [p for ps in pieces for p in ps])
         for (split, index, skip, _), parts in zip(batch, pieces):
             done = [next(encodings).ids for _ in parts]
             count = len(job.start_ids) + sum(map(len, done)) + 1
@@ -338,6 +398,7 @@ def _settings(data: DataSection, tok_cfg: TokenizerSection, seed: int) -> dict:
         "seed": seed,
         "min_chars": data.min_chars,
         "max_document_chars": data.max_document_chars,
+        "max_record_bytes": data.max_record_bytes,
         "split_bytes": data.split_bytes,
         "val_fraction": data.val_fraction,
         "on_bad_file": data.on_bad_file,
@@ -377,44 +438,37 @@ def _read_sample(path: str) -> Iterator[tuple[int, str]]:
             yield key, text
 
 
-def _merge_samples(surveys: list[_Survey], budget: int, out: Path) -> tuple[str, int, int]:
-    """The global sample, streamed: the smallest keyed hashes over all slices (a k-way merge of the
-    slices' sorted files), at most `budget` bytes, written to `out` as JSON lines of text. The stage
-    holds one document per slice, never the sample. Returns (sha256 of the sample, documents, bytes)."""
-    streams = [_read_sample(s.sample_file) for s in surveys if s.sample_file]
+def _sample(sample_files: list[str]) -> Iterator[tuple[int, str]]:
+    """The global sample, streamed: the slices' sorted files merged by keyed hash (a k-way merge:
+    one document per slice in memory, never the sample). Each slice kept at most its quota of
+    tokenizer.sample_bytes, so the whole is within it, on disk as in memory: no merged copy is
+    written (the training reads the slices' files through this merge too)."""
+    return heapq.merge(*(_read_sample(path) for path in sample_files))
+
+
+def _sample_digest(sample_files: list[str]) -> tuple[str, int, int]:
+    """(sha256 of the sample, documents, bytes of text). On a Dask worker under executor: dask."""
     digest = hashlib.sha256()
     count = size = 0
-    with open(f"{out}.tmp", "w", encoding="utf-8") as f:
-        for key, text in heapq.merge(*streams):
-            size += len(text.encode("utf-8"))
-            if size > budget:
-                size -= len(text.encode("utf-8"))
-                break
-            line = json.dumps([key, text], ensure_ascii=False)
-            digest.update(line.encode("utf-8") + b"\n")
-            f.write(json.dumps(text, ensure_ascii=False) + "\n")
-            count += 1
-    os.replace(f"{out}.tmp", out)
+    for key, text in _sample(sample_files):
+        digest.update(_sample_line(key, text))
+        size += len(text.encode("utf-8"))
+        count += 1
     return digest.hexdigest(), count, size
 
 
 @dataclass
 class _TrainJob:
-    sample: str
+    sample_files: list[str]
     vocab_size: int
     min_frequency: int
     note: str
 
 
 def _train(job: _TrainJob) -> str:
-    """In a child process of its own (SIGTERM stops it at once): the BPE trained on the sample file."""
-
-    def texts() -> Iterator[str]:
-        with open(job.sample, encoding="utf-8") as f:
-            for line in f:
-                yield json.loads(line)
-
-    return train_reaching(texts(), job.vocab_size, job.min_frequency, job.note).to_str(pretty=True)
+    """In a child process of its own (SIGTERM stops it at once): the BPE trained on the sample."""
+    texts = (text for _, text in _sample(job.sample_files))
+    return train_reaching(texts, job.vocab_size, job.min_frequency, job.note).to_str(pretty=True)
 
 
 def _tokenizer_bytes(
@@ -425,15 +479,15 @@ def _tokenizer_bytes(
     previous: dict,
     out_dir: Path,
     staging: Path,
-    workers: Workers,
+    workers: Workers | DaskWorkers,
 ) -> tuple[bytes, str]:
     """tokenizer.json's bytes and the key of what made it: reused when the key is unchanged."""
     if given is not None:  # tokenizer.from
         load_tokenizer(given)  # validate before copying
         raw = given.read_bytes()
         return raw, hashlib.sha256(raw).hexdigest()
-    sample_file = staging / "sample.jsonl"
-    sample_sha, count, size = _merge_samples(surveys, tok_cfg.sample_bytes, sample_file)
+    sample_files = [s.sample_file for s in surveys if s.sample_file]
+    sample_sha, count, size = workers.small(_sample_digest, sample_files, "tokenizer sample (digest)")
     key = _digest([settings["tokenizer"], settings["seed"], sample_sha])
     if previous.get("tokenizer_key") == key and (out_dir / TOKENIZER_NAME).is_file():
         return (out_dir / TOKENIZER_NAME).read_bytes(), key
@@ -447,7 +501,7 @@ def _tokenizer_bytes(
         )
     log.info("training the tokenizer on a sample of %d documents (%.1f MB)", count, size / 1e6)
     note = f"the sample ({count} documents, {size:,} bytes; tokenizer.sample_bytes={tok_cfg.sample_bytes:,})"
-    job = _TrainJob(str(sample_file), tok_cfg.vocab_size, tok_cfg.min_frequency, note)
+    job = _TrainJob(sample_files, tok_cfg.vocab_size, tok_cfg.min_frequency, note)
     raw = workers.call(_train, job, "tokenizer training").encode("utf-8")
     atomic_write_bytes(staged, raw)
     atomic_write_bytes(staging / "tokenizer.key", key.encode())
@@ -491,6 +545,14 @@ def tokenize_corpus(
     try:
         with sigterm_unwinds(), _datasets_cache_in(staging / "hf-cache"):
             metrics = _tokenize(data, tok_cfg, out_dir, staging, seed, map_slices)
+    except OSError as exc:
+        if exc.errno not in _FULL_DISK_ERRNOS:
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        raise DiskFull(
+            f"tokenize: no space left on device{where} ({one_line(exc)}); {out_dir} left as it was, "
+            "free some space and rerun to resume"
+        ) from None
     except (SystemExit, KeyboardInterrupt):
         finished = sum(1 for split in SPLITS for _ in staging.glob(f"{split}/*/manifest.json"))
         if finished:
@@ -501,12 +563,31 @@ def tokenize_corpus(
         else:
             log.warning("tokenize interrupted: %s left as it was; no finished shard to resume from", out_dir)
         raise
+    except InputError:  # refused: the input changes before a rerun, so nothing but finished shards is kept
+        for name in (TOKENIZER_NAME, "tokenizer.key"):
+            (staging / name).unlink(missing_ok=True)
+        raise
     finally:
+        for name in _PER_RUN:  # the sample, the surveys' results, the run ledger, the workers' tags
+            shutil.rmtree(staging / name, ignore_errors=True)
         _remove_temporaries(staging)
         shutil.rmtree(_next_dir(out_dir), ignore_errors=True)  # never the live output (see _swap)
     _assembly_step("removing the staging directory")
     shutil.rmtree(staging, ignore_errors=True)
     return metrics
+
+
+@contextlib.contextmanager
+def _executor(data: DataSection, busy: int, staging: Path, ledger: Path, map_slices: MapSlices | None):
+    """Where the slices run: data.executor's pool (the local one, or a Dask cluster), closed on the way out."""
+    if data.executor == "dask" and map_slices is None:
+        from laplace.data.dask_executor import dask_pool  # distributed only when asked for
+
+        with dask_pool(data.dask_address, data.num_proc, ledger, data.dask_in_flight) as pool:
+            yield pool
+        return
+    with process_pool(max(1, min(data.num_proc, busy)), staging / "workers", ledger) as pool:
+        yield pool
 
 
 def _tokenize(
@@ -525,14 +606,25 @@ def _tokenize(
     tokens_quota = {i: _quota(data.max_tokens, k, len(busy)) for k, i in enumerate(busy)}
     settings = _settings(data, tok_cfg, seed)
     previous = _previous(out_dir)
-    workers = max(1, min(data.num_proc, len(busy)))
+    ledger = staging / "runs"
+    shutil.rmtree(ledger, ignore_errors=True)  # runs are counted per stage run
+    ledger.mkdir(parents=True)
+    run = os.urandom(8).hex()
 
-    with process_pool(workers, staging / "workers") as pool:
-        sample_bytes = 0 if tok_cfg.from_ else tok_cfg.sample_bytes
+    with _executor(data, len(busy), staging, ledger, map_slices) as pool:
+        workers = pool.num_proc
+        # each slice's quota of the sample (an even share, like max_documents): the whole sample is
+        # within tokenizer.sample_bytes on disk, and a survey worker holds at most its slice's quota
+        sample_quota = {
+            i: 0 if tok_cfg.from_ else _quota(tok_cfg.sample_bytes, k, len(busy)) for k, i in enumerate(busy)
+        }
         jobs = [
-            _SurveyJob(i, slices[i], data, seed, docs_quota[i], sample_bytes, str(staging / f"samples/{i:05d}.jsonl"))
+            _SurveyJob(
+                i, slices[i], data, seed, docs_quota[i], sample_quota[i], str(staging / f"samples/{i:05d}.jsonl"),
+                str(staging / f"surveys/{i:05d}.json"), run,
+            )
             for i in busy
-        ]
+        ]  # fmt: skip
         surveys = []
         survey_of = pool.map_unordered(_survey, jobs, lambda j: f"slice {j.slice:05d} (survey)")
         for survey in progress_bar(survey_of, total=len(jobs), desc="survey slices", unit="slice"):
@@ -591,12 +683,16 @@ def _tokenize(
                 progress.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:.3g}", refresh=False)
                 progress.update(1)
 
+    repeated = runs_repeated(ledger)  # a job run again in this run: a recompute after a lost worker
+    for name, n in repeated.items():
+        log.info("%s ran %d more time(s) (its worker was lost)", name, n)
     bad = [line for i in busy for line in records[i]["stats"]["bad"]]
     for line in bad:
         log.warning("skipped %s", line)
     totals = {s: sum(sh["tokens"] for i in busy for sh in records[i]["shards"][s]) for s in SPLITS}
     documents = {s: sum(records[i]["documents"][s] for i in busy) for s in SPLITS}
-    stats = {k: sum(records[i]["stats"][k] for i in busy) for k in ("read", "empty", "too_short", "undecodable")}
+    kinds = ("read", "empty", "too_short", "undecodable", "too_large")  # too_large: absent in older records
+    stats = {k: sum(records[i]["stats"].get(k, 0) for i in busy) for k in kinds}
     if totals["train"] == 0 or totals["val"] == 0:
         raise DataError(
             f"corpus has no usable text for both splits: {stats['read']} documents read, {documents['train']} "
@@ -622,8 +718,8 @@ def _tokenize(
             "tokenizer_key": tokenizer_key,
             "source": {"kind": data.source, "description": _describe_source(data, units), "files": len(units)},
             "settings": settings,
-            "documents": {**documents, "total_read": stats["read"] + stats["undecodable"]},
-            "skipped": {k: stats[k] for k in ("empty", "too_short", "undecodable")},
+            "documents": {**documents, "total_read": stats["read"] + stats["undecodable"] + stats["too_large"]},
+            "skipped": {k: stats[k] for k in ("empty", "too_short", "undecodable", "too_large")},
             "bad_input": bad[:_LISTED_BAD],
             "tokens": totals,
         },
@@ -631,13 +727,14 @@ def _tokenize(
     seconds = time.perf_counter() - started
     shards = {s: sum(len(records[i]["shards"][s]) for i in busy) for s in SPLITS}
     metrics = {
-        "documents_read": stats["read"] + stats["undecodable"],
+        "documents_read": stats["read"] + stats["undecodable"] + stats["too_large"],
         "documents_train": documents["train"],
         "documents_val": documents["val"],
         "documents_cut_by_max_tokens": sum(records[i]["cut_by_max_tokens"] for i in busy),
         "skipped_empty": stats["empty"],
         "skipped_too_short": stats["too_short"],
         "skipped_undecodable": stats["undecodable"],
+        "skipped_too_large": stats["too_large"],
         "tokens_train": totals["train"],
         "tokens_val": totals["val"],
         "shards_train": shards["train"],
@@ -646,7 +743,9 @@ def _tokenize(
         "slices_reused": len(reused),
         "shards_resumed": shards_resumed,
         "vocab_size": vocab_size,
+        "executor": data.executor if map_slices is None else "map_slices",
         "workers": workers,
+        "slices_rerun": sum(repeated.values()),
         "seconds": seconds,
         "tokens_per_s": (totals["train"] + totals["val"]) / max(seconds, 1e-9),
     }
@@ -656,7 +755,7 @@ def _tokenize(
         "tokenized %d documents (of %d read; %d skipped) into %d train + %d val tokens in %d+%d shards "
         "(%d of %d slices reused) in %.1fs (%.0f tokens/s)",
         documents["train"] + documents["val"], metrics["documents_read"],
-        stats["empty"] + stats["too_short"] + stats["undecodable"], totals["train"], totals["val"],
+        stats["empty"] + stats["too_short"] + stats["undecodable"] + stats["too_large"], totals["train"], totals["val"],
         shards["train"], shards["val"], len(reused), len(busy), seconds, metrics["tokens_per_s"],
     )  # fmt: skip
     return metrics

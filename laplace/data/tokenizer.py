@@ -1,9 +1,8 @@
-"""The byte-level BPE tokenizer: training, loading, a canonical hash, and the encoder the
-tokenize workers run."""
+"""The byte-level BPE tokenizer: training, and the encoder the tokenize workers run (loading a
+tokenizer.json and its canonical hash are laplace.tokenizer_file's, shared with the model's export)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from collections.abc import Iterable
@@ -11,7 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from laplace.errors import DataError, one_line
+from laplace.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_NAME = "tokenizer.json"
@@ -51,26 +50,6 @@ def train_reaching(texts: Iterable[str], vocab_size: int, min_frequency: int, sa
             f"(at tokenizer.min_frequency={min_frequency}): set tokenizer.vocab_size to {reached} or give more text"
         )
     return tokenizer
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A tokenizer.json. Text is never encoded as special tokens: a literal "<|endoftext|>" in a
-    document stays text (this runtime flag is not saved in tokenizer.json, so it is set here)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: tokenizer file not found")
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as exc:
-        raise DataError(f"{path}: not a valid tokenizer.json ({one_line(exc)})") from exc
-    tokenizer.encode_special_tokens = True
-    return tokenizer
-
-
-def tokenizer_sha256(tok: Tokenizer) -> str:
-    """sha256 of the tokenizer's canonical JSON (sorted keys), independent of file formatting."""
-    canonical = json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def given_tokenizer_file(value: str | Path) -> Path:

@@ -9,7 +9,7 @@ is served: padded ladder widths, bucketed prefill, the same state slots.
   split after the context's tokens, the tokenizer's own special tokens, an empty context replaced by
   the prefix token), so the numbers are comparable with lm-eval's HFLM on the same checkpoint. The
   context is prefilled into a slot, then the continuation is fed one token per decode step; up
-  to serve.max_slots requests decode together at the smallest ladder width that holds them.
+  to max_slots (a model_arg) requests decode together at the smallest ladder width that holds them.
 - loglikelihood_rolling(text): the same with the model's own start token as the only context
   (BOS where the model has one, Llama's convention; else the end-of-text token that separates
   Laplace's training documents), so it equals the model's loss on that token sequence: GLA has no

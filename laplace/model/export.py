@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from laplace import manifest
-from laplace.data.tokenizer import load_tokenizer, tokenizer_sha256
 from laplace.errors import InputError
 from laplace.fileio import atomic_write_json, replace_dir, staging_dir
 from laplace.model.config import ModelConfig, validate_model_config
 from laplace.model.lm import LaplaceLM, torch_dtype
+from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
 FORMAT = 1
 KIND = "export"
@@ -31,7 +31,8 @@ class ExportError(InputError):
 
 def export_model(checkpoint, tokenizer_path: Path, out_dir: Path, special_ids: dict | None = None) -> dict:
     """Write the export directory from a training checkpoint. Returns a summary dict. `special_ids`
-    (bos_id, eos_id): those of the model fine-tuned from (model.init), else Laplace's own."""
+    (bos_id, eos_id, and chat_template where it has one): those of the model fine-tuned from
+    (model.init), else Laplace's own (no chat template: the server's default applies)."""
     model_cfg = validate_model_config(ModelConfig(**checkpoint.trainer["model_config"]))
     tokenizer = load_tokenizer(tokenizer_path)
     config = {

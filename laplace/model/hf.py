@@ -31,12 +31,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from laplace.data.tokenizer import load_tokenizer, tokenizer_sha256
 from laplace.errors import InputError, one_line
 from laplace.fileio import atomic_write_json, replace_dir, staging_dir
 from laplace.model.config import ModelConfig, validate_model_config
 from laplace.model.export import FORMAT, load_export_tensors, write_export
 from laplace.model.lm import LaplaceLM
+from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -480,6 +480,7 @@ def resolve_source(src: str) -> Path:
         INDEX,
         "tokenizer.json",
         "tokenizer_config.json",
+        "chat_template.jinja",
         "generation_config.json",
     ]
     try:
@@ -515,8 +516,33 @@ def import_checkpoint(src: str | Path, out_dir: Path) -> dict:
             raise HFFormatError(f"{config_path}: {field}={token} is not a token of {tokenizer_path}")
     tensors = laplace_tensors(read_fla_weights(src_dir), cfg, src_dir)
     config = _laplace_config(hf.get("laplace"), cfg, tokenizer, bos_id, eos_id)
+    config.pop("chat_template", None)  # the source's own template (below) decides, not a carried one
+    if (template := read_chat_template(src_dir)) is not None:
+        config["chat_template"] = template
     summary = write_export(tensors, config, tokenizer_path, Path(out_dir))
     return {**summary, "source": str(src), "model": cfg.architecture(), "ignored_keys": keys_fla_ignores(hf)}
+
+
+def read_chat_template(src_dir: Path) -> str | None:
+    """The checkpoint's chat template, where transformers keeps it: chat_template.jinja (transformers
+    5's save_pretrained), else tokenizer_config.json's `chat_template` (a string, or a list of named
+    templates of which transformers uses "default"). None when it has none."""
+    jinja = src_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    path = src_dir / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+        raise HFFormatError(f"{path}: not a JSON object ({one_line(exc)})") from exc
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise HFFormatError(f"{path}: chat_template must be a string or a list of named templates")
+    return template
 
 
 def _laplace_config(carried: dict | None, cfg: ModelConfig, tokenizer, bos_id, eos_id) -> dict:
@@ -582,6 +608,8 @@ def export_hf(export_dir: Path, out_dir: Path) -> dict:
                 "model_max_length": 1_000_000_000,
                 "clean_up_tokenization_spaces": False,
                 **specials,
+                # the export's chat template, where transformers' apply_chat_template reads it
+                **({"chat_template": config["chat_template"]} if config.get("chat_template") else {}),
             },
         )
         replace_dir(tmp, out_dir)

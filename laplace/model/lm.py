@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from laplace.model import kernels
 from laplace.model.config import ModelConfig
 from laplace.model.gla import accum_dtype
+from laplace.sharding import local_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -125,21 +126,6 @@ _INIT_BLOCK_VALUES = 1 << 16  # each block of rows draws from its own generator
 
 def conv_init_bound(kernel_size: int) -> float:
     return 1.0 / math.sqrt(kernel_size)
-
-
-def local_rows(t: Tensor) -> tuple[Tensor, int]:
-    """(the rows of `t` this process holds, the global index of the first). A plain tensor is
-    whole; FSDP2 shards parameters, their gradients and optimizer state by rows over a 1-D mesh,
-    torch.chunk's rule: rank r holds rows [r*c, (r+1)*c), c = ceil(rows / world), the last
-    ranks fewer or none."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(t, DTensor):
-        return t, 0
-    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
-        raise ValueError(f"expected a tensor row-sharded over a 1-D mesh, got placements {t.placements}")
-    per_rank = -(-t.shape[0] // t.device_mesh.size())
-    return t.to_local(), t.device_mesh.get_local_rank() * per_rank
 
 
 def _block_seed(base: int, name: str, block: int) -> int:

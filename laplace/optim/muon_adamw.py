@@ -82,7 +82,7 @@ class MuonAdamW:
             # get_total_norm), squared, summed over the ranks by one all-reduce, square-rooted.
             import torch.distributed as dist
 
-            from laplace.model.lm import local_rows
+            from laplace.sharding import local_rows
 
             held = [local_rows(g)[0] for g in grads]
             squares = (torch.nn.utils.get_total_norm(held).float() ** 2).reshape(1)
@@ -93,7 +93,7 @@ class MuonAdamW:
             # rank holds: DTensor shards (a partial sum, all-reduced) or, on one rank, whole tensors
             sharded = [g for g in grads if isinstance(g, DTensor)]
             if sharded and len(sharded) < len(grads):  # one rank, owner_reduce: shards are whole here
-                from laplace.model.lm import local_rows
+                from laplace.sharding import local_rows
 
                 grads = [local_rows(g)[0] for g in grads]
             norm = torch.nn.utils.get_total_norm(grads)

@@ -50,7 +50,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from laplace.errors import ConfigError
-from laplace.model.lm import local_rows
 from laplace.optim.exchange import COLLECTIVES, ExchangePlan
 from laplace.optim.muon import (
     CompiledMuonUpdate,
@@ -59,6 +58,7 @@ from laplace.optim.muon import (
     momentum_direction,
     zeropower_via_newtonschulz,
 )
+from laplace.sharding import local_rows
 
 COMMS = ("owner_reduce", "alltoall", "allgather")
 EXCHANGE_DTYPE = torch.bfloat16  # EXCHANGE_BYTES wide (laplace.optim.exchange)

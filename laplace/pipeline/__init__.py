@@ -1,5 +1,5 @@
 """The pipeline around the library: params.yaml, the stages and their file layout, stage
-workers, the DVC driver, MLflow tracking and the pyfunc model, plots, the summary and the CLI.
+workers, the DVC driver, plots, the summary and the CLI (MLflow lives in laplace.tracking).
 
 Nothing outside this package imports it (tests/test_layout.py keeps the rule), so the
 library (model, optim, data, training, serving, evals) can be used without DVC, MLflow,

@@ -246,144 +246,169 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    if args.command == "run":
-        from laplace.pipeline import repro
-        from laplace.pipeline.params import write_params
-
-        root = Path(args.root).resolve()
-        if args.overrides:
-            write_params(root / args.params, args.overrides)
-        else:
-            load_config(root / args.params)  # fail on bad params before DVC starts anything
-        status, _ = repro.repro(root)
-        if status != 0:
-            print(f"laplace run: dvc repro failed with exit status {status}", file=sys.stderr)
-            return status
-        print(summary.as_text(summary.read(Paths.at(root)), root))
-        return 0
-
-    if args.command == "import":
-        from laplace.model.hf import import_checkpoint
-
-        # under models/ by default: DVC hashes that directory for warmup and train (model.init)
-        name = Path(str(args.src).rstrip("/")).name or Path(args.src).resolve().name
-        out = Path(args.out) if args.out else Path(args.root) / "models" / name
-        result = import_checkpoint(args.src, out)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            m = result["model"]
-            print(
-                f"laplace import: {args.src} -> {out}: {result['parameters']:,} parameters, {m['n_layers']} layers, "
-                f"hidden {m['d_model']}, vocab {m['vocab_size']} (train from it with --set model.init={out})"
-            )
-            for key in result["ignored_keys"]:  # computed as fla computes, which does not obey them
-                print(f"laplace import: note: config.json {key}; imported as fla computes it")
-        return 0
+    """Dispatch by table: the commands that need no params file (a checkpoint converts and
+    evaluates anywhere), then those given the loaded config; any other command is a stage."""
     if args.command == "export" and args.format == "hf":
-        from laplace.model.hf import export_hf
-
-        out = Path(args.out) if args.out else Path(args.root) / "artifacts" / "export-hf"
-        result = export_hf(Path(args.model) if args.model else Paths.at(args.root).export_dir, out)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print(f"laplace export: {result['parameters']:,} parameters in the HF / fla layout -> {out}")
-        return 0
-    if args.command == "eval":
-        return _eval(args, Paths.at(args.root))
-    # the commands above need no params file: a checkpoint converts (and evaluates) anywhere
+        return _export_hf(args)
+    if args.command in WITHOUT_PARAMS:
+        return WITHOUT_PARAMS[args.command](args)
     cfg = load_config(args.params, args.overrides)
-    if args.command == "info":
-        _print_info(model_facts(args.preset, cfg), args.json)
-        return 0
-    if args.command == "plan":
-        from laplace.errors import ConfigError
-        from laplace.training.plan import GIB, as_text, parse_bytes, plan
+    return WITH_PARAMS.get(args.command, _stage)(args, cfg)
 
-        world = args.nproc or cfg.train.nproc_per_node * cfg.train.nnodes
-        if world < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {world}")
-        t = cfg.train
-        accum = args.grad_accum or t.grad_accum_steps
-        micro = args.micro_batch
-        if micro is None:
-            micro = t.batch_size // (world * accum) if t.batch_size % (world * accum) == 0 else 1
-        for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", micro), ("--grad-accum", accum)):
-            if value is not None and value < 1:
-                raise ConfigError(f"{flag} must be >= 1, got {value}")
-        memory = args.hbm_gib if args.hbm_gib is not None else parse_bytes(args.device_memory, "--device-memory") / GIB
-        result = plan(
-            _model_config(args.preset, cfg),
-            world,
-            args.precision or t.precision,
-            memory,
-            seq_len=args.seq_len or t.seq_len,
-            micro_batch=micro,
-            grad_accum_steps=accum,
-            activation_checkpoint=args.activation_checkpoint or t.activation_checkpoint,
-        )
-        print(json.dumps(result, indent=2) if args.json else as_text(result, _model_name(args.preset, cfg)))
-        return 0
-    paths = Paths.at(args.root)
-    if args.command == "serve":
-        # the address and policy default to server: here, not in serve.run, which serve-check's live
-        # phase also runs (on an address and policy of its own: not serve-check's params)
-        args.host = args.host or cfg.server.host
-        args.port = cfg.server.port if args.port is None else args.port
-        args.policy = args.policy or cfg.server.policy
-        return serve.run(cfg, paths, args)
 
-    if args.command == "summary":
-        info = summary.read(paths)
-        if not any(info.values()):
-            raise InputError(f"no pipeline run in {paths.root} yet (no metrics/*.json): run `laplace run` first")
-        print(summary.as_text(info, paths.root))
-    elif args.command == "generate":
-        from laplace.serving.generation import generate_text
+def _pipeline(args) -> int:
+    """`laplace run`: the overrides into params.yaml, dvc repro, the summary."""
+    from laplace.pipeline import repro
+    from laplace.pipeline.params import write_params
 
-        model_dir = Path(args.model) if args.model else paths.export_dir
-        if not args.model and not (model_dir / "config.json").exists():
-            raise InputError(
-                f"no exported model in {model_dir} yet: run `laplace run` (the whole pipeline), or "
-                "`laplace train` then `laplace export`; or pass --model DIR"
-            )
-        g = cfg.generate
-        max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens
-        result = generate_text(
-            model_dir,
-            args.prompt if args.prompt is not None else g.prompt,
-            max_new_tokens,
-            args.temperature if args.temperature is not None else g.temperature,
-            args.top_p if args.top_p is not None else g.top_p,
-            args.seed if args.seed is not None else g.seed,
-            engine=cfg.engine,
-        )
-        if args.json:
-            print(json.dumps(result))
-            return 0
-        print(result["prompt"] + result["completion"])
-        if not result["completion"].strip():  # say why, rather than print the prompt alone
-            why = (
-                f"the model sampled end-of-text after {result['new_tokens']} token(s)"
-                if result["new_tokens"] < max_new_tokens
-                else f"its {result['new_tokens']} tokens decode to whitespace"
-            )
-            print(
-                f"laplace generate: no text generated: {why}; try another --seed, or --temperature 0 (greedy)",
-                file=sys.stderr,
-            )
+    root = Path(args.root).resolve()
+    if args.overrides:
+        write_params(root / args.params, args.overrides)
     else:
-        stage = stages.STAGES[args.command]
-        options = {"resume": not args.no_resume} if args.command == "train" else {}
-        result = stage.run(cfg, paths, **options)
-        if args.json:
-            print(json.dumps(result, default=str))
-            return 0
-        # one line of outcome; the figures are in the metrics file (or MLflow for track)
-        where = paths.metrics_file(stage.metrics) if stage.metrics else paths.tracking_file
-        line = summary.stage_line(stage.metrics, result, paths.root)
-        print(f"laplace {args.command}: {line} ({where.relative_to(paths.root)})")
+        load_config(root / args.params)  # fail on bad params before DVC starts anything
+    status, _ = repro.repro(root)
+    if status != 0:
+        print(f"laplace run: dvc repro failed with exit status {status}", file=sys.stderr)
+        return status
+    print(summary.as_text(summary.read(Paths.at(root)), root))
+    return 0
+
+
+def _import(args) -> int:
+    from laplace.model.hf import import_checkpoint
+
+    # under models/ by default: DVC hashes that directory for warmup and train (model.init)
+    name = Path(str(args.src).rstrip("/")).name or Path(args.src).resolve().name
+    out = Path(args.out) if args.out else Path(args.root) / "models" / name
+    result = import_checkpoint(args.src, out)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        m = result["model"]
+        print(
+            f"laplace import: {args.src} -> {out}: {result['parameters']:,} parameters, {m['n_layers']} layers, "
+            f"hidden {m['d_model']}, vocab {m['vocab_size']} (train from it with --set model.init={out})"
+        )
+        for key in result["ignored_keys"]:  # computed as fla computes, which does not obey them
+            print(f"laplace import: note: config.json {key}; imported as fla computes it")
+    return 0
+
+
+def _export_hf(args) -> int:
+    from laplace.model.hf import export_hf
+
+    out = Path(args.out) if args.out else Path(args.root) / "artifacts" / "export-hf"
+    result = export_hf(Path(args.model) if args.model else Paths.at(args.root).export_dir, out)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"laplace export: {result['parameters']:,} parameters in the HF / fla layout -> {out}")
+    return 0
+
+
+def _info(args, cfg) -> int:
+    _print_info(model_facts(args.preset, cfg), args.json)
+    return 0
+
+
+def _plan(args, cfg) -> int:
+    from laplace.errors import ConfigError
+    from laplace.training.plan import GIB, as_text, parse_bytes, plan
+
+    world = args.nproc or cfg.train.nproc_per_node * cfg.train.nnodes
+    if world < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {world}")
+    t = cfg.train
+    accum = args.grad_accum or t.grad_accum_steps
+    micro = args.micro_batch
+    if micro is None:
+        micro = t.batch_size // (world * accum) if t.batch_size % (world * accum) == 0 else 1
+    for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", micro), ("--grad-accum", accum)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    memory = args.hbm_gib if args.hbm_gib is not None else parse_bytes(args.device_memory, "--device-memory") / GIB
+    result = plan(
+        _model_config(args.preset, cfg),
+        world,
+        args.precision or t.precision,
+        memory,
+        seq_len=args.seq_len or t.seq_len,
+        micro_batch=micro,
+        grad_accum_steps=accum,
+        activation_checkpoint=args.activation_checkpoint or t.activation_checkpoint,
+    )
+    print(json.dumps(result, indent=2) if args.json else as_text(result, _model_name(args.preset, cfg)))
+    return 0
+
+
+def _serve(args, cfg) -> int:
+    # the address and policy default to server: here, not in serve.run, which serve-check's live
+    # phase also runs (on an address and policy of its own: not serve-check's params)
+    args.host = args.host or cfg.server.host
+    args.port = cfg.server.port if args.port is None else args.port
+    args.policy = args.policy or cfg.server.policy
+    return serve.run(cfg, Paths.at(args.root), args)
+
+
+def _summary(args, cfg) -> int:
+    paths = Paths.at(args.root)
+    info = summary.read(paths)
+    if not any(info.values()):
+        raise InputError(f"no pipeline run in {paths.root} yet (no metrics/*.json): run `laplace run` first")
+    print(summary.as_text(info, paths.root))
+    return 0
+
+
+def _generate(args, cfg) -> int:
+    from laplace.serving.generation import generate_text
+
+    model_dir = Path(args.model) if args.model else Paths.at(args.root).export_dir
+    if not args.model and not (model_dir / "config.json").exists():
+        raise InputError(
+            f"no exported model in {model_dir} yet: run `laplace run` (the whole pipeline), or "
+            "`laplace train` then `laplace export`; or pass --model DIR"
+        )
+    g = cfg.generate
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens
+    result = generate_text(
+        model_dir,
+        args.prompt if args.prompt is not None else g.prompt,
+        max_new_tokens,
+        args.temperature if args.temperature is not None else g.temperature,
+        args.top_p if args.top_p is not None else g.top_p,
+        args.seed if args.seed is not None else g.seed,
+        engine=cfg.engine,
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(result["prompt"] + result["completion"])
+    if not result["completion"].strip():  # say why, rather than print the prompt alone
+        why = (
+            f"the model sampled end-of-text after {result['new_tokens']} token(s)"
+            if result["new_tokens"] < max_new_tokens
+            else f"its {result['new_tokens']} tokens decode to whitespace"
+        )
+        print(
+            f"laplace generate: no text generated: {why}; try another --seed, or --temperature 0 (greedy)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _stage(args, cfg) -> int:
+    """`laplace <stage>`: the stage's run, then one line of outcome (the figures are in its
+    metrics file, or MLflow for track)."""
+    paths = Paths.at(args.root)
+    stage = stages.STAGES[args.command]
+    options = {"resume": not args.no_resume} if args.command == "train" else {}
+    result = stage.run(cfg, paths, **options)
+    if args.json:
+        print(json.dumps(result, default=str))
+        return 0
+    where = paths.metrics_file(stage.metrics) if stage.metrics else paths.tracking_file
+    line = summary.stage_line(stage.metrics, result, paths.root)
+    print(f"laplace {args.command}: {line} ({where.relative_to(paths.root)})")
     return 0
 
 
@@ -415,6 +440,11 @@ def _eval(args, paths: Paths) -> int:
 
         print(make_table(results))
     return 0
+
+
+# The commands that need no params file, and those run with the loaded config (any other is a stage).
+WITHOUT_PARAMS = {"run": _pipeline, "import": _import, "eval": lambda args: _eval(args, Paths.at(args.root))}
+WITH_PARAMS = {"info": _info, "plan": _plan, "serve": _serve, "summary": _summary, "generate": _generate}
 
 
 if __name__ == "__main__":

@@ -57,8 +57,8 @@ def export_dir_of(model: str | None, paths: Paths, scratch: Path) -> Path:
     if model is None:
         return paths.export_dir
     if model.startswith(REGISTRY_SCHEMES):
-        from laplace.pipeline.mlflow_model import download_export
-        from laplace.pipeline.store import tracking_uri
+        from laplace.tracking.mlflow_model import download_export
+        from laplace.tracking.store import tracking_uri
 
         uri = tracking_uri(paths.root)
         if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
@@ -75,15 +75,24 @@ def export_dir_of(model: str | None, paths: Paths, scratch: Path) -> Path:
 
 
 def use_compile_cache(cache: Path | None, scratch: Path, policy: str) -> Path | None:
-    """Point this process's compile cache at a copy of `cache` (the artifact stays untouched)."""
+    """Point this process's compile cache at a copy of `cache` (the artifact stays untouched), or,
+    without one, at an empty scratch directory of its own: a server never compiles into the user's
+    shared default Inductor cache (/tmp/torchinductor_USER), which other processes read."""
     from laplace.pipeline.workers import CACHE_ENV
 
     if policy == "eager":
         return None
-    if cache is None or not cache.is_dir():
-        log.warning("no warmup compile cache at %s (run `laplace warmup`): every graph compiles at startup", cache)
-        return None
     copy = scratch / "compile-cache"
+    if cache is None or not cache.is_dir():
+        log.warning(
+            "no warmup compile cache at %s (run `laplace warmup`): every graph compiles at startup, into a "
+            "scratch cache of this server's own",
+            cache,
+        )
+        copy.mkdir()
+        for name in CACHE_ENV:
+            os.environ[name] = str(copy)
+        return None
     shutil.copytree(cache, copy)
     for name in CACHE_ENV:
         os.environ[name] = str(copy)
@@ -103,7 +112,7 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
         return 1
     from laplace.runtime import resolve_device
     from laplace.serving.engine import DecodeEngine
-    from laplace.serving.server import serve
+    from laplace.serving.server import serve, warmup_interrupted
     from laplace.serving.warmup import apply_compile_settings, settings_mismatch
 
     settings = apply_compile_settings(cfg.server.threads)  # as warmup compiled: the thread count is in the cache key
@@ -126,7 +135,7 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
             policy,
             cfg.tracking.model_name,
         )
-        return serve(
+        status = serve(
             engine,
             tokenizer,
             config.get("eos_id"),
@@ -138,7 +147,27 @@ def run(cfg: Config, paths: Paths, args: argparse.Namespace) -> int:
             max_request_bytes=cfg.server.max_request_bytes,
             max_stop_chars=cfg.server.max_stop_chars,
             sock=sock,
+            chat_template=config.get("chat_template"),
+            special_tokens=special_token_strings(tokenizer, config),
         )
+    if warmup_interrupted.is_set():
+        # A signal during warmup: the abandoned compile's thread (a daemon, mid Dynamo trace) and
+        # Inductor's compile pools would hold the interpreter's exit for seconds; the scratch
+        # directory is already gone and the log is flushed, so nothing is lost by leaving now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def special_token_strings(tokenizer, config: dict) -> dict[str, str]:
+    """bos_token / eos_token as text, for the chat template (transformers passes its special tokens map)."""
+    out = {}
+    for key, token_id in (("bos_token", config.get("bos_id")), ("eos_token", config.get("eos_id"))):
+        if token_id is not None and (token := tokenizer.id_to_token(token_id)) is not None:
+            out[key] = token
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

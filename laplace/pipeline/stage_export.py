@@ -24,9 +24,11 @@ def run(cfg: Config, paths: Paths) -> dict:
             "refusing to export"
         )
     special_ids = None
-    if cfg.model.init:  # a fine-tuned model keeps the BOS/EOS conventions of the model it came from
+    if cfg.model.init:  # a fine-tuned model keeps the BOS/EOS conventions and chat template of its origin
         init = read_export_config(Path(cfg.model.init))
         special_ids = {"bos_id": init.get("bos_id"), "eos_id": init.get("eos_id")}
+        if init.get("chat_template"):
+            special_ids["chat_template"] = init["chat_template"]
     summary = export_model(found, paths.data_dir / "tokenizer.json", paths.export_dir, special_ids)
     summary["export_dir"] = str(paths.export_dir.relative_to(paths.root))
     return write_metrics(paths, "export", summary)

@@ -13,11 +13,10 @@ import time
 from laplace.config import Config
 from laplace.data.shards import split_digest
 from laplace.fileio import atomic_write_json
-from laplace.pipeline import tracking
-from laplace.pipeline.headline import headline
 from laplace.pipeline.layout import Paths
-from laplace.pipeline.provenance import dvc_out_hash, git_info
-from laplace.pipeline.tracking import read_json
+from laplace.tracking.headline import headline
+from laplace.tracking.provenance import dvc_out_hash, git_info
+from laplace.tracking.runs import log_pipeline_run, read_json
 
 
 def run(cfg: Config, paths: Paths, stages: tuple[str, ...]) -> dict:
@@ -56,7 +55,7 @@ def run(cfg: Config, paths: Paths, stages: tuple[str, ...]) -> dict:
     for env, tag in (("DVC_EXP_NAME", "dvc_experiment"), ("LAPLACE_PREFECT_FLOW_RUN_ID", "prefect_flow_run_id")):
         if os.environ.get(env):
             tags[tag] = os.environ[env]
-    summary = tracking.log_pipeline_run(
+    summary = log_pipeline_run(
         cfg,
         root=paths.root,
         metrics_by_stage=metrics_by_stage,

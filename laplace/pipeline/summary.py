@@ -33,7 +33,7 @@ def _verdict(passed: bool) -> str:
 
 def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
     """(topic, lines) for every stage that has results, in pipeline order."""
-    from laplace.pipeline.provenance import source_text
+    from laplace.tracking.provenance import source_text
 
     out: list[tuple[str, list[str]]] = []
     sources = (info.get("tracking") or {}).get("sources") or {}

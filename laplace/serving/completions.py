@@ -31,7 +31,7 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class Limits:
-    max_tokens: int  # serve.max_new_tokens
+    max_tokens: int  # server.max_new_tokens
     max_request_bytes: int
     max_stop_chars: int
 
@@ -50,6 +50,8 @@ class CompletionParams:
     stop_ids: tuple[int, ...]
     include_usage: bool
     continuous_usage: bool
+    logprobs: int | None = None  # top-N log-probs per generated token (None: not asked for)
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's too
 
     @property
     def n(self) -> int:
@@ -83,6 +85,14 @@ class CompletionsService:
             1, max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(vocab))
         )
         self.vocab_size = vocab
+        self._token_strs: dict[int, str] = {}
+
+    def token_str(self, token: int) -> str:
+        """One token as text, decoded alone (as vLLM names log-prob tokens; a partial UTF-8
+        character decodes to U+FFFD)."""
+        if (text := self._token_strs.get(token)) is None:
+            text = self._token_strs[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     # -- the request, on a worker thread ---------------------------------------------------------
 
@@ -90,22 +100,35 @@ class CompletionsService:
         req, ignored = parse_request(raw)
         if ignored:
             log.info(ignored_fields_note(ignored))
+        self.check_model(req)
+        prompts, texts = self._prompts(req, self.loop.engine)
+        return self.params_for(req, prompts, texts, req.max_tokens, "max_tokens")
+
+    def check_model(self, req) -> None:
         if req.model != self.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.model_name!r}", "model")
+
+    def params_for(self, req, prompts, texts, max_tokens: int | None, max_tokens_field: str) -> CompletionParams:
+        """The checks both kinds of request share, once the prompts are token ids."""
         engine = self.loop.engine
-        max_tokens = req.max_tokens if req.max_tokens is not None else min(16, self.limits.max_tokens)
+        max_tokens = max_tokens if max_tokens is not None else min(16, self.limits.max_tokens)
         if max_tokens > self.limits.max_tokens:
-            raise bad("max_tokens", f"must be in [1, {self.limits.max_tokens}], got {max_tokens}")
+            raise bad(max_tokens_field, f"must be in [1, {self.limits.max_tokens}], got {max_tokens}")
         stop = self._stop(req.stop)
         stop_ids = [] if req.ignore_eos or self.eos_id is None else [self.eos_id]
         for t in req.stop_token_ids or []:
             if not 0 <= t < self.vocab_size:
                 raise bad("stop_token_ids", f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
             stop_ids.append(t)
-        prompts, texts = self._prompts(req, engine)
         if len(prompts) * req.n > engine.max_queue:
             raise bad("n", f"{len(prompts)} prompt(s) x n={req.n} choices in one request, at most {engine.max_queue}")
+        _refuse_unwired(req)
+        if req.min_tokens > max_tokens:
+            raise bad("min_tokens", f"must be at most {max_tokens_field} ({max_tokens}), got {req.min_tokens}")
         options = req.stream_options
+        logprobs = req.logprobs
+        if isinstance(logprobs, bool):  # chat: a switch, and top_logprobs the N
+            logprobs = (req.top_logprobs or 0) if logprobs else None
         return CompletionParams(
             request=req,
             prompts=prompts,
@@ -117,7 +140,17 @@ class CompletionsService:
             stop_ids=tuple(dict.fromkeys(stop_ids)),
             include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if getattr(req, "echo", False) and logprobs is not None else None,
         )
+
+    def check_prompt(self, ids: list[int], where: str) -> None:
+        """A prompt of token ids the engine will serve, or a 400 naming it."""
+        try:
+            self.loop.engine.check(Request(0, ids, 1))
+        except Rejected as exc:
+            reason = "prompt_too_long" if "the limit is" in str(exc) else "invalid_request"
+            raise ApiError(400, f"{where}: {exc}", "prompt", reason=reason) from None
 
     def _stop(self, stop) -> list[str]:
         if stop is None:
@@ -171,11 +204,7 @@ class CompletionsService:
             p_ids = next(encoded).ids if isinstance(p, str) else list(p)
             if keep is not None:
                 p_ids = p_ids[-keep:]
-            try:
-                engine.check(Request(0, p_ids, 1))
-            except Rejected as exc:
-                reason = "prompt_too_long" if "the limit is" in str(exc) else "invalid_request"
-                raise ApiError(400, f"{where[i]}: {exc}", "prompt", reason=reason) from None
+            self.check_prompt(p_ids, where[i])
             ids.append(p_ids)
         return ids, texts
 
@@ -184,7 +213,8 @@ class CompletionsService:
         them. Seeds: `seed + index` (so one prompt with n=1 draws exactly as `seed`), or a fresh random
         seed per choice: four copies of a prompt, or n=4, are four independent draws."""
         events: asyncio.Queue = asyncio.Queue()
-        seed = params.request.seed
+        req = params.request
+        seed = req.seed
         tickets = []
         for k in range(len(params.prompts) * params.n):
             draw = secrets.randbits(63) if seed is None else (seed + k) & _MASK64
@@ -196,8 +226,14 @@ class CompletionsService:
                 params.top_p,
                 params.stop_ids,
                 draw,
+                logprobs=params.logprobs,
+                top_k=req.top_k or 0,
+                min_tokens=req.min_tokens,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
             )
-            tickets.append(Ticket(request, k, events))
+            tickets.append(Ticket(request, k, events, prompt_logprobs=params.prompt_logprobs))
         return tickets, events
 
     def prompt_text(self, params: CompletionParams, choice: int) -> str:
@@ -207,12 +243,14 @@ class CompletionsService:
 
     # -- the HTTP request, on the event loop ---------------------------------------------------------
 
-    async def create(self, http_request):
+    async def create(self, http_request, prepare=None, answer_kind=None):
+        """Answer one HTTP request: `prepare` (raw body -> CompletionParams, on a worker thread;
+        default: a completions request) and `answer_kind` (the _Answer class that shapes the JSON)."""
         from fastapi.responses import JSONResponse, StreamingResponse
 
         try:
             raw = await read_body(http_request, self.limits.max_request_bytes)
-            params = await asyncio.get_running_loop().run_in_executor(self.executor, self.prepare, raw)
+            params = await asyncio.get_running_loop().run_in_executor(self.executor, prepare or self.prepare, raw)
             if self.loop.fatal:
                 raise ApiError(503, f"server unavailable: {self.loop.fatal}", reason="unavailable")
             if not self.loop.ready.is_set():
@@ -227,7 +265,7 @@ class CompletionsService:
         except ApiError as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-        answer = _Answer(self, params, tickets, events)
+        answer = (answer_kind or _Answer)(self, params, tickets, events)
         self.in_flight += 1
         if params.request.stream:
 
@@ -284,6 +322,7 @@ class _Choice:
             params.stop,
             include_stop=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            min_tokens=req.min_tokens,
         )
         self.include_stop = req.include_stop_str_in_output
         self.finish_reason: str | None = None
@@ -292,6 +331,8 @@ class _Choice:
         self.stop_ids = ticket.request.stop_ids
         self.ended = False
         self.stop_token: list[int] = []  # the stop token that ended it, kept out of the text
+        self.logprobs: list = []  # TokenLogprobs of each generated token, when asked for
+        self.prompt_logprobs: list | None = None  # [None, TokenLogprobs...] of the prompt, with echo
 
     @property
     def token_ids(self) -> list[int]:
@@ -336,15 +377,21 @@ class Delta:
 
 
 class _Answer:
-    """The answer to one completions request: the whole body, or its event stream."""
+    """The answer to one completions request: the whole body, or its event stream, both from the
+    one event loop `deltas`. The chat answer (serving/chat.py) changes only the shapes:
+    `final_choice`, `body`, `chunk_choice`, `prelude`, `logprobs_object`."""
+
+    OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl"
 
     def __init__(self, service: CompletionsService, params: CompletionParams, tickets, events):
         self.service, self.params, self.tickets, self.events_queue = service, params, tickets, events
         self.choices = [_Choice(service, params, t) for t in tickets]
-        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.id = f"{self.ID_PREFIX}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self._cancelled: set[int] = set()
         self._closed = False
+        self._offsets: dict[int, int] = {}  # text offset of each streamed choice's next log-prob token
+        self._early: list = []  # events that arrived while the prompt log-probs were awaited
 
     def close(self) -> None:
         """The answer is over (sent, failed, or its client left): cancel what still runs, once."""
@@ -391,18 +438,36 @@ class _Answer:
             return JSONResponse({}, status_code=499)
         return collecting.result()
 
+    async def _next_event(self):
+        return self._early.pop(0) if self._early else await self.events_queue.get()
+
+    async def prompt_logprobs(self) -> None:
+        """Echo with log-probs: wait for every choice's prompt log-probs (they come first per choice;
+        other choices' events that arrive meanwhile are kept for `deltas`)."""
+        while any(ch.prompt_logprobs is None for ch in self.choices):
+            event = await self.events_queue.get()
+            if event[1] == "prompt":
+                self.choices[event[0]].prompt_logprobs = event[2]
+            else:
+                self._early.append(event)
+
     async def deltas(self):
         """The engine's events for this request as Deltas, until every choice has ended: the one
         loop both the JSON body and the event stream consume (vLLM's serving_completion.py shape).
         A choice that has ended (its engine request finished, or a stop string matched and it was
         cancelled) yields nothing more: the tokens the engine made after the match and its end
-        event are dropped."""
+        event are dropped. Log-prob events are kept on their choice (a token's arrives just before
+        it)."""
         while self._open():
-            index, kind, value = await self.events_queue.get()
+            index, kind, value = await self._next_event()
             ch = self.choices[index]
             if ch.ended or ch.finish_reason is not None:
                 continue
-            if kind == "token":
+            if kind == "prompt":
+                ch.prompt_logprobs = value
+            elif kind == "logprobs":
+                ch.logprobs.append(value)
+            elif kind == "token":
                 text = ch.token(value)
                 if ch.finish_reason == "stop":  # a stop string: this choice is done here
                     self._cancel(index, "stop string")
@@ -415,47 +480,116 @@ class _Answer:
         from fastapi.responses import JSONResponse
 
         params, choices = self.params, self.choices
-        texts = [self.service.prompt_text(params, i) if params.request.echo else "" for i in range(len(choices))]
+        echo = getattr(params.request, "echo", False)
+        texts = [self.service.prompt_text(params, i) if echo else "" for i in range(len(choices))]
         async for delta in self.deltas():
             texts[delta.index] += delta.text
         failed = [ch for ch in choices if ch.error]
         if failed:
             status = max(ch.status for ch in failed)
             return JSONResponse(ApiError(status, f"generation failed: {failed[0].error}").body(), status_code=status)
-        out = []
-        for i, ch in enumerate(choices):
-            choice = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": ch.finish_reason}
-            if params.request.return_token_ids:
-                choice["token_ids"] = ch.token_ids
-                choice["prompt_token_ids"] = params.prompts[params.prompt_of(i)]
-            out.append(choice)
+        return self.body([self.final_choice(i, texts[i], ch) for i, ch in enumerate(choices)])
+
+    # -- the shapes ------------------------------------------------------------------------------
+
+    def token_entries(self, i: int, ch: _Choice) -> tuple[list[int], list]:
+        """(token ids, their TokenLogprobs or None) of a choice's log-probs: the prompt's first with
+        echo, then the generated tokens up to the one that ended the choice."""
+        ids = list(ch.token_ids)
+        entries = ch.logprobs[: len(ids)]
+        if ch.prompt_logprobs is not None:
+            ids = self.params.prompts[self.params.prompt_of(i)] + ids
+            entries = ch.prompt_logprobs + entries
+        return ids, entries
+
+    def logprobs_object(self, ids: list[int], entries: list, offset: int = 0) -> dict:
+        """OpenAI's completions `logprobs`: tokens, token_logprobs, top_logprobs (the top N and, as
+        vLLM does, the chosen token), text_offset."""
+        svc = self.service
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in zip(ids, entries):
+            text = svc.token_str(token)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            own, top = entry
+            out["token_logprobs"].append(own)
+            # keyed by text, as OpenAI's format is: two ids with one text share a key, the likelier kept
+            tops: dict[str, float] = {}
+            for t, lp in top:
+                tops.setdefault(svc.token_str(t), lp)
+            tops.setdefault(text, own)
+            out["top_logprobs"].append(tops)
+        return out
+
+    def final_choice(self, i: int, text: str, ch: _Choice) -> dict:
+        logprobs = self.logprobs_object(*self.token_entries(i, ch)) if self.params.logprobs is not None else None
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason}
+        if self.params.request.return_token_ids:
+            choice["token_ids"] = ch.token_ids
+            choice["prompt_token_ids"] = self.params.prompts[self.params.prompt_of(i)]
+        return choice
+
+    def body(self, choices: list[dict]) -> dict:
         return {
             "id": self.id,
-            "object": "text_completion",
+            "object": self.OBJECT,
             "created": self.created,
             "model": self.service.model_name,
-            "choices": out,
+            "choices": choices,
             "usage": self.usage(),
         }
 
     def _chunk(self, choices: list[dict], **extra) -> str:
-        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.service.model_name}
+        body = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.service.model_name}
         body.update(choices=choices, **extra)
         if self.params.continuous_usage and choices:
             body["usage"] = self.usage()
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def _choice(self, i: int, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict:
+        out = self.chunk_choice(i, text, finish, ids)
+        if self.params.logprobs is not None and ids:
+            # the log-probs event of a token arrives just before it
+            out["logprobs"] = self.chunk_logprobs(i, ids, self.choices[i].logprobs[-len(ids) :])
+        return out
+
+    def chunk_logprobs(self, i: int, ids: list[int], entries: list):
+        obj = self.logprobs_object(ids, entries, self._offsets.get(i, 0))
+        if obj.get("tokens"):  # completions' shape: the next chunk's offsets continue from here
+            self._offsets[i] = obj["text_offset"][-1] + len(obj["tokens"][-1])
+        return obj
+
+    def chunk_choice(self, i: int, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict:
         out: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
         if self.params.request.return_token_ids and ids is not None:
             out["token_ids"] = ids
         return out
 
+    def prelude(self) -> list[str]:
+        """The chunks before the first token: the prompts, when echoed (with their log-probs)."""
+        params = self.params
+        if not params.request.echo:
+            return []
+        choices = []
+        for i, ch in enumerate(self.choices):
+            choice = self.chunk_choice(i, self.service.prompt_text(params, i))
+            if ch.prompt_logprobs is not None:
+                choice["logprobs"] = self.chunk_logprobs(i, params.prompts[params.prompt_of(i)], ch.prompt_logprobs)
+            choices.append(choice)
+        return [self._chunk(choices)]
+
     async def events(self):
         params, choices = self.params, self.choices
         try:
-            if params.request.echo:
-                yield self._chunk([self._choice(i, self.service.prompt_text(params, i)) for i in range(len(choices))])
+            if params.prompt_logprobs is not None:  # echo with log-probs: the prompt's come first
+                await self.prompt_logprobs()
+            for chunk in self.prelude():
+                yield chunk
             async for d in self.deltas():
                 if d.error is None:
                     yield self._chunk([self._choice(d.index, d.text, d.finish_reason, d.token_ids)])
@@ -469,3 +603,10 @@ class _Answer:
             yield "data: [DONE]\n\n"
         finally:  # a client that went away (or any exit before the end): free the slots at the next step
             self.close()
+
+
+def _refuse_unwired(req) -> None:
+    """Fields the protocol accepts whose engine side does not exist: refused at any value but the
+    neutral one, with the reason, never silently ignored."""
+    if getattr(req, "prompt_logprobs", None) is not None:
+        raise bad("prompt_logprobs", "not supported (use echo with logprobs for the prompt's log-probs)")

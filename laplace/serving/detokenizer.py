@@ -76,8 +76,10 @@ class IncrementalText:
         *,
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # vLLM's min_tokens: no stop string ends the text before these
         self.skip_special_tokens = skip_special_tokens
         self.include_stop = include_stop
         self.ids: list[int] = []
@@ -109,7 +111,7 @@ class IncrementalText:
         return self._take(rest, final=True)
 
     def _take(self, piece: str, final: bool) -> str:
-        if self._matcher is None:
+        if self._matcher is None or (len(self.ids) <= self.min_tokens and not self._pending):
             return piece
         offset = len(self._pending)
         self._pending += piece

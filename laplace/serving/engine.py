@@ -32,14 +32,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from laplace.config import EngineSection
+from laplace.config import EngineSection, width_ladder  # the widths' one rule lives with the knob
 from laplace.errors import ConfigError, one_line
 from laplace.model.kernels import resolve_kernel
 from laplace.model.lm import LaplaceLM, State
 from laplace.runtime import compile_backend, compiled_graph_count, configure_compiler
 from laplace.serving.cache_manager import CacheManager, SlotPool
 from laplace.serving.model_runner import DecodeBatch, ModelRunner
-from laplace.serving.sampling import sample_next, stream_key
+from laplace.serving.sampling import logprobs_of, stream_key
 from laplace.serving.scheduler import (
     Completion,
     DecodePlan,
@@ -48,8 +48,9 @@ from laplace.serving.scheduler import (
     Running,
     Scheduler,
     StepRecord,
+    TokenLogprobs,
 )
-from laplace.serving.shapes import fit, prefill_pieces, width_ladder
+from laplace.serving.shapes import fit, prefill_pieces
 
 __all__ = [
     "ONE_SLOT",
@@ -296,17 +297,19 @@ class DecodeEngine:
         prefix_cache = self.cache.prefix_cache
         if not prefix_cache.enabled:
             return self.prefill(slot, ids), self.padded_tokens(len(ids))
-        start, cached, split = prefix_cache.plan(ids)
-        if cached is not None:
-            self.cache.write_slot(slot, cached)
-        computed = 0
-        if split is not None:
-            self.prefill(slot, ids[start:split])
-            computed += self.padded_tokens(split - start)
-            prefix_cache.put(ids[:split], self.cache.read_slot(slot))
-            start = split
+        plan = prefix_cache.plan(ids, self.padded_tokens)
+        if plan.state is not None:
+            self.cache.write_slot(slot, plan.state)
+        if plan.logits is not None:  # an exact repeat: the state and the last logits are cached
+            return plan.logits.clone(), 0
+        start, computed = plan.start, 0
+        if plan.split is not None:
+            logits = self.prefill(slot, ids[start : plan.split])
+            computed += self.padded_tokens(plan.split - start)
+            prefix_cache.put(ids[: plan.split], self.cache.read_slot(slot), logits.clone())
+            start = plan.split
         logits = self.prefill(slot, ids[start:])
-        prefix_cache.put(ids, self.cache.read_slot(slot))
+        prefix_cache.put(ids, self.cache.read_slot(slot), logits.clone())
         return logits, computed + self.padded_tokens(len(ids) - start)
 
     def prefix_cache_stats(self) -> dict[str, int]:
@@ -368,6 +371,7 @@ class DecodeEngine:
 
     def _prefill_request(self, req: Request) -> None:
         row = self.scheduler.start(req, self.cache.admit(req.id))
+        self.runner.graphs.set_history(row.slot, req.prompt_ids, req.stop_ids)
         before = compiled_graph_count()
         try:
             (token, padded_length), seconds = self.runner.timed(lambda: self._first_token(row))
@@ -384,7 +388,11 @@ class DecodeEngine:
         if self.on_logits is not None:
             self.on_logits(logits)
         r = row.request
-        return int(sample_next(logits, r.temperature, r.top_p, stream_key(r.seed, 0))[0]), padded_length
+        batch = self._batch([row], [[]], [stream_key(r.seed, 0)], width=1)
+        token = int(self.runner.graphs.sample(logits, batch.ints, batch.floats)[0])  # the decode graph's sampler
+        if r.logprobs is not None:
+            row.completion.logprobs.extend(_logprobs(logits, [token], [r.logprobs]))
+        return token, padded_length
 
     def _run_decode_step(self, plan: DecodePlan) -> None:
         rows, width = plan.rows, plan.width
@@ -402,19 +410,48 @@ class DecodeEngine:
     def _decode_step_tokens(self, plan: DecodePlan) -> list[int]:
         """The plan's decode step with sampling on the device; the produced tokens are read back once."""
         rows, n = plan.rows, len(plan.rows)
-        batch = DecodeBatch.of_rows(
-            [r.completion.output_ids[-1] for r in rows],
-            [r.slot for r in rows],
+        batch = self._batch(
+            rows,
+            [r.completion.output_ids for r in rows],
             # the draw's key: (request seed, index of the token drawn), whatever the batch
             [stream_key(r.request.seed, len(r.completion.output_ids)) for r in rows],
-            [float(r.request.temperature) for r in rows],
-            [float(r.request.top_p) for r in rows],
             width=plan.width,
-            pad_id=self.pad_id,
-            dummy=self.cache.dummy,
-            device=self.device,
         )
         tokens, logits = self.runner.decode_step(batch)
         if self.on_logits is not None:
             self.on_logits(logits[:n].clone())
-        return tokens[:n].tolist()  # the step's one read of device memory
+        out = tokens[:n].tolist()  # the step's one read of device memory
+        wanted = [i for i, r in enumerate(rows) if r.request.logprobs is not None]
+        if wanted:  # log-probs only for the rows that asked, read back with them
+            picked = logits[torch.tensor(wanted, device=logits.device)]
+            top_n = [rows[i].request.logprobs for i in wanted]
+            for i, lp in zip(wanted, _logprobs(picked, [out[i] for i in wanted], top_n)):
+                rows[i].completion.logprobs.append(lp)
+        return out
+
+    def _batch(self, rows: list[Running], outputs: list[list[int]], keys: list[int], width: int) -> DecodeBatch:
+        """The decode step's inputs for these rows, vLLM's sampling fields included."""
+        reqs = [r.request for r in rows]
+        return DecodeBatch.of_rows(
+            [out[-1] if out else self.pad_id for out in outputs],
+            [r.slot for r in rows],
+            keys,
+            [float(q.temperature) for q in reqs],
+            [float(q.top_p) for q in reqs],
+            width=width,
+            pad_id=self.pad_id,
+            dummy=self.cache.dummy,
+            device=self.device,
+            top_k=[max(0, q.top_k) for q in reqs],
+            min_to_go=[max(0, q.min_tokens - len(out)) for q, out in zip(reqs, outputs)],
+            penalties=[
+                (float(q.repetition_penalty), float(q.frequency_penalty), float(q.presence_penalty)) for q in reqs
+            ],
+        )
+
+
+def _logprobs(logits: Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:
+    """Each row's raw log-probs (serving/sampling.py logprobs_of): the chosen token's and the top N."""
+    chosen, top, ids = logprobs_of(logits, torch.tensor(tokens, device=logits.device), max(top_n))
+    chosen, top, ids = chosen.tolist(), top.tolist(), ids.tolist()
+    return [(chosen[i], list(zip(ids[i][:n], top[i][:n]))) for i, n in enumerate(top_n)]

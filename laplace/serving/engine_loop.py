@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from laplace.errors import one_line
 from laplace.serving.engine import Completion, DecodeEngine, Request, StepRecord
 from laplace.serving.metrics import ServerMetrics
 
@@ -38,11 +39,14 @@ class Draining(Exception):
 @dataclass
 class Ticket:
     """One engine request seen from the HTTP side: its events arrive on `events` (shared by the
-    choices of one HTTP request) as (index, "token", id) and (index, "end", Completion)."""
+    choices of one HTTP request) as (index, "token", id) and (index, "end", Completion); with
+    log-probs asked for, (index, "logprobs", TokenLogprobs) before each token, and with prompt
+    log-probs (index, "prompt", [None, TokenLogprobs...]) before anything else."""
 
     request: Request
     index: int
     events: asyncio.Queue
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's log-probs, top N, first of all
 
 
 @dataclass
@@ -81,6 +85,7 @@ class EngineLoop:
         self._t0 = time.perf_counter()
         self._graphs_after_warmup = 0
         self._done_rate: deque[float] = deque(maxlen=64)  # finish times, for Retry-After
+        self._refused = 0  # requests refused for a full queue since it last had room (for Retry-After)
         self.warmup_s: float | None = None
         self.warmup_summary = ""
 
@@ -124,7 +129,9 @@ class EngineLoop:
                 raise Draining()
             waiting = len(self._shared.inbox) + self._shared.queued
             if waiting + len(tickets) > self.engine.max_queue:
-                raise QueueFull(waiting, self._retry_after(waiting))
+                self._refused += len(tickets)
+                raise QueueFull(waiting, self._retry_after(waiting + self._refused))
+            self._refused = 0
             for t in tickets:
                 t.request.arrival_s = self.clock()
                 self._shared.inbox.append(t)
@@ -135,12 +142,16 @@ class EngineLoop:
             self._shared.cancels.append((request_id, reason))
             self._cv.notify()
 
-    def _retry_after(self, waiting: int) -> int:
-        """Seconds until the queue has likely room: the wait at the recent completion rate."""
+    def _retry_after(self, ahead: int) -> int:
+        """Seconds until the queue likely has room for a client refused now: the time to drain the
+        `ahead` requests before it (those waiting beyond the queue's room, and those refused since
+        the queue last had room, who retry too) at the recent completion rate (1 request/s before
+        two have finished). So a burst of refused clients is told to come back spread over the
+        drain time, not all after 1 s. Clamped to [1, 60]."""
+        rate = 1.0
         if len(self._done_rate) >= 2 and self._done_rate[-1] > self._done_rate[0]:
             rate = (len(self._done_rate) - 1) / (self._done_rate[-1] - self._done_rate[0])
-            return max(1, min(60, math.ceil(max(1, waiting - self.engine.max_queue + 1) / rate)))
-        return 1
+        return max(1, min(60, math.ceil(max(1, ahead - self.engine.max_queue + 1) / rate)))
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -173,7 +184,10 @@ class EngineLoop:
                 else f"warmup {self.warmup_s:.1f}s (eager)"
             )
         except Exception as exc:  # a broken model or compiler: the server cannot serve
-            self.fatal = f"warmup failed: {type(exc).__name__}: {exc}"
+            if self.draining:  # stopped by a signal during warmup: its compilers were killed, not a failure
+                log.info("warmup stopped: shutting down")
+                return
+            self.fatal = f"warmup failed: {one_line(exc)}"
             log.error(self.fatal)
             if self.on_fatal:
                 self.on_fatal()
@@ -219,9 +233,16 @@ class EngineLoop:
             self._shared.queued += len(inbox)  # still waiting, now in the engine's queue
             cancels, self._shared.cancels = self._shared.cancels, []
         engine.now = self.clock()
+        scored = []
         for t in inbox:
             self._tickets[t.request.id] = t
+            if t.prompt_logprobs is not None:
+                scored.append(
+                    (t, (t.index, "prompt", prompt_logprobs(engine.model, t.request.prompt_ids, t.prompt_logprobs)))
+                )
             engine.submit(t.request)  # checked on the HTTP side already; a rejection ends it below
+        if scored and self._aio is not None:
+            self._aio.call_soon_threadsafe(_deliver, scored)
         for rid, reason in cancels:
             engine.cancel(rid, reason)
         if self.drain_deadline is not None and time.perf_counter() >= self.drain_deadline and engine.has_work():
@@ -244,6 +265,11 @@ class EngineLoop:
                     len(failed),
                     str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
                 )
+        if self.drain_deadline is not None and engine.queue:
+            # SIGTERM: a request still waiting for a slot will not get one before the end; 503 now, not
+            # a cancellation with 0 tokens at the end of the grace period
+            for req in list(engine.queue):
+                engine.cancel(req.id, "server shutting down: the request was still waiting for a slot")
         compiled = compiled_graph_count() - self._graphs_after_warmup
         if compiled > 0:
             self.metrics.compile_events.inc(compiled)
@@ -265,7 +291,9 @@ class EngineLoop:
         self._publish([], self.engine.take_finished())
 
     def _on_token(self, completion: Completion, token: int) -> None:
-        self._emitted.append((completion, token))
+        # the token's log-probs, when asked for, were appended just before it was emitted
+        asked = completion.logprobs and len(completion.logprobs) == len(completion.output_ids)
+        self._emitted.append((completion, token, completion.logprobs[-1] if asked else None))
 
     def _publish(self, steps: list[StepRecord], finished: list[Completion]) -> None:
         m = self.metrics
@@ -277,8 +305,10 @@ class EngineLoop:
         emitted, self._emitted = self._emitted, []
         if emitted:
             m.count_tokens(len(emitted))
-        for c, token in emitted:
+        for c, token, logprobs in emitted:
             if (t := self._tickets.get(c.request_id)) is not None:
+                if logprobs is not None:
+                    events.append((t, (t.index, "logprobs", logprobs)))
                 events.append((t, (t.index, "token", token)))
         for c in finished:
             t = self._tickets.pop(c.request_id, None)
@@ -290,6 +320,21 @@ class EngineLoop:
                 events.append((t, (t.index, "end", c)))
         if events and self._aio is not None:
             self._aio.call_soon_threadsafe(_deliver, events)
+
+
+def prompt_logprobs(model, prompt_ids: list[int], top_n: int) -> list:
+    """The log-prob of each prompt token given the ones before it, and the top N there (None for the
+    first token, which nothing predicts), from the model's parallel forward over the whole prompt,
+    eagerly (`force_eager`: no graph is compiled for this, whatever the serving stance; the same
+    forward lm-eval's `--model laplace` numbers are checked against in tests/test_harness.py)."""
+    from laplace.serving.engine import _logprobs
+
+    if len(prompt_ids) < 2:
+        return [None] * len(prompt_ids)
+    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
+    with torch.compiler.set_stance("force_eager"), torch.inference_mode():
+        logits = model(ids)[0, :-1]
+    return [None] + _logprobs(logits, prompt_ids[1:], [top_n] * (len(prompt_ids) - 1))
 
 
 def _deliver(events) -> None:

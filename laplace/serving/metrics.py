@@ -60,7 +60,7 @@ class _PrefixCacheCollector(Collector):
         for key, kind, doc in (
             ("hits", "counter", "requests whose prompt started with a cached state prefix"),
             ("misses", "counter", "requests that found no cached state prefix"),
-            ("evictions", "counter", "cached prefixes evicted to stay within serve.prefix_cache_bytes"),
+            ("evictions", "counter", "cached prefixes evicted to stay within engine.prefix_cache_bytes"),
             ("bytes", "gauge", "bytes of recurrent state held by the prefix cache"),
         ):
             if key in stats:

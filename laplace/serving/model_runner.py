@@ -22,14 +22,16 @@ from laplace.errors import ConfigError
 from laplace.model.lm import LaplaceLM, State
 from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
 from laplace.serving.cache_manager import CacheManager, state_tensors
-from laplace.serving.sampling import sample_next
+from laplace.serving.sampling import apply_penalties, sample_next
 from laplace.serving.shapes import prefill_pieces
 
 
 @dataclass
 class DecodeBatch:
-    """The inputs of one decode step, packed so a step copies two small tensors: ints [3, W]
-    (tokens, slots, sampling keys) and floats [2, W] (temperature, top_p), one row per column."""
+    """The inputs of one decode step, packed so a step copies two small tensors, one row per column:
+    ints [6, W] (tokens, slots, sampling keys, top_k, min_tokens still to go, 0) and floats [5, W]
+    (temperature, top_p, repetition, frequency and presence penalties). Every batch has this shape,
+    so warmup's greedy steps compile the very graphs that serve."""
 
     ints: Tensor
     floats: Tensor
@@ -51,19 +53,48 @@ class DecodeBatch:
         pad_id: int,
         dummy: int,
         device: torch.device,
+        top_k: list[int] | None = None,
+        min_to_go: list[int] | None = None,
+        penalties: list[tuple[float, float, float]] | None = None,
     ) -> DecodeBatch:
-        """Live rows padded to `width`: pad rows take the pad token, the dummy slot, greedy sampling."""
-        pad = width - len(tokens)
-        ints = torch.tensor([tokens + [pad_id] * pad, slots + [dummy] * pad, keys + [0] * pad], dtype=torch.long).to(
-            device
-        )
-        floats = torch.tensor([temperature + [0.0] * pad, top_p + [1.0] * pad]).to(device)
+        """Live rows padded to `width`: pad rows take the pad token, the dummy slot, greedy sampling.
+        top_k, min_to_go (min_tokens still to generate), penalties (repetition, frequency, presence)
+        per row; default neutral."""
+        n, pad = len(tokens), width - len(tokens)
+        top_k = top_k or [0] * n
+        min_to_go = min_to_go or [0] * n
+        rep, freq, pres = zip(*penalties) if penalties else ([1.0] * n, [0.0] * n, [0.0] * n)
+        ints = torch.tensor(
+            [
+                tokens + [pad_id] * pad,
+                slots + [dummy] * pad,
+                keys + [0] * pad,
+                list(top_k) + [0] * pad,
+                list(min_to_go) + [0] * pad,
+                [0] * width,
+            ],
+            dtype=torch.long,
+        ).to(device)
+        floats = torch.tensor(
+            [
+                temperature + [0.0] * pad,
+                top_p + [1.0] * pad,
+                list(rep) + [1.0] * pad,
+                list(freq) + [0.0] * pad,
+                list(pres) + [0.0] * pad,
+            ]
+        ).to(device)
         return cls(ints, floats)
 
     @classmethod
     def stack(cls, tokens: Tensor, slots: Tensor, keys: Tensor, temperature: Tensor, top_p: Tensor) -> DecodeBatch:
-        """Rows given as device tensors, exactly these (no padding)."""
-        return cls(torch.stack([tokens, slots, keys]), torch.stack([temperature, top_p]))
+        """Rows given as device tensors, exactly these (no padding); vLLM's fields neutral."""
+        zeros = torch.zeros_like(keys)
+        ones = torch.ones_like(temperature)
+        return cls(
+            torch.stack([tokens, slots, keys, zeros, zeros, zeros]),
+            torch.stack([temperature, top_p, ones, ones * 0, ones * 0]),
+        )
 
     @classmethod
     def greedy(cls, tokens: Tensor, slots: Tensor) -> DecodeBatch:
@@ -89,16 +120,51 @@ class StepGraphs(nn.Module):
         self._state_fields = {f.name: f.name in tensors for f in dataclasses.fields(state)}  # name: has a tensor
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor, persistent=False)
+        # per slot, for vLLM's sampling fields: the prompt's tokens (repetition_penalty), how often
+        # each token was generated (the penalties), the request's stop tokens (min_tokens)
+        rows, V, device = state.recurrent.shape[1], model.cfg.vocab_size, state.recurrent.device
+        self.register_buffer("seen", torch.zeros(rows, V, dtype=torch.bool, device=device), persistent=False)
+        self.register_buffer("counts", torch.zeros(rows, V, dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer("stops", torch.zeros(rows, V, dtype=torch.bool, device=device), persistent=False)
 
     def state(self) -> State:
         """The buffers as a State (views of the same memory)."""
         return State(**{name: getattr(self, name) if present else None for name, present in self._state_fields.items()})
 
+    def set_history(self, slot: int, prompt_ids, stop_ids) -> None:
+        """A newly admitted request's sampling history: its prompt's tokens, its stop tokens, no
+        tokens generated yet."""
+        device = self.seen.device
+        self.seen[slot] = False
+        self.counts[slot] = 0
+        self.stops[slot] = False
+        self.seen[slot, torch.as_tensor(list(prompt_ids), device=device)] = True
+        if stop_ids:
+            self.stops[slot, torch.as_tensor(list(stop_ids), device=device)] = True
+
+    def sample(self, logits: Tensor, ints: Tensor, floats: Tensor) -> Tensor:
+        """The next token of each row from its raw logits (DecodeBatch's rows): min_tokens and the
+        penalties over the slot's history, then temperature / top-k / top-p (serving/sampling.py,
+        vLLM's order). The drawn token is counted in its slot's history."""
+        W = ints.shape[1]
+        if ints.shape[0] < 6:  # the plain form (tokens, slots, keys) / (temperature, top_p): the rest neutral
+            ints = torch.cat([ints, ints.new_zeros(6 - ints.shape[0], W)])
+        if floats.shape[0] < 5:
+            neutral = torch.tensor([[1.0], [0.0], [0.0]], device=floats.device).expand(3, W)
+            floats = torch.cat([floats, neutral[floats.shape[0] - 2 :]])
+        _, slots, keys, top_k, min_to_go, _ = ints.unbind(0)
+        temperature, top_p, repetition, frequency, presence = floats.unbind(0)
+        adjusted = apply_penalties(logits, self.seen[slots], self.counts[slots], repetition, frequency, presence)
+        adjusted = adjusted.masked_fill(self.stops[slots] & (min_to_go > 0).unsqueeze(-1), float("-inf"))
+        tokens = sample_next(adjusted, temperature, top_p, keys, top_k)
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        return tokens
+
     def decode_step(self, ints: Tensor, floats: Tensor) -> tuple[Tensor, Tensor]:
-        """Returns (next tokens [W], logits [W, V])."""
-        tokens, slots, keys = ints.unbind(0)
+        """Returns (next tokens [W], raw logits [W, V])."""
+        tokens, slots = ints[0], ints[1]
         logits = self.model.decode_step(tokens, self.state(), slots)
-        return sample_next(logits, floats[0], floats[1], keys), logits
+        return self.sample(logits, ints, floats), logits
 
     def prefill(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
         return self.model.prefill(tokens, self.state(), slots, lengths)

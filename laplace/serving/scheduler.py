@@ -47,6 +47,17 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
     arrival_s: float = 0.0
+    logprobs: int | None = None  # top-N log-probs of each generated token (None: none)
+    # vLLM's sampling fields (serving/sampling.py), at their neutral values by default
+    top_k: int = 0  # 0 or -1: every token
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+# one generated token's log-probs: (its own, [(token id, log-prob) of the top N])
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -60,6 +71,7 @@ class Completion:
     admitted_s: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_s: float | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, when asked for
 
     @property
     def ttft_s(self) -> float | None:
@@ -179,6 +191,22 @@ class Scheduler:
             )
         if not (_is_int(req.seed) and -(2**63) <= req.seed < 2**64):  # stream_key hashes the low 64 bits
             raise Rejected(f"seed must be an integer in [-2**63, 2**64), got {reprlib.repr(req.seed)}")
+        # vLLM's sampling fields, at vLLM's ranges
+        if not (_is_int(req.top_k) and req.top_k >= -1):
+            raise Rejected(f"top_k must be an integer >= -1 (-1 or 0: all tokens), got {reprlib.repr(req.top_k)}")
+        if not (_is_int(req.min_tokens) and 0 <= req.min_tokens <= req.max_new_tokens):
+            raise Rejected(f"min_tokens must be in [0, max_new_tokens={req.max_new_tokens}], got {req.min_tokens!r}")
+        penalties = (req.repetition_penalty, req.presence_penalty, req.frequency_penalty)
+        if not (
+            all(_is_real(v) and math.isfinite(v) for v in penalties)
+            and req.repetition_penalty > 0
+            and -2 <= req.presence_penalty <= 2
+            and -2 <= req.frequency_penalty <= 2
+        ):
+            raise Rejected(
+                "repetition_penalty must be > 0 and presence_penalty, frequency_penalty in [-2, 2], got "
+                f"{reprlib.repr(penalties)}"
+            )
 
     def _reject(self, req: Request, reason: str) -> Completion:
         prompt_tokens = len(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else 0

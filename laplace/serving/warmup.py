@@ -9,7 +9,7 @@ the Neuron NEFF cache on Trainium); the warmup stage runs this in fresh processe
 One compile, loaded everywhere: a graph is looked up in the cache by a key that holds more
 than the graph. Inductor's FX graph cache key includes the intra-op thread count
 (`parallel_num_threads()`: the generated C++ is specialised for it), so warmup, serve-check's
-replays and `laplace serve` all call `apply_compile_settings` with the same `serve:` params,
+replays and `laplace serve` all call `apply_compile_settings` with the same `server.threads`,
 and warmup writes what it compiled under beside the cache (`compile-settings.json`): a server
 whose settings differ says so in one line instead of silently recompiling every graph.
 Neuron's NEFF cache is keyed by the graph (HLO) hash, the neuronx-cc version and its flags
@@ -56,9 +56,15 @@ def settings_mismatch(cache_dir: Path, settings: dict) -> str | None:
     diff = [f"{k} {built[k]} there, {settings[k]} here" for k in settings if k in built and built[k] != settings[k]]
     if not diff:
         return None
+    # the thread count is a knob (server.threads); a torch version is not
+    fix = (
+        f"--set server.threads={built['threads']} as warmup had it, or "
+        if built.get("threads") != settings.get("threads")
+        else ""
+    )
     return (
         f"the compile cache {cache_dir} was built under other settings ({'; '.join(diff)}): "
-        "every graph will compile (set serve.threads as warmup had it, or rerun laplace warmup)"
+        f"every graph will compile ({fix}rerun laplace warmup)"
     )
 
 

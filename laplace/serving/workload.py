@@ -5,7 +5,7 @@
 - bursty:  Gamma-distributed gaps with the same mean and a coefficient of variation of
            burst_cv (> 1 clusters arrivals into bursts separated by lulls)
 - shared_prefix: Poisson arrivals whose prompts all start with one system prompt of
-           serve.shared_prefix_tokens tokens, each followed by its own user text (what the
+           serve_check.shared_prefix_tokens tokens, each followed by its own user text (what the
            state prefix cache is for: serving/prefix_cache.py)
 
 Prompts are windows of real validation text, so the model decodes plausible tokens.

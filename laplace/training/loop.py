@@ -195,7 +195,7 @@ def load_init_weights(model: LaplaceLM, init: str) -> None:
     from safetensors import safe_open
 
     from laplace import manifest as manifests
-    from laplace.model.lm import local_rows
+    from laplace.sharding import local_rows
 
     ok, reason = manifests.verify(Path(init), "export")  # every byte as the export wrote it
     if not ok:
@@ -272,51 +272,15 @@ def train(
     `before_step(step, model, optimizer)` runs before each step (profiling, fault injection
     and state inspection in tests).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from laplace.optim.muon_adamw import MuonAdamW
-
-    t = cfg.train
-    set_threads(t.threads)  # in each rank too: torchrun's OMP_NUM_THREADS says the same (stage_train)
-    device = resolve_device(t.device)
+    set_threads(cfg.train.threads)  # in each rank too: torchrun's OMP_NUM_THREADS says the same (stage_train)
+    device = resolve_device(cfg.train.device)
     if device.type == "cpu":
         keep_cpu_allocations()
     group = distributed.join(device)
     try:
-        distributed.check_shared_storage(Path(data_dir), Path(run_dir), group)
-        error, manifest, model_cfg = None, None, None
-        try:
-            manifest, model_cfg = check_inputs(cfg, Path(data_dir), group.world)
-        except InputError as exc:
-            error = exc
-        distributed.raise_together(error, group.device)
-        train_tokens, val_tokens = open_data(Path(data_dir), group)
-        val_batches = validation_batches(val_tokens, t.batch_size, t.seq_len, t.eval_batches)
-
-        mesh = init_device_mesh(group.device.type, (group.world,))
-        model = build_model(model_cfg, mesh, group.device, t, cfg.seed, cfg.model.init, cfg.muon.comm)
-        # train.compile on CUDA also compiles the Muon update (the LR a tensor: the schedule never
-        # recompiles). Not on CPU: there Inductor's OpenMP loops over many small tensors measured
-        # slower than eager when the cores were shared (bench/RESULTS.md), and eager is not launch-bound.
-        backend = compile_backend(group.device) if t.compile and group.device.type == "cuda" else None
-        optimizer = MuonAdamW(model, t.lr, cfg.adamw, cfg.muon, compile_backend=backend)
+        trainer = Trainer(cfg, Path(data_dir), Path(run_dir), group, on_log=on_log, before_step=before_step)
         with lifecycle.stop_on_sigterm():
-            return _loop(
-                cfg,
-                model,
-                optimizer,
-                group,
-                manifest,
-                model_cfg,
-                train_tokens,
-                val_batches,
-                Path(run_dir),
-                resume,
-                stop_at_step,
-                on_log,
-                before_step,
-                progress,
-            )
+            return trainer.fit(resume=resume, stop_at_step=stop_at_step, progress=progress)
     finally:
         distributed.leave(group)
 
@@ -328,108 +292,151 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def _loop(
-    cfg,
-    model,
-    optimizer,
-    group,
-    manifest,
-    model_cfg,
-    train_tokens,
-    val_batches,
-    run_dir,
-    resume,
-    stop_at_step,
-    on_log,
-    before_step,
-    progress,
-) -> TrainResult:
-    from laplace.optim.exchange import traffic_metrics
+class Trainer:
+    """One training run on this rank, its state on one object (torchtitan's Trainer shape):
+    __init__ checks the inputs and builds the data, the model and the optimizer; `fit` resumes
+    from the last verified checkpoint, then runs `train_step` per step, logging, evaluating and
+    checkpointing as train: says, and returns the run's figures. Every rank runs the same calls
+    in the same order: the collectives (loss mean, evaluation, stop and save verdicts) line up."""
 
-    t = cfg.train
-    device = group.device
-    ckpt_root = run_dir / "checkpoints"
-    fingerprint = run_fingerprint(cfg, model_cfg, manifest)
-    start_step, history = 0, []
-    found = ckpt.latest_verified(ckpt_root, device) if resume else None
-    # Rank 0 reads the verdict and every rank gets it, before rank 0 moves anything.
-    foreign = group.is_main and found is not None
-    foreign = foreign and json.loads((found / "trainer.json").read_text()).get("fingerprint") != fingerprint
-    if found is not None and distributed.broadcast_int(int(foreign), device):
-        # Another run's checkpoints (params or data changed): keep them one generation back, start over.
-        if group.is_main:
-            previous = run_dir / "previous"
-            shutil.rmtree(previous, ignore_errors=True)
-            ckpt_root.rename(previous)
-            log.warning(
-                "checkpoints in %s belong to another run (settings or data changed); moved to %s, training from step 0",
-                ckpt_root,
-                previous,
-            )
-        distributed.barrier()
-        found = None
-    if found is not None:
-        trainer = ckpt.load_sharded(found, model, optimizer.optimizers)
-        start_step, history = int(trainer["step"]), list(trainer.get("history", []))
-        if group.is_main:
-            log.info(
-                "resumed from %s (step %d, saved at world size %s, now %d)",
-                found,
-                start_step,
-                trainer.get("world_size"),
-                group.world,
-            )
+    def __init__(
+        self,
+        cfg: Config,
+        data_dir: Path,
+        run_dir: Path,
+        group: distributed.Group,
+        *,
+        on_log: Callable[[dict], None] | None = None,
+        before_step: Callable[[int, torch.nn.Module, object], None] | None = None,
+    ):
+        from torch.distributed.device_mesh import init_device_mesh
 
-    saver = ckpt.Checkpointer(ckpt_root, t.keep_checkpoints, device, asynchronous=t.async_checkpoint)
-    save_seconds = None  # the last save's duration: does one fit in what is left of a SIGTERM's grace?
+        from laplace.optim.muon_adamw import MuonAdamW
 
-    def save(step: int) -> Path:
-        nonlocal save_seconds
+        self.cfg, self.t, self.group, self.device = cfg, cfg.train, group, group.device
+        self.on_log, self.before_step = on_log, before_step
+        t = self.t
+        distributed.check_shared_storage(data_dir, run_dir, group)
+        error, manifest, model_cfg = None, None, None
+        try:
+            manifest, model_cfg = check_inputs(cfg, data_dir, group.world)
+        except InputError as exc:
+            error = exc
+        distributed.raise_together(error, group.device)
+        self.model_cfg = model_cfg
+        self.train_tokens, val_tokens = open_data(data_dir, group)
+        self.val_batches = validation_batches(val_tokens, t.batch_size, t.seq_len, t.eval_batches)
+
+        mesh = init_device_mesh(group.device.type, (group.world,))
+        self.model = build_model(model_cfg, mesh, group.device, t, cfg.seed, cfg.model.init, cfg.muon.comm)
+        # train.compile on CUDA also compiles the Muon update (the LR a tensor: the schedule never
+        # recompiles). Not on CPU: there Inductor's OpenMP loops over many small tensors measured
+        # slower than eager when the cores were shared (bench/RESULTS.md), and eager is not launch-bound.
+        backend = compile_backend(group.device) if t.compile and group.device.type == "cuda" else None
+        self.optimizer = MuonAdamW(self.model, t.lr, cfg.adamw, cfg.muon, compile_backend=backend)
+
+        self.run_dir, self.ckpt_root = run_dir, run_dir / "checkpoints"
+        self.fingerprint = run_fingerprint(cfg, model_cfg, manifest)
+        self.tokens_per_step = t.batch_size * t.seq_len
+        self.start_step, self.history = 0, []
+        self.saver: ckpt.Checkpointer | None = None
+        self.save_seconds = None  # the last save's duration: does one fit in what is left of a SIGTERM's grace?
+        self.last_path: Path | None = None
+        # throughput: this run's steps and tokens (fit starts the clocks), and the log window's
+        self.steps_run, self.run_tokens, self.run_start = 0, 0, 0.0
+        self.window_tokens, self.window_start = 0, 0.0
+
+    # ----------------------------------------------------------------------- checkpoints
+
+    def restore(self, resume: bool) -> None:
+        """Resume from the last verified checkpoint of this run; another run's checkpoints (params
+        or data changed) are kept one generation back, and training starts over."""
+        group, device, ckpt_root = self.group, self.device, self.ckpt_root
+        found = ckpt.latest_verified(ckpt_root, device) if resume else None
+        # Rank 0 reads the verdict and every rank gets it, before rank 0 moves anything.
+        foreign = group.is_main and found is not None
+        foreign = foreign and json.loads((found / "trainer.json").read_text()).get("fingerprint") != self.fingerprint
+        if found is not None and distributed.broadcast_int(int(foreign), device):
+            if group.is_main:
+                previous = self.run_dir / "previous"
+                shutil.rmtree(previous, ignore_errors=True)
+                ckpt_root.rename(previous)
+                log.warning(
+                    "checkpoints in %s belong to another run (settings or data changed); moved to %s, "
+                    "training from step 0",
+                    ckpt_root,
+                    previous,
+                )
+            distributed.barrier()
+            found = None
+        if found is not None:
+            trainer = ckpt.load_sharded(found, self.model, self.optimizer.optimizers)
+            self.start_step, self.history = int(trainer["step"]), list(trainer.get("history", []))
+            if group.is_main:
+                log.info(
+                    "resumed from %s (step %d, saved at world size %s, now %d)",
+                    found,
+                    self.start_step,
+                    trainer.get("world_size"),
+                    group.world,
+                )
+
+    def save(self, step: int) -> Path:
         start = time.perf_counter()
-        trainer = {"history": history, "model_config": model_cfg.architecture(), "fingerprint": fingerprint}
-        path = saver.save(step, model, optimizer.optimizers, trainer)
-        save_seconds = time.perf_counter() - start
-        return path
+        trainer = {
+            "history": self.history,
+            "model_config": self.model_cfg.architecture(),
+            "fingerprint": self.fingerprint,
+        }
+        self.last_path = self.saver.save(step, self.model, self.optimizer.optimizers, trainer)
+        self.save_seconds = time.perf_counter() - start
+        return self.last_path
 
-    if start_step == 0 and not history:
-        history.append({"step": 0, "val_loss": evaluate(model, val_batches, group)})
-        if on_log and group.is_main:
-            on_log(history[-1])
+    def checkpoint(self, done: int, stop_at_step: int | None) -> None:
+        """Save when train.checkpoint_every (or the run's end) says so, or when SIGTERM (or Ctrl-C) asks the
+        job to stop and a save still fits in its grace; then stop with TrainingStopped if asked."""
+        t, device = self.t, self.device
+        self.saver.finish_if_written()  # an async checkpoint every rank has written goes into place now
+        stopping = lifecycle.stop_requested(device)  # collective: every rank stops after the same step
+        if done % t.checkpoint_every == 0 or done == t.steps or (stop_at_step is not None and done >= stop_at_step):
+            if not stopping or lifecycle.time_to_save(self.save_seconds, device):
+                self.save(done)
+        elif stopping and lifecycle.time_to_save(self.save_seconds, device):
+            self.save(done)
+        if stopping:
+            self.saver.close()  # an async write is put in place before the job ends
+            kept = f"checkpoint {self.last_path.name} kept" if self.last_path is not None else "no checkpoint written"
+            name, signum = lifecycle.stop_signal()
+            raise lifecycle.TrainingStopped(f"stopped by {name} after step {done}; {kept}; rerun to resume", signum)
 
-    tokens_per_step = t.batch_size * t.seq_len
-    last_path = None
-    bar = tqdm(
-        range(start_step, t.steps),
-        initial=start_step,
-        total=t.steps,
-        disable=not progress or not group.is_main or not sys.stderr.isatty(),  # log files get the lines below
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-    )
-    window_start, window_tokens = time.perf_counter(), 0
-    run_start, run_tokens, steps_run = time.perf_counter(), 0, 0
-    optimizer.meter.reset()
-    model.train()
-    for step in bar:
-        if before_step is not None:
-            before_step(step, model, optimizer)
+    # ----------------------------------------------------------------------- one step
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Forward, backward and the optimizer step of global step `step` (0-based) on this rank's
+        slice of the batch: (the loss averaged over ranks, the gradient norm, the LR scale)."""
+        t, group, device = self.t, self.group, self.device
+        if self.before_step is not None:
+            self.before_step(step, self.model, self.optimizer)
         scale = lr_scale(step, t)
-        optimizer.set_lr_scale(scale)
-        x, y = sample_batch(train_tokens, step, t.batch_size, t.seq_len, cfg.seed, group.rank, group.world)
-        loss = accumulate_gradients(model, x.to(device), y.to(device), t.grad_accum_steps)
+        self.optimizer.set_lr_scale(scale)
+        x, y = sample_batch(self.train_tokens, step, t.batch_size, t.seq_len, self.cfg.seed, group.rank, group.world)
+        loss = accumulate_gradients(self.model, x.to(device), y.to(device), t.grad_accum_steps)
         mean_loss = distributed.all_mean(loss)  # every rank sees the same value, so every rank stops together
         if not torch.isfinite(mean_loss):
             raise TrainingDiverged(
-                f"loss is {mean_loss.item()} at step {step + 1}; last good checkpoint kept in {ckpt_root}"
+                f"loss is {mean_loss.item()} at step {step + 1}; last good checkpoint kept in {self.ckpt_root}"
             )
-        grad_norm = optimizer.step(max_grad_norm=t.grad_clip)
-        optimizer.zero_grad()
-        done = step + 1
-        steps_run += 1
-        window_tokens += tokens_per_step
-        run_tokens += tokens_per_step
+        grad_norm = self.optimizer.step(max_grad_norm=t.grad_clip)
+        self.optimizer.zero_grad()
+        self.steps_run += 1
+        self.window_tokens += self.tokens_per_step
+        self.run_tokens += self.tokens_per_step
+        return mean_loss, grad_norm, scale
 
+    def record(self, done: int, mean_loss: torch.Tensor, grad_norm: torch.Tensor, scale: float, bar) -> None:
+        """The history row of step `done` when train.log_every or train.eval_every asks for one
+        (evaluated on the validation batches for the latter), its log line and on_log."""
+        t = self.t
         row = None
         if done % t.log_every == 0 or done == t.steps:
             now = time.perf_counter()
@@ -438,67 +445,95 @@ def _loop(
                 "loss": mean_loss.item(),
                 "lr_scale": scale,
                 "grad_norm": grad_norm.item(),
-                "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                "tokens_per_s": self.window_tokens / max(now - self.window_start, 1e-9),
             }
-            window_start, window_tokens = now, 0
+            self.window_start, self.window_tokens = now, 0
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
         if done % t.eval_every == 0 or done == t.steps:
             row = row or {"step": done, "loss": mean_loss.item(), "lr_scale": scale}
-            row["val_loss"] = evaluate(model, val_batches, group)
-        if row is not None:
-            history.append(row)
-            if group.is_main:
-                # a plain line per logged step, whatever the front door: log files show no progress bar
-                eta = (time.perf_counter() - run_start) / steps_run * (t.steps - done)
-                rate = f" | {row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row else ""
-                log.info(
-                    "step %d/%d loss %.4f%s%s | ETA %s",
-                    done,
-                    t.steps,
-                    row["loss"],
-                    f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else "",
-                    rate,
-                    _duration(eta),
-                )
-                if on_log:
-                    on_log(row)
-        saver.finish_if_written()  # an async checkpoint every rank has written goes into place now
-        stopping = lifecycle.stop_requested(device)  # collective: every rank stops after the same step
-        if done % t.checkpoint_every == 0 or done == t.steps or (stop_at_step is not None and done >= stop_at_step):
-            if not stopping or lifecycle.time_to_save(save_seconds, device):
-                last_path = save(done)
-        elif stopping and lifecycle.time_to_save(save_seconds, device):
-            last_path = save(done)
-        if stopping:
-            saver.close()  # an async write is put in place before the job ends
-            kept = f"checkpoint {last_path.name} kept" if last_path is not None else "no checkpoint written"
-            name, signum = lifecycle.stop_signal()
-            raise lifecycle.TrainingStopped(f"stopped by {name} after step {done}; {kept}; rerun to resume", signum)
-        if stop_at_step is not None and done >= stop_at_step:
-            break
-    bar.close()
-    saver.close()
+            row["val_loss"] = evaluate(self.model, self.val_batches, self.group)
+        if row is None:
+            return
+        self.history.append(row)
+        if self.group.is_main:
+            # a plain line per logged step, whatever the front door: log files show no progress bar
+            eta = (time.perf_counter() - self.run_start) / self.steps_run * (t.steps - done)
+            rate = f" | {row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row else ""
+            log.info(
+                "step %d/%d loss %.4f%s%s | ETA %s",
+                done,
+                t.steps,
+                row["loss"],
+                f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else "",
+                rate,
+                _duration(eta),
+            )
+            if self.on_log:
+                self.on_log(row)
 
-    run_seconds = time.perf_counter() - run_start
-    traffic = traffic_metrics(optimizer.meter.gather(device=device), steps_run) if steps_run else {}
-    evals = [h for h in history if "val_loss" in h]
-    losses = [h for h in history if "loss" in h]
-    metrics = {
-        "steps": history[-1]["step"] if history else 0,
-        "params": model.num_parameters(),  # DTensor shapes are global
-        "tokens_per_step": tokens_per_step,
-        "world_size": group.world,
-        "threads": torch.get_num_threads(),  # train.threads as this rank ran
-        "muon_comm": optimizer.muon.comm,  # owner_reduce falls back to alltoall under bf16
-        "val_loss_initial": evals[0]["val_loss"] if evals else None,
-        "val_loss": evals[-1]["val_loss"] if evals else None,
-        "val_ppl": math.exp(min(evals[-1]["val_loss"], 50)) if evals else None,
-        "train_loss": losses[-1]["loss"] if losses else None,
-        "tokens_per_s": run_tokens / run_seconds if run_tokens else None,
-        "train_seconds_this_run": run_seconds,
-        "resumed_from_step": start_step,
-        "traffic": traffic,
-    }
-    if last_path is None and (latest := ckpt.list_checkpoints(ckpt_root)):
-        last_path = latest[0][1]
-    return TrainResult(metrics=metrics, history=history, checkpoint=last_path)
+    # ----------------------------------------------------------------------- the run
+
+    def fit(self, *, resume: bool = True, stop_at_step: int | None = None, progress: bool = True) -> TrainResult:
+        t, group = self.t, self.group
+        self.restore(resume)
+        self.saver = ckpt.Checkpointer(self.ckpt_root, t.keep_checkpoints, self.device, asynchronous=t.async_checkpoint)
+        if self.start_step == 0 and not self.history:
+            self.history.append({"step": 0, "val_loss": evaluate(self.model, self.val_batches, group)})
+            if self.on_log and group.is_main:
+                self.on_log(self.history[-1])
+
+        bar = tqdm(
+            range(self.start_step, t.steps),
+            initial=self.start_step,
+            total=t.steps,
+            disable=not progress or not group.is_main or not sys.stderr.isatty(),  # log files get the lines
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
+        self.window_start, self.window_tokens = time.perf_counter(), 0
+        self.run_start, self.run_tokens, self.steps_run = time.perf_counter(), 0, 0
+        self.optimizer.meter.reset()
+        self.model.train()
+        for step in bar:
+            mean_loss, grad_norm, scale = self.train_step(step)
+            done = step + 1
+            self.record(done, mean_loss, grad_norm, scale, bar)
+            self.checkpoint(done, stop_at_step)
+            if stop_at_step is not None and done >= stop_at_step:
+                break
+        bar.close()
+        self.saver.close()
+        return self.result()
+
+    def result(self) -> TrainResult:
+        """The run's figures (metrics/train.json), its history and its last checkpoint."""
+        from laplace.optim.exchange import traffic_metrics
+
+        run_seconds = time.perf_counter() - self.run_start
+        traffic = (
+            traffic_metrics(self.optimizer.meter.gather(device=self.device), self.steps_run) if self.steps_run else {}
+        )
+        history = self.history
+        evals = [h for h in history if "val_loss" in h]
+        losses = [h for h in history if "loss" in h]
+        metrics = {
+            "steps": history[-1]["step"] if history else 0,
+            "params": self.model.num_parameters(),  # DTensor shapes are global
+            "tokens_per_step": self.tokens_per_step,
+            "world_size": self.group.world,
+            "threads": torch.get_num_threads(),  # train.threads as this rank ran
+            "muon_comm": self.optimizer.muon.comm,  # owner_reduce falls back to alltoall under bf16
+            "val_loss_initial": evals[0]["val_loss"] if evals else None,
+            "val_loss": evals[-1]["val_loss"] if evals else None,
+            "val_ppl": math.exp(min(evals[-1]["val_loss"], 50)) if evals else None,
+            "train_loss": losses[-1]["loss"] if losses else None,
+            "tokens_per_s": self.run_tokens / run_seconds if self.run_tokens else None,
+            "train_seconds_this_run": run_seconds,
+            "resumed_from_step": self.start_step,
+            "traffic": traffic,
+        }
+        last_path = self.last_path
+        if last_path is None and (latest := ckpt.list_checkpoints(self.ckpt_root)):
+            last_path = latest[0][1]
+        return TrainResult(metrics=metrics, history=history, checkpoint=last_path)

@@ -114,7 +114,7 @@ def download_export(model_uri: str, tracking_uri: str, dest: Path) -> Path:
     from mlflow.exceptions import MlflowException
 
     from laplace.errors import InputError, one_line
-    from laplace.pipeline.redact import redact, secret_values
+    from laplace.tracking.redact import redact, secret_values
 
     mlflow.set_tracking_uri(tracking_uri)
     try:

@@ -3,7 +3,7 @@
 Stages never talk to MLflow while they work: each writes plain metrics and plots to
 disk, and the last stage (`track`) logs the whole pipeline run at once: every
 effective param, the headline figures under short names (`eval_loss`, `tps`, ...:
-laplace.pipeline.headline; the loss curves as step histories), every detailed figure as
+laplace.tracking.headline; the loss curves as step histories), every detailed figure as
 artifacts (the metrics/*.json files and one table, `figures.json`), plots as images, the
 tokenizer, the dataset (with its DVC hash as digest) and the model. So an MLflow outage
 never stops training, and every front door (dvc repro, the Prefect flow, the CLI)
@@ -14,13 +14,13 @@ The run starts when the pipeline run did: at the first stage measured in it. A s
 DVC did not run this time (up to date, or restored from its run-cache) carries the
 measurement stamp of the run that did, and the MLflow run says so: the tag
 `source.<stage>` reads "cached from run NAME (ID), measured TIME" instead of presenting
-old timings as new (laplace.pipeline.provenance).
+old timings as new (laplace.tracking.provenance).
 
 The model is registered with the alias `candidate`, and takes `champion` when the champion
-rule (laplace.pipeline.champion) says so; the decision and its reason are the run's tags
+rule (laplace.tracking.champion) says so; the decision and its reason are the run's tags
 `registered_as` and `registered_reason`, and the summary prints them. What the run looks
-like in the UI (metric names, the headline view, links) is laplace.pipeline.mlflow_views;
-where each stage's figures came from is laplace.pipeline.provenance.
+like in the UI (metric names, the headline view, links) is laplace.tracking.views;
+where each stage's figures came from is laplace.tracking.provenance.
 
 The metrics/ and plots/ files are the spool: when the tracking server is down, `track`
 retries with backoff for `tracking.retry_seconds`, then fails with one line
@@ -34,6 +34,7 @@ SECRET, PASSWORD, PASSWD, CREDENTIAL) and the password of any URL (`https://user
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,20 +44,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from laplace.config import Config
-from laplace.pipeline.champion import COMPARABLE_TAGS, champion_decision
-from laplace.pipeline.headline import GATE_NAMES, HEADLINE, gates, gates_word, mlflow_metrics, rounded
-from laplace.pipeline.mlflow_views import (
-    EXPERIMENT_KIND,
-    HEADLINE_VIEW,
-    VIEW_TAG_PREFIX,
-    figures_table,
-    headline_view,
-    ui_url,
-    varied_params,
-)
-from laplace.pipeline.provenance import measured_tag, measurement_sources, pipeline_started, source_text
-from laplace.pipeline.redact import redact, secret_values
-from laplace.pipeline.store import (
+from laplace.tracking.champion import COMPARABLE_TAGS, champion_decision
+from laplace.tracking.headline import GATE_NAMES, HEADLINE, gates, gates_word, mlflow_metrics, rounded
+from laplace.tracking.provenance import measured_tag, measurement_sources, pipeline_started, source_text
+from laplace.tracking.redact import redact, secret_values
+from laplace.tracking.store import (
     TrackingUnavailable,
     _connection_lost,
     _retrying,
@@ -65,6 +57,15 @@ from laplace.pipeline.store import (
     tracking_uri,
     unavailable_message,
     wait_for_tracking,
+)
+from laplace.tracking.views import (
+    EXPERIMENT_KIND,
+    HEADLINE_VIEW,
+    VIEW_TAG_PREFIX,
+    figures_table,
+    headline_view,
+    ui_url,
+    varied_params,
 )
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,7 @@ def log_pipeline_run(
     import mlflow
     from mlflow import MlflowClient
 
-    experiment, model_name, register = cfg.tracking.experiment, cfg.tracking.model_name, cfg.tracking.register
-    retry_seconds = cfg.tracking.retry_seconds
+    model_name, register, retry_seconds = cfg.tracking.model_name, cfg.tracking.register, cfg.tracking.retry_seconds
     track_started = time.time() if track_started is None else track_started
     secrets = secret_values()
     uri, artifacts = tracking_store(root)
@@ -165,107 +165,50 @@ def log_pipeline_run(
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
 
-    def ensure_experiment():
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = (
-            found.experiment_id
-            if found is not None
-            else client.create_experiment(experiment, artifact_location=artifacts)
-        )
-        tags = found.tags if found is not None else {}
-        if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
-            client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
-        earlier = client.search_runs([experiment_id], max_results=50, order_by=["attributes.start_time DESC"])
-        logged = {k: redact(str(v), secrets)[:6000] for k, v in resolved_params(cfg).items()}
-        shown = varied_params(logged, [r.data.params for r in earlier])
-        view = headline_view(tags.get(VIEW_TAG_PREFIX + HEADLINE_VIEW), shown)
-        if view is not None:
-            client.set_experiment_tag(experiment_id, VIEW_TAG_PREFIX + HEADLINE_VIEW, view)
-        return experiment_id
+    def retrying(call):
+        return _retrying(call, uri, deadline, retry_seconds)
 
-    experiment_id = _retrying(ensure_experiment, uri, deadline, retry_seconds)
-    sources = _retrying(
-        lambda: measurement_sources(client, experiment_id, metrics_by_stage), uri, deadline, retry_seconds
-    )
-    champion = (
-        _retrying(lambda: current_champion(client, model_name), uri, deadline, retry_seconds) if register else None
-    )
+    experiment_id = retrying(lambda: ensure_experiment(client, cfg, artifacts, secrets))
+    sources = retrying(lambda: measurement_sources(client, experiment_id, metrics_by_stage))
+    champion = retrying(lambda: current_champion(client, model_name)) if register else None
     gate_results = gates(metrics_by_stage)
-    all_tags = {
-        **tags,
-        "params_hash": cfg.digest(),
-        # one tag each for the gates and the measurement stamps (provenance.measured_tag), and a
-        # source.<stage> tag only for a stage whose figures an earlier run measured: few tags to read
-        "gates": ", ".join(
-            f"{GATE_NAMES[k]} {({True: 'passed', False: 'failed', None: 'missing'})[v]}"
-            for k, v in gate_results.items()
-        ),
-        "measured": measured_tag(metrics_by_stage),
-        **{f"source.{stage}": source_text(source) for stage, source in sources.items() if source is not None},
-        **recall_tags(metrics_by_stage.get("probes") or {}),
-    }
-    try:  # MLflow's own run-context tags (user, source, git), as mlflow.start_run would add them
-        from mlflow.tracking.context.registry import resolve_tags
-
-        all_tags = resolve_tags(all_tags)
-    except ImportError:
-        pass
-    all_tags = {k: redact(str(v), secrets) for k, v in all_tags.items()}
+    all_tags = run_tags(cfg, tags, metrics_by_stage, sources, gate_results, secrets)
     started = pipeline_started(metrics_by_stage, sources, fallback=track_started)
 
     run_id, version, decision = None, None, (False, "not registered")
     # MLflow prints "View run ... at: <tracking URI>/#/..." to stdout, credentials included: with
     # a user:password URI, silence it and log the link with the password masked instead.
     hide_url = redact(uri, secrets) != uri
-    saved = os.environ.get("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
     try:
-        if hide_url:
-            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-        # created with the pipeline's start time, so the run's duration is the pipeline run's
-        created = client.create_run(
-            experiment_id, start_time=int(started * 1000), tags=all_tags, run_name=redact(run_name, secrets)
-        )
-        run_id = created.info.run_id
-        with mlflow.start_run(run_id=run_id):
-            version = _log_run_contents(
-                client,
-                run_id,
-                cfg,
-                secrets=secrets,
-                metrics_by_stage=metrics_by_stage,
-                step_series=step_series,
-                plots_dir=plots_dir,
-                metrics_dir=metrics_dir,
-                tokenizer_path=tokenizer_path,
-                export_dir=export_dir,
-                dataset_path=dataset_path,
-                dataset_digest=dataset_digest,
-                model_name=model_name,
-                register=register,
+        with _no_url_printed(hide_url):
+            # created with the pipeline's start time, so the run's duration is the pipeline run's
+            created = client.create_run(
+                experiment_id, start_time=int(started * 1000), tags=all_tags, run_name=redact(run_name, secrets)
             )
-            if register and version is not None:
-                new = {"val_loss": (metrics_by_stage.get("train") or {}).get("val_loss"), "gates": gate_results}
-                new.update({key: tags.get(key) for key in COMPARABLE_TAGS})
-                new["recall"] = (metrics_by_stage.get("probes") or {}).get("recall") or {}
-                new["recall_samples"] = cfg.probes.recall_samples
-                decision = champion_decision(
-                    new, champion, cfg.tracking.champion_tolerance, cfg.tracking.champion_recall_tolerance
+            run_id = created.info.run_id
+            with mlflow.start_run(run_id=run_id):
+                version = _log_run_contents(
+                    client,
+                    run_id,
+                    cfg,
+                    secrets=secrets,
+                    metrics_by_stage=metrics_by_stage,
+                    step_series=step_series,
+                    plots_dir=plots_dir,
+                    metrics_dir=metrics_dir,
+                    tokenizer_path=tokenizer_path,
+                    export_dir=export_dir,
+                    dataset_path=dataset_path,
+                    dataset_digest=dataset_digest,
+                    model_name=model_name,
+                    register=register,
                 )
-                _assign_aliases(client, model_name, version, decision, metrics_by_stage)
-            registered_as = ("champion" if decision[0] else "candidate") if version is not None else "not registered"
-            client.set_tag(run_id, "registered_as", registered_as)
-            client.set_tag(run_id, "registered_reason", decision[1])
+                decision = _register(client, cfg, run_id, version, champion, metrics_by_stage, gate_results, tags)
     except Exception as exc:  # the server went away mid-run: the same one line as above
         if isinstance(exc, TrackingUnavailable) or not _connection_lost(exc):
             raise
         during = f" while logging run {run_id} (left incomplete)" if run_id else ""
         raise TrackingUnavailable(unavailable_message(uri, _short_reason(exc), retry_seconds, during)) from exc
-    finally:
-        if hide_url:
-            if saved is None:
-                os.environ.pop("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", None)
-            else:
-                os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = saved
     if hide_url:
         log.info(
             "MLflow run %s: %s/#/experiments/%s/runs/%s",
@@ -290,6 +233,95 @@ def log_pipeline_run(
         "gates": {k: v for k, v in gate_results.items()},
         "sources": sources,
     }
+
+
+def ensure_experiment(client, cfg: Config, artifacts: str | None, secrets: list[str]) -> str:
+    """The experiment's id, created if new; tagged as model training, with the headline view of
+    the runs table showing the params that varied between runs (this one included)."""
+    experiment = cfg.tracking.experiment
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = (
+        found.experiment_id if found is not None else client.create_experiment(experiment, artifact_location=artifacts)
+    )
+    tags = found.tags if found is not None else {}
+    if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
+        client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+    earlier = client.search_runs([experiment_id], max_results=50, order_by=["attributes.start_time DESC"])
+    logged = {k: redact(str(v), secrets)[:6000] for k, v in resolved_params(cfg).items()}
+    shown = varied_params(logged, [r.data.params for r in earlier])
+    view = headline_view(tags.get(VIEW_TAG_PREFIX + HEADLINE_VIEW), shown)
+    if view is not None:
+        client.set_experiment_tag(experiment_id, VIEW_TAG_PREFIX + HEADLINE_VIEW, view)
+    return experiment_id
+
+
+def run_tags(
+    cfg: Config,
+    tags: dict[str, str],
+    metrics_by_stage: dict[str, dict],
+    sources: dict,
+    gate_results: dict,
+    secrets: list[str],
+) -> dict[str, str]:
+    """The run's tags, redacted: `tags`, the params hash, one tag each for the gates and the
+    measurement stamps (provenance.measured_tag), a source.<stage> tag only for a stage whose
+    figures an earlier run measured (few tags to read), the recall verdict, and MLflow's own
+    run-context tags (user, source, git) as mlflow.start_run would add them."""
+    all_tags = {
+        **tags,
+        "params_hash": cfg.digest(),
+        "gates": ", ".join(
+            f"{GATE_NAMES[k]} {({True: 'passed', False: 'failed', None: 'missing'})[v]}"
+            for k, v in gate_results.items()
+        ),
+        "measured": measured_tag(metrics_by_stage),
+        **{f"source.{stage}": source_text(source) for stage, source in sources.items() if source is not None},
+        **recall_tags(metrics_by_stage.get("probes") or {}),
+    }
+    try:
+        from mlflow.tracking.context.registry import resolve_tags
+
+        all_tags = resolve_tags(all_tags)
+    except ImportError:
+        pass
+    return {k: redact(str(v), secrets) for k, v in all_tags.items()}
+
+
+@contextlib.contextmanager
+def _no_url_printed(hide: bool):
+    """MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT while `hide`, then as it was."""
+    saved = os.environ.get("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
+    try:
+        if hide:
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+        yield
+    finally:
+        if hide:
+            if saved is None:
+                os.environ.pop("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", None)
+            else:
+                os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = saved
+
+
+def _register(
+    client, cfg: Config, run_id: str, version, champion, metrics_by_stage: dict, gate_results: dict, tags: dict
+) -> tuple[bool, str]:
+    """The champion rule's decision for the registered `version` (None: not registered), applied
+    as aliases, and the run's tags registered_as / registered_reason."""
+    decision = (False, "not registered")
+    if cfg.tracking.register and version is not None:
+        new = {"val_loss": (metrics_by_stage.get("train") or {}).get("val_loss"), "gates": gate_results}
+        new.update({key: tags.get(key) for key in COMPARABLE_TAGS})
+        new["recall"] = (metrics_by_stage.get("probes") or {}).get("recall") or {}
+        new["recall_samples"] = cfg.probes.recall_samples
+        decision = champion_decision(
+            new, champion, cfg.tracking.champion_tolerance, cfg.tracking.champion_recall_tolerance
+        )
+        _assign_aliases(client, cfg.tracking.model_name, version, decision, metrics_by_stage)
+    registered_as = ("champion" if decision[0] else "candidate") if version is not None else "not registered"
+    client.set_tag(run_id, "registered_as", registered_as)
+    client.set_tag(run_id, "registered_reason", decision[1])
+    return decision
 
 
 def _assign_aliases(
@@ -398,7 +430,7 @@ def _log_run_contents(
     )
     info = mlflow.pyfunc.log_model(
         name="model",
-        python_model=str(Path(laplace.__file__).parent / "pipeline" / "mlflow_model.py"),  # from code: no pickle
+        python_model=str(Path(laplace.__file__).parent / "tracking" / "mlflow_model.py"),  # from code: no pickle
         artifacts={"export": str(export_dir)},
         signature=signature,
         input_example=(example, example_params),

@@ -4,7 +4,7 @@ It takes it only when its gates pass (serve-check, numerics, probes) and its val
 on the same validation windows and tokenizer (COMPARABLE_TAGS), is no worse than the current
 champion's plus `tracking.champion_tolerance`. Every version gets `candidate`; the decision
 and its reason become the run's tags `registered_as` and `registered_reason`
-(laplace.pipeline.tracking applies them). Pure: no MLflow here.
+(laplace.tracking.runs applies them). Pure: no MLflow here.
 """
 
 from __future__ import annotations

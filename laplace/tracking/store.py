@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from laplace.errors import Failure
-from laplace.pipeline.redact import redact
+from laplace.tracking.redact import redact
 
 log = logging.getLogger(__name__)
 
