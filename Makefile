@@ -1,9 +1,10 @@
 # Front doors for a fresh machine (Python 3.11+, no GPU needed):
-#   make run    set everything up, then run the main job: the DVC pipeline on the tiny preset (CPU, offline)
-#   make test   set everything up, then run the whole test suite (what CI runs, with make lint)
+#   make run    install the runtime set, then run the main job: the DVC pipeline on the tiny preset (CPU, offline)
+#   make test   install the dev set (the runtime, test oracles, pytest), then run the whole test suite (CI: with make lint)
 #   make test-fast  the unit tests only (no end-to-end runs of DVC, Prefect, MLflow servers, torchrun)
 #   make lint   ruff check and ruff format --check
 #   make params rewrite params.yaml's comments from the knobs' docs in laplace/config.py (values kept)
+#   make stop   stop the servers started by make mlflow-ui / prefect-server / prefect-worker, and their flow runs
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,22 +17,33 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 export PREFECT_HOME ?= $(abspath .prefect)
 
-.PHONY: setup run test test-fast lint format params clean prefect-server prefect-worker prefect-ready mlflow-ui
+.PHONY: setup run test test-fast lint format params clean prefect-server prefect-worker prefect-ready mlflow-ui stop
 
+# Two installs: `setup` (make test, lint) is the dev set, `.[dev]`: the runtime plus the test
+# oracles (flash-linear-attention, triton, transformers, lm_eval, openai, accelerate) and pytest,
+# ruff. `make run` and the servers need only the runtime set, `.`.
+# A runtime venv upgrades to dev at the first make test; a dev venv is already a runtime one.
 setup: $(VENV)/.installed
+RUNTIME := $(VENV)/.runtime
+
+# setuptools' "Editable installation." notice is a warning box in every make run's output: not shown
+# the CPU wheel of torch first, so the resolver never pulls a CUDA build
+INSTALL_BASE = $(PYTHON) -m venv $(VENV) && $(BIN)/pip install --quiet --upgrade pip && \
+	$(BIN)/pip install --quiet torch==2.13.0
+EDITABLE = PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet -e
 
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# the CPU wheel of torch first, so the resolver never pulls a CUDA build
-	$(BIN)/pip install --quiet torch==2.13.0
-	# setuptools' "Editable installation." notice is a warning box in every make run's output: not shown
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet -e '.[dev]'
+	$(INSTALL_BASE)
+	$(EDITABLE) '.[dev]'
 	# `lm_eval --model laplace`: lm-eval has no plugin discovery (laplace/evals/lm_eval_plugin.py)
 	$(BIN)/python -m laplace.evals.lm_eval_plugin
-	touch $@
+	touch $@ $(RUNTIME)
 
-run: setup
+# an up-to-date dev venv holds the runtime set: nothing to install
+$(RUNTIME): pyproject.toml
+	if [ $(VENV)/.installed -nt pyproject.toml ]; then touch $@; else $(INSTALL_BASE) && $(EDITABLE) . && touch $@; fi
+
+run: $(RUNTIME)
 	$(BIN)/laplace run
 
 # pytest-xdist workers: each test module (or the tiny_pipeline group) runs on one, the heaviest first by
@@ -57,15 +69,24 @@ format: setup
 params: setup
 	$(BIN)/python -m laplace.pipeline.params params.yaml
 
+# Each background server records its make (the recipe shell's parent) first: `make stop` ends that
+# make and every process under it, flow runs in sessions of their own included (laplace/pipeline/servers.py)
+SERVERS_DIR := runs/servers
+RECORD_SERVER = @mkdir -p $(SERVERS_DIR) && echo $$PPID > $(SERVERS_DIR)/$@.pid
+# how long make stop gives each process to exit on SIGTERM before SIGKILL (seconds)
+STOP_GRACE_S ?= 20
+
 # Prefect: a local server, a process work pool with its worker, and the deployments of prefect.yaml.
-prefect-server: setup
+prefect-server: $(RUNTIME)
+	$(RECORD_SERVER)
 	$(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 PREFECT_API := http://127.0.0.1:$(PREFECT_PORT)/api
 # how long prefect-worker waits for the server and prefect-ready for the deployments (seconds)
 PREFECT_READY_S ?= 300
 # Waits (up to 5 minutes) for the server, so it may be started right after prefect-server.
-prefect-worker: setup
+prefect-worker: $(RUNTIME)
+	$(RECORD_SERVER)
 	@end=$$(($$(date +%s) + $(PREFECT_READY_S))); while [ $$(date +%s) -lt $$end ]; do timeout 20 $(BIN)/python -c "import urllib.request as u; u.urlopen('$(PREFECT_API)/health', timeout=5)" 2>/dev/null && exit 0; sleep 2; done; echo "no Prefect server at $(PREFECT_API): run make prefect-server first" >&2; exit 1
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect work-pool create laplace --type process --overwrite
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect --no-prompt deploy --all
@@ -73,14 +94,19 @@ prefect-worker: setup
 
 # Waits (up to 5 minutes, each check bounded at 20 s: one hangs while the server starts) until
 # prefect-worker has created the deployments.
-prefect-ready: setup
+prefect-ready: $(RUNTIME)
 	@end=$$(($$(date +%s) + $(PREFECT_READY_S))); while [ $$(date +%s) -lt $$end ]; do PREFECT_API_URL=$(PREFECT_API) timeout 20 $(BIN)/prefect deployment inspect 'laplace-pipeline/tiny' >/dev/null 2>&1 && exit 0; sleep 3; done; echo "no deployment laplace-pipeline/tiny at $(PREFECT_API) after 5 minutes: is make prefect-worker running?" >&2; exit 1
 
 # MLflow UI on the project's store (artifacts are served from mlartifacts/): one uvicorn worker and
 # no job runner (mlflow's defaults, 4 workers + a job runner + huey consumers, are 16 processes and
 # ~3 GB for a local UI)
-mlflow-ui: setup
+mlflow-ui: $(RUNTIME)
+	$(RECORD_SERVER)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath mlflow.db) --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
+
+# the MLflow UI, the Prefect server, the worker and its flow runs: SIGTERM, STOP_GRACE_S, then SIGKILL
+stop:
+	@$(BIN)/python -m laplace.pipeline.servers $(SERVERS_DIR) --grace-s $(STOP_GRACE_S)
 
 clean:
 	rm -rf data runs artifacts metrics plots dvc_plots

@@ -229,6 +229,15 @@ class TrainSection:
         False, doc="true: DCP async_save, the write runs in the background while training goes on"
     )
     log_every: int = knob(10, _positive, doc="steps between log lines")
+    threads: int = knob(
+        1,
+        _non_negative,
+        (
+            "intra-op threads of each training rank (torch.set_num_threads; OMP_NUM_THREADS of torchrun's"
+            " ranks); 0 = torch's: one per core. 1 does not oversubscribe a shared machine (a step whose"
+            " OpenMP threads wait for a descheduled sibling stalls); raise it on a quiet CPU with cores to spare"
+        ),
+    )
     nproc_per_node: int = knob(
         1, _positive, "> 1: the train stage launches torchrun (gloo on CPU, nccl on CUDA, neuron on Trainium)"
     )

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -239,6 +240,17 @@ def uninterrupted(tiny_artifacts, tmp_path_factory) -> dict[int, float]:
     data_dir, _ = tiny_artifacts
     _, history, _ = run_training(run_cfg(2), project(tmp_path_factory.mktemp("whole"), data_dir))
     return losses(history)
+
+
+@pytest.mark.slow
+def test_train_threads_reaches_the_torchrun_ranks(tiny_artifacts, tmp_path):
+    """train.threads is each rank's thread count (OMP_NUM_THREADS from the launcher, then
+    torch.set_num_threads in the loop), not the 1 torchrun sets by default."""
+    data_dir, _ = tiny_artifacts
+    cfg = run_cfg(2, steps=1)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=2))
+    metrics, _, _ = run_training(cfg, project(tmp_path / "run", data_dir))
+    assert metrics["world_size"] == 2 and metrics["threads"] == 2
 
 
 @pytest.mark.slow

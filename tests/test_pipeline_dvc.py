@@ -365,9 +365,10 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     """Last in this module (its baseline commit and experiment come after the others'): every
     command of `laplace summary`'s `next` block, in order, in one fresh bash with nothing of the
     venv on PATH, the project's .venv as `make setup` makes it (here a link to this checkout's).
-    The servers go to the background as printed; `kill $(jobs -p)` stops them, and the test kills
-    whatever is left. The one change: free ports instead of 4200 and 5000 (a shared machine),
-    given to make as PREFECT_PORT / MLFLOW_PORT and put in the printed API URL."""
+    The servers go to the background as printed; `make stop` stops them and the flow run, and
+    nothing of the shell's session or below it may be left (the test kills it, then fails). The
+    one change: free ports instead of 4200 and 5000 (a shared machine), given to make as
+    PREFECT_PORT / MLFLOW_PORT and put in the printed API URL."""
     import os
     import signal
     import subprocess
@@ -402,8 +403,8 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
         "MLFLOW_PORT": str(mlflow_port),
         "OMP_NUM_THREADS": "1",
     }
-    # output to a file, not a pipe: a server that outlives `kill $(jobs -p)` (a Prefect worker whose
-    # server is already gone takes a while to stop) would hold a pipe open and stall the read
+    # output to a file, not a pipe: a server that outlived `make stop` would hold a pipe open and
+    # stall the read
     log = tmp_path / "shell.log"
     with log.open("w") as out:  # the child has its own copy of the descriptor
         shell = subprocess.Popen(
@@ -430,8 +431,9 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     try:
         shell.wait(timeout=1200)
     finally:
-        # whatever `kill $(jobs -p)` left (a server's workers): everything in the shell's session
-        for pid in in_session(shell.pid) + descendants(shell.pid):
+        # whatever `make stop` left: everything in the shell's session or below it (a failure below)
+        survivors = [pid for pid in in_session(shell.pid) + descendants(shell.pid) if pid != shell.pid]
+        for pid in survivors:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -443,5 +445,7 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     assert shell.returncode == 0, output[-5000:]
     assert "eval_loss" in output and "Completed" in output, output[-5000:]  # metrics diff; the flow run
     assert ui_answered.is_set(), "make mlflow-ui never answered"
+    assert "make stop: stopped prefect-worker" in output, output[-5000:]
+    assert not survivors, f"make stop left processes running: {survivors}"
     assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
     assert "baseline run" in run(["git", "log", "--oneline"], repo).stdout

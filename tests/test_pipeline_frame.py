@@ -176,7 +176,8 @@ def test_the_headline_view_puts_the_figures_and_the_varied_params_first():
 KNOB_READERS = {
     "engine.max_slots": {"warmup", "serve-check", "numerics", "probes", "track"},
     "server.port": {"track"},  # only `laplace serve` and the log of the run read the address
-    "server.threads": {"warmup", "serve-check", "track"},  # in Inductor's cache key: warmup compiles with it
+    # in Inductor's cache key: warmup compiles with it, and the stages that run its graphs use it
+    "server.threads": {"warmup", "serve-check", "numerics", "probes", "track"},
     "serve_check.rate": {"serve-check", "track"},
     "model.norm_eps": {"warmup", "train", "track"},
     "model.kernel": {"warmup", "train", "serve-check", "probes", "track"},

@@ -250,7 +250,17 @@ def test_the_mlflow_ui_serves_the_runs_table_with_the_headline_columns(project):
 def make_mlflow_ui(port: int) -> list[str]:
     """`make mlflow-ui` as the README runs it, on this checkout's venv (already set up) and Makefile."""
     venv = Path(sys.executable).parent.parent
-    return ["make", "-s", "-f", str(ROOT / "Makefile"), f"VENV={venv}", "-o", f"{venv}/.installed"] + [
+    return [
+        "make",
+        "-s",
+        "-f",
+        str(ROOT / "Makefile"),
+        f"VENV={venv}",
+        "-o",
+        f"{venv}/.installed",
+        "-o",
+        f"{venv}/.runtime",
+    ] + [
         f"MLFLOW_PORT={port}",
         "mlflow-ui",
     ]
@@ -320,7 +330,17 @@ def test_make_prefect_ready_gives_up_in_its_bound_when_the_server_never_answers(
         mute.listen(64)  # connections complete in the backlog; nothing is ever read or answered
         started = time.monotonic()
         done = subprocess.run(
-            ["make", "-s", "-f", str(ROOT / "Makefile"), f"VENV={venv}", "-o", f"{venv}/.installed"]
+            [
+                "make",
+                "-s",
+                "-f",
+                str(ROOT / "Makefile"),
+                f"VENV={venv}",
+                "-o",
+                f"{venv}/.installed",
+                "-o",
+                f"{venv}/.runtime",
+            ]
             + [f"PREFECT_PORT={mute.getsockname()[1]}", "PREFECT_READY_S=5", "prefect-ready"],
             cwd=tmp_path,
             env=env(),
@@ -331,3 +351,50 @@ def test_make_prefect_ready_gives_up_in_its_bound_when_the_server_never_answers(
         took = time.monotonic() - started
     assert done.returncode != 0 and "is make prefect-worker running?" in done.stderr, done.stderr
     assert took < 5 + 20 + 15, took  # the deadline, one bounded check, and slack for a loaded machine
+
+
+def test_the_shared_prefix_line_says_when_the_cache_comparison_is_within_noise():
+    """One replay a side: a p50 gap smaller than both replays' p50-to-p99 spread is called noise,
+    a larger one faster or slower; the README's sample line is what the summary prints on its figures."""
+
+    def line(on_p50, on_p99, off_p50, off_p99):
+        pc = {
+            "on": {"ttft_p50_s": on_p50, "ttft_p99_s": on_p99, "hits": 46, "misses": 2},
+            "off": {"ttft_p50_s": off_p50, "ttft_p99_s": off_p99},
+            "identical_outputs_share": 1.0,
+        }
+        (out,) = summary._prefix_cache_line({"prefix_cache": pc})
+        return out
+
+    sample = line(0.2513, 0.7036, 0.0802, 0.2615)
+    assert sample.endswith("within noise: the p50s differ by 0.1711s, less than either replay's p50-to-p99 spread")
+    assert sample in README
+    # a gap wider than the tighter replay's spread is a verdict, either way
+    assert "slower with the cache by 0.2000s at p50" in line(0.30, 0.32, 0.10, 0.40)
+    assert "faster with the cache by 0.2000s at p50" in line(0.10, 0.40, 0.30, 0.32)
+
+
+def test_make_run_installs_the_runtime_set_and_make_test_upgrades_it_to_dev(tmp_path):
+    """`make run` installs `.` (no test oracles), `make test` `.[dev]`, also over a venv `make run`
+    made; a dev venv needs no runtime install. The Makefile's own decisions (`make -n`, and with
+    PYTHON=false, so that any install attempt fails): a real install takes minutes."""
+    import shutil
+
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+
+    def make(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "VENV=v", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    fresh = make("-n", "run").stdout
+    assert "pip install --quiet -e . " in fresh and "[dev]" not in fresh and "laplace run" in fresh
+    venv = tmp_path / "v"
+    venv.mkdir()
+    (venv / ".runtime").touch()  # what make run leaves
+    assert "[dev]" not in make("-n", "run").stdout
+    upgrade = make("-n", "test").stdout
+    assert "pip install --quiet -e '.[dev]'" in upgrade and "touch v/.installed v/.runtime" in upgrade
+    (venv / ".runtime").unlink()
+    (venv / ".installed").touch()  # what make setup / make test leaves, in a venv without .runtime
+    done = make("PYTHON=false", "v/.runtime")
+    assert done.returncode == 0 and (venv / ".runtime").exists(), done.stdout + done.stderr

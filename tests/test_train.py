@@ -89,6 +89,18 @@ def test_training_reduces_validation_loss(data_dir, tmp_path, caplog):
     assert result.metrics["tokens_per_s"] > 0
 
 
+def test_train_threads_is_the_thread_count_the_loop_runs_with(data_dir, tmp_path):
+    """train.threads reaches torch in the training process (metrics' `threads`, read inside the loop)."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            cfg = small_config(steps=1, eval_every=1, checkpoint_every=1, threads=threads)
+            result = train(cfg, data_dir, tmp_path / str(threads), progress=False)
+            assert result.metrics["threads"] == threads == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_changed_settings_do_not_resume_a_foreign_checkpoint(data_dir, tmp_path, caplog):
     first = train(small_config(steps=5), data_dir, tmp_path, progress=False)
     cfg = small_config(steps=5, lr=0.001)  # same model, different optimisation: a different run

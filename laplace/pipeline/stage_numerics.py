@@ -31,12 +31,21 @@ def run(cfg: Config, paths: Paths) -> dict:
     return metrics
 
 
+def _serving_threads(cfg: Config) -> Config:
+    """server.threads, as warmup compiled the graphs checked (the thread count is in Inductor's
+    cache key) and so that the checks do not take one thread per core of a shared machine."""
+    from laplace.serving.warmup import apply_compile_settings
+
+    apply_compile_settings(cfg.server.threads)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     from laplace.evals.numerics import run_numerics
 
     return worker_main(
         "numerics worker",
-        lambda cfg, args: run_numerics(cfg, args.export_dir, args.data_dir),
+        lambda cfg, args: run_numerics(_serving_threads(cfg), args.export_dir, args.data_dir),
         argv,
         paths=("export-dir", "data-dir"),
         summary=lambda r: r["gate_table"],

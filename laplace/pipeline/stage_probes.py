@@ -37,6 +37,10 @@ def probe_and_plot(cfg: Config, export_dir: Path, data_dir: Path, plots_dir: Pat
     accuracy against context length) and every passkey prompt; returns the metrics."""
     from laplace.evals.probes import run_probes
     from laplace.pipeline.plots import accuracy_plot, memory_plot, series_rows, write_rows
+    from laplace.serving.warmup import apply_compile_settings
+
+    # server.threads, as warmup compiled the serving graphs probed (the count is in Inductor's cache key)
+    apply_compile_settings(cfg.server.threads)
 
     plots_dir = Path(plots_dir)
     metrics, figures = run_probes(cfg, export_dir, data_dir)

@@ -113,6 +113,8 @@ def _run_training(cfg: Config, paths: Paths, resume: bool, stop_at_step: int | N
         + (["--stop-at-step", str(stop_at_step)] if stop_at_step else [])
     )
     env = subprocess_env({lifecycle.LAUNCHER_PID_ENV: str(os.getpid())})
+    if t.threads > 0:  # each rank's OpenMP from its start (torchrun would set 1 and warn); train() sets torch's too
+        env["OMP_NUM_THREADS"] = str(t.threads)
     stopped = "stopped by {signal}: the ranks save a checkpoint at the next step when there is time; rerun to resume"
     with tempfile.TemporaryDirectory(prefix="laplace-train-") as tmp, lifecycle.sigterm_raises(stopped):
         result = run_worker(

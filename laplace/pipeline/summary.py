@@ -159,8 +159,20 @@ def _prefix_cache_line(sv: dict) -> list[str]:
     return [
         f"shared_prefix: TTFT p50 {on['ttft_p50_s']:.4f}s with the prefix cache vs {off['ttft_p50_s']:.4f}s "
         f"without, p99 {on['ttft_p99_s']:.4f}s vs {off['ttft_p99_s']:.4f}s ({on['hits']} hits, "
-        f"{on['misses']} misses, identical outputs {pc['identical_outputs_share']:.0%})"
+        f"{on['misses']} misses, identical outputs {pc['identical_outputs_share']:.0%}); {ttft_verdict(on, off)}"
     ]
+
+
+def ttft_verdict(on: dict, off: dict) -> str:
+    """Whether one replay with the cache and one without tell their TTFTs apart. Each side is a
+    single replay, so the only noise measure is the spread of TTFTs within a replay (p50 to p99):
+    a gap between the p50s smaller than both replays' spread is within noise."""
+    gap = on["ttft_p50_s"] - off["ttft_p50_s"]
+    spread = min(on["ttft_p99_s"] - on["ttft_p50_s"], off["ttft_p99_s"] - off["ttft_p50_s"])
+    if abs(gap) <= spread:
+        return f"within noise: the p50s differ by {abs(gap):.4f}s, less than either replay's p50-to-p99 spread"
+    faster = "faster" if gap < 0 else "slower"
+    return f"{faster} with the cache by {abs(gap):.4f}s at p50, more than either replay's p50-to-p99 spread"
 
 
 def _live_line(sv: dict) -> list[str]:
@@ -214,7 +226,7 @@ def next_steps(root: Path, info: dict | None = None) -> list[str]:
         "make prefect-worker &   # once the server answers: the work pool, the deployments, a worker",
         "export PREFECT_API_URL=http://127.0.0.1:4200/api && make prefect-ready"
         " && prefect deployment run 'laplace-pipeline/tiny' --watch",
-        "kill $(jobs -p)   # stop the background servers",
+        "make stop   # stop the MLflow UI, the Prefect server, the worker and its flow runs",
     ]
 
 

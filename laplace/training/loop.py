@@ -34,7 +34,7 @@ from laplace.data.sampler import sample_batch, validation_batches
 from laplace.data.shards import SPLITS, data_digests, open_split, read_manifest, verify_share
 from laplace.errors import ConfigError, DataError, InputError
 from laplace.model.lm import LaplaceLM
-from laplace.runtime import compile_backend, compile_static, keep_cpu_allocations, resolve_device
+from laplace.runtime import compile_backend, compile_static, keep_cpu_allocations, resolve_device, set_threads
 from laplace.training import checkpoint as ckpt
 from laplace.training import distributed, lifecycle
 from laplace.training.activation_checkpoint import apply_activation_checkpointing
@@ -61,6 +61,7 @@ _LAUNCH = {
     "rdzv_id",
     "max_restarts",
     "device",
+    "threads",
     "compile",
     "activation_checkpoint",
     "grad_accum_steps",
@@ -271,6 +272,7 @@ def train(
     `before_step(step, model, optimizer)` runs before each step (profiling, fault injection
     and state inspection in tests).
     """
+    set_threads(cfg.train.threads)  # in each rank too: torchrun's OMP_NUM_THREADS says the same (stage_train)
     device = resolve_device(cfg.train.device)
     if device.type == "cpu":
         keep_cpu_allocations()
@@ -520,6 +522,7 @@ class Trainer:
             "params": self.model.num_parameters(),  # DTensor shapes are global
             "tokens_per_step": self.tokens_per_step,
             "world_size": self.group.world,
+            "threads": torch.get_num_threads(),  # train.threads as this rank ran
             "muon_comm": self.optimizer.muon.comm,  # owner_reduce falls back to alltoall under bf16
             "val_loss_initial": evals[0]["val_loss"] if evals else None,
             "val_loss": evals[-1]["val_loss"] if evals else None,
