@@ -125,8 +125,10 @@ def resolved_params(cfg: Config) -> dict:
     model = cfg.model_config().to_dict()
     for key in list(params):
         section, _, name = key.partition(".")
-        if section == "model" and params[key] is None and model.get(name) is not None:
-            params[key] = model[name]
+        if section == "model" and params[key] is None:
+            # the built model's value; a value that is null in the model too (attn: no attention
+            # layers) is logged as params.yaml spells it
+            params[key] = model[name] if model.get(name) is not None else "null"
     return params
 
 
