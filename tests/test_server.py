@@ -255,7 +255,7 @@ def test_bad_input_is_a_400_naming_the_field_while_others_are_served(served):
             (b'{"model": "laplace-gla", "prompt": "x", "max_tokens": "5"}', 400, "max_tokens", "valid integer"),
             (b'{"model": "laplace-gla", "prompt": "x", "temperature": -1}', 400, "temperature", "greater than"),
             (b'{"model": "laplace-gla", "prompt": "x", "top_p": 0}', 400, "top_p", "greater than 0"),
-            (b'{"model": "laplace-gla", "prompt": "x", "logprobs": 3}', 400, "logprobs", "not supported"),
+            (b'{"model": "laplace-gla", "prompt": "x", "logprobs": 21}', 400, "logprobs", "less than or equal to 20"),
             (
                 b'{"model": "laplace-gla", "prompt": "x", "repetition_penalty": 1.3}',
                 400,

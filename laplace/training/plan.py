@@ -384,7 +384,9 @@ def as_text(p: dict, name: str) -> str:
         ),
         f"  activations of one sequence as it grows ({p['activation_checkpoint']}; of which attention blocks save)",
         *(
-            f"    {n:>8,} tokens{'':<19}{gib(g['activation_bytes'])}  ({gib(g['attention_block_saved_bytes']).strip()})"
+            # int(n): the keys are strings once the plan has been through --json
+            f"    {int(n):>8,} tokens{'':<19}{gib(g['activation_bytes'])}  "
+            f"({gib(g['attention_block_saved_bytes']).strip()})"
             for n, g in p["activation_growth"].items()
         ),
         f"  Muon traffic per rank per optimizer step ({t['bytes_per_value']}-byte values)",
