@@ -590,10 +590,37 @@ def _executor(data: DataSection, busy: int, staging: Path, ledger: Path, map_sli
         yield pool
 
 
-def _tokenize(
-    data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, staging: Path, seed: int, map_slices: MapSlices | None
-) -> dict:
-    started = time.perf_counter()
+@dataclass(frozen=True)
+class _Plan:
+    """One run's slices and what each may take: read by every phase of `_tokenize`."""
+
+    data: DataSection
+    units: list[Unit]
+    slices: list[list[Unit]]
+    busy: list[int]  # the slices with input (the rest are empty)
+    docs_quota: dict[int, int]
+    tokens_quota: dict[int, int]
+    settings: dict
+    seed: int
+    staging: Path
+    run: str  # this run's id in the workers' ledger
+
+
+@dataclass(frozen=True)
+class _TokenizerUsed:
+    """The tokenizer every slice is encoded with, and the figures the manifest records of it."""
+
+    raw: bytes
+    key: str
+    json: str
+    sha256: str
+    vocab_size: int
+    dtype: np.dtype
+    eos_id: int
+    start_ids: list[int]
+
+
+def _plan(data: DataSection, tok_cfg: TokenizerSection, staging: Path, seed: int) -> _Plan:
     if data.source == "python-docs" and not Path(data.path).exists():
         # Outside DVC (no corpus stage ran): the same files the corpus stage writes, generated once
         # here rather than in every worker; the shards are identical either way.
@@ -602,163 +629,226 @@ def _tokenize(
     units = corpus_units(data)
     slices = plan_slices(units, data.slices)
     busy = [i for i, s in enumerate(slices) if s]
-    docs_quota = {i: _quota(data.max_documents, k, len(busy)) for k, i in enumerate(busy)}
-    tokens_quota = {i: _quota(data.max_tokens, k, len(busy)) for k, i in enumerate(busy)}
-    settings = _settings(data, tok_cfg, seed)
-    previous = _previous(out_dir)
-    ledger = staging / "runs"
-    shutil.rmtree(ledger, ignore_errors=True)  # runs are counted per stage run
-    ledger.mkdir(parents=True)
-    run = os.urandom(8).hex()
+    return _Plan(
+        data, units, slices, busy,
+        docs_quota={i: _quota(data.max_documents, k, len(busy)) for k, i in enumerate(busy)},
+        tokens_quota={i: _quota(data.max_tokens, k, len(busy)) for k, i in enumerate(busy)},
+        settings=_settings(data, tok_cfg, seed), seed=seed, staging=staging, run=os.urandom(8).hex(),
+    )  # fmt: skip
 
-    with _executor(data, len(busy), staging, ledger, map_slices) as pool:
-        workers = pool.num_proc
-        # each slice's quota of the sample (an even share, like max_documents): the whole sample is
-        # within tokenizer.sample_bytes on disk, and a survey worker holds at most its slice's quota
-        sample_quota = {
-            i: 0 if tok_cfg.from_ else _quota(tok_cfg.sample_bytes, k, len(busy)) for k, i in enumerate(busy)
-        }
-        jobs = [
-            _SurveyJob(
-                i, slices[i], data, seed, docs_quota[i], sample_quota[i], str(staging / f"samples/{i:05d}.jsonl"),
-                str(staging / f"surveys/{i:05d}.json"), run,
-            )
-            for i in busy
-        ]  # fmt: skip
-        surveys = []
-        survey_of = pool.map_unordered(_survey, jobs, lambda j: f"slice {j.slice:05d} (survey)")
-        for survey in progress_bar(survey_of, total=len(jobs), desc="survey slices", unit="slice"):
-            surveys.append(survey)
-        surveys.sort(key=lambda s: s.slice)
-        given = given_tokenizer_file(tok_cfg.from_) if tok_cfg.from_ else None
-        raw_tokenizer, tokenizer_key = _tokenizer_bytes(
-            tok_cfg, given, surveys, settings, previous, out_dir, staging, pool
+
+def _surveys(plan: _Plan, tok_cfg: TokenizerSection, pool) -> list[_Survey]:
+    """Survey every slice (its fingerprints, problems and share of the tokenizer sample), in slice order."""
+    # each slice's quota of the sample (an even share, like max_documents): the whole sample is
+    # within tokenizer.sample_bytes on disk, and a survey worker holds at most its slice's quota
+    busy, staging = plan.busy, plan.staging
+    sample_quota = {i: 0 if tok_cfg.from_ else _quota(tok_cfg.sample_bytes, k, len(busy)) for k, i in enumerate(busy)}
+    jobs = [
+        _SurveyJob(
+            i, plan.slices[i], plan.data, plan.seed, plan.docs_quota[i], sample_quota[i],
+            str(staging / f"samples/{i:05d}.jsonl"), str(staging / f"surveys/{i:05d}.json"), plan.run,
         )
-        tokenizer = _tokenizer_from(raw_tokenizer, str(given or staging / TOKENIZER_NAME))
-        eos_id = document_end_id(tokenizer, given)
-        start_ids = document_start_ids(tokenizer)
-        vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-        tok_sha = tokenizer_sha256(tokenizer)
-        tokenizer_json = tokenizer.to_str()
+        for i in busy
+    ]  # fmt: skip
+    survey_of = pool.map_unordered(_survey, jobs, lambda j: f"slice {j.slice:05d} (survey)")
+    surveys = list(progress_bar(survey_of, total=len(jobs), desc="survey slices", unit="slice"))
+    return sorted(surveys, key=lambda s: s.slice)
 
-        records: dict[int, dict] = {}
-        reused: set[int] = set()
-        encode_jobs = []
-        for survey in surveys:
-            i = survey.slice
-            key = _digest(
-                {
-                    "format": FORMAT,
-                    "tokenizer": tok_sha,
-                    "settings": {k: v for k, v in settings.items() if k != "tokenizer"},
-                    "dtype": dtype.name,
-                    "quota": [docs_quota[i], tokens_quota[i]],
-                    "units": [(u.name, u.kind, survey.fingerprints[u.name]) for u in slices[i]],
-                    **({"start_ids": start_ids} if start_ids else {}),  # shards from before BOS was kept
-                }
+
+def _tokenizer_used(
+    plan: _Plan, tok_cfg: TokenizerSection, surveys: list[_Survey], previous: dict, out_dir: Path, pool
+) -> _TokenizerUsed:
+    """tokenizer.from, or the BPE trained on the surveys' sample (reused when that is unchanged)."""
+    given = given_tokenizer_file(tok_cfg.from_) if tok_cfg.from_ else None
+    raw, key = _tokenizer_bytes(tok_cfg, given, surveys, plan.settings, previous, out_dir, plan.staging, pool)
+    tokenizer = _tokenizer_from(raw, str(given or plan.staging / TOKENIZER_NAME))
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    return _TokenizerUsed(
+        raw, key, tokenizer.to_str(), tokenizer_sha256(tokenizer), vocab_size,
+        dtype=np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4"),
+        eos_id=document_end_id(tokenizer, given), start_ids=document_start_ids(tokenizer),
+    )  # fmt: skip
+
+
+def _encode_jobs(
+    plan: _Plan, surveys: list[_Survey], tok: _TokenizerUsed, previous: dict, out_dir: Path
+) -> tuple[dict[int, dict], list[_EncodeJob]]:
+    """The previous output's records of the slices whose key is unchanged, and a job for each other one."""
+    records: dict[int, dict] = {}
+    jobs = []
+    for survey in surveys:
+        i = survey.slice
+        key = _digest(
+            {
+                "format": FORMAT,
+                "tokenizer": tok.sha256,
+                "settings": {k: v for k, v in plan.settings.items() if k != "tokenizer"},
+                "dtype": tok.dtype.name,
+                "quota": [plan.docs_quota[i], plan.tokens_quota[i]],
+                "units": [(u.name, u.kind, survey.fingerprints[u.name]) for u in plan.slices[i]],
+                **({"start_ids": tok.start_ids} if tok.start_ids else {}),  # shards from before BOS was kept
+            }
+        )
+        if (record := _reusable(previous, out_dir, i, key)) is not None:
+            records[i] = record
+            continue
+        jobs.append(
+            _EncodeJob(
+                i, plan.slices[i], survey.problems, plan.data, plan.seed, plan.docs_quota[i], plan.tokens_quota[i],
+                tok.json, tok.eos_id, tok.start_ids, tok.dtype.name, key, str(plan.staging),
             )
-            if (record := _reusable(previous, out_dir, i, key)) is not None:
-                records[i] = record
-                reused.add(i)
-                continue
-            encode_jobs.append(
-                _EncodeJob(
-                    i, slices[i], survey.problems, data, seed, docs_quota[i], tokens_quota[i],
-                    tokenizer_json, eos_id, start_ids, dtype.name, key, str(staging),
-                )
-            )  # fmt: skip
-        progress = progress_bar(total=len(busy), initial=len(reused), desc="tokenize slices", unit="slice")
-        tokens_done = shards_resumed = 0
-        with progress:
-            if map_slices is None:
-                done = pool.map_unordered(encode_slice, encode_jobs, lambda j: f"slice {j.slice:05d} (encode)")
-            else:
-                done = map_slices(encode_slice, encode_jobs)
-            for record, resumed in done:
-                shards_resumed += resumed
-                records[record["slice"]] = record
-                tokens_done += sum(s["tokens"] for shards in record["shards"].values() for s in shards)
-                rate = tokens_done / max(time.perf_counter() - started, 1e-9)
-                progress.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:.3g}", refresh=False)
-                progress.update(1)
+        )  # fmt: skip
+    return records, jobs
 
-    repeated = runs_repeated(ledger)  # a job run again in this run: a recompute after a lost worker
-    for name, n in repeated.items():
-        log.info("%s ran %d more time(s) (its worker was lost)", name, n)
+
+def _encode(plan: _Plan, jobs: list[_EncodeJob], records: dict[int, dict], pool, map_slices, started: float) -> int:
+    """Run the encode jobs (the pool, or map_slices), adding each slice's record; returns the shards resumed."""
+    progress = progress_bar(total=len(plan.busy), initial=len(records), desc="tokenize slices", unit="slice")
+    tokens_done = shards_resumed = 0
+    with progress:
+        if map_slices is None:
+            done = pool.map_unordered(encode_slice, jobs, lambda j: f"slice {j.slice:05d} (encode)")
+        else:
+            done = map_slices(encode_slice, jobs)
+        for record, resumed in done:
+            shards_resumed += resumed
+            records[record["slice"]] = record
+            tokens_done += sum(s["tokens"] for shards in record["shards"].values() for s in shards)
+            rate = tokens_done / max(time.perf_counter() - started, 1e-9)
+            progress.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:.3g}", refresh=False)
+            progress.update(1)
+    return shards_resumed
+
+
+_SKIPPED = ("empty", "too_short", "undecodable", "too_large")  # too_large: absent in older records
+
+
+@dataclass(frozen=True)
+class _Totals:
+    tokens: dict[str, int]
+    documents: dict[str, int]
+    stats: dict[str, int]  # documents read, and skipped by each reason
+    bad: list[str]  # bad input, one line each
+
+    @property
+    def documents_read(self) -> int:
+        return self.stats["read"] + self.stats["undecodable"] + self.stats["too_large"]
+
+
+def _totals(plan: _Plan, records: dict[int, dict]) -> _Totals:
+    """Every slice's counts summed; DataError when a split would be empty."""
+    busy, data = plan.busy, plan.data
     bad = [line for i in busy for line in records[i]["stats"]["bad"]]
     for line in bad:
         log.warning("skipped %s", line)
-    totals = {s: sum(sh["tokens"] for i in busy for sh in records[i]["shards"][s]) for s in SPLITS}
-    documents = {s: sum(records[i]["documents"][s] for i in busy) for s in SPLITS}
-    kinds = ("read", "empty", "too_short", "undecodable", "too_large")  # too_large: absent in older records
-    stats = {k: sum(records[i]["stats"].get(k, 0) for i in busy) for k in kinds}
-    if totals["train"] == 0 or totals["val"] == 0:
+    totals = _Totals(
+        tokens={s: sum(sh["tokens"] for i in busy for sh in records[i]["shards"][s]) for s in SPLITS},
+        documents={s: sum(records[i]["documents"][s] for i in busy) for s in SPLITS},
+        stats={k: sum(records[i]["stats"].get(k, 0) for i in busy) for k in ("read", *_SKIPPED)},
+        bad=bad,
+    )
+    if totals.tokens["train"] == 0 or totals.tokens["val"] == 0:
+        stats, documents = totals.stats, totals.documents
         raise DataError(
             f"corpus has no usable text for both splits: {stats['read']} documents read, {documents['train']} "
             f"for training and {documents['val']} for validation ({stats['empty']} empty, {stats['too_short']} "
             f"shorter than data.min_chars={data.min_chars}, {stats['undecodable']} not valid UTF-8); add text "
             f"or raise data.val_fraction={data.val_fraction}"
         )
+    return totals
 
-    _assemble(
-        out_dir,
-        staging,
-        records,
-        reused,
-        busy,
-        raw_tokenizer,
-        {
-            "pipeline_format": FORMAT,
-            "vocab_size": vocab_size,
-            "dtype": dtype.name,
-            "eos_id": eos_id,
-            "document_start_ids": start_ids,
-            "tokenizer_sha256": tok_sha,
-            "tokenizer_key": tokenizer_key,
-            "source": {"kind": data.source, "description": _describe_source(data, units), "files": len(units)},
-            "settings": settings,
-            "documents": {**documents, "total_read": stats["read"] + stats["undecodable"] + stats["too_large"]},
-            "skipped": {k: stats[k] for k in ("empty", "too_short", "undecodable", "too_large")},
-            "bad_input": bad[:_LISTED_BAD],
-            "tokens": totals,
+
+def _manifest_fields(plan: _Plan, tok: _TokenizerUsed, totals: _Totals) -> dict:
+    return {
+        "pipeline_format": FORMAT,
+        "vocab_size": tok.vocab_size,
+        "dtype": tok.dtype.name,
+        "eos_id": tok.eos_id,
+        "document_start_ids": tok.start_ids,
+        "tokenizer_sha256": tok.sha256,
+        "tokenizer_key": tok.key,
+        "source": {
+            "kind": plan.data.source,
+            "description": _describe_source(plan.data, plan.units),
+            "files": len(plan.units),
         },
-    )
-    seconds = time.perf_counter() - started
+        "settings": plan.settings,
+        "documents": {**totals.documents, "total_read": totals.documents_read},
+        "skipped": {k: totals.stats[k] for k in _SKIPPED},
+        "bad_input": totals.bad[:_LISTED_BAD],
+        "tokens": totals.tokens,
+    }
+
+
+def _metrics(plan: _Plan, tok: _TokenizerUsed, totals: _Totals, records: dict, run_facts: dict) -> dict:
+    """The stage's flat metrics, and the one log line that says them."""
+    busy, stats, tokens, documents = plan.busy, totals.stats, totals.tokens, totals.documents
     shards = {s: sum(len(records[i]["shards"][s]) for i in busy) for s in SPLITS}
+    seconds = run_facts["seconds"]
     metrics = {
-        "documents_read": stats["read"] + stats["undecodable"] + stats["too_large"],
+        "documents_read": totals.documents_read,
         "documents_train": documents["train"],
         "documents_val": documents["val"],
         "documents_cut_by_max_tokens": sum(records[i]["cut_by_max_tokens"] for i in busy),
-        "skipped_empty": stats["empty"],
-        "skipped_too_short": stats["too_short"],
-        "skipped_undecodable": stats["undecodable"],
-        "skipped_too_large": stats["too_large"],
-        "tokens_train": totals["train"],
-        "tokens_val": totals["val"],
+        **{f"skipped_{k}": stats[k] for k in _SKIPPED},
+        "tokens_train": tokens["train"],
+        "tokens_val": tokens["val"],
         "shards_train": shards["train"],
         "shards_val": shards["val"],
         "slices": len(busy),
-        "slices_reused": len(reused),
-        "shards_resumed": shards_resumed,
-        "vocab_size": vocab_size,
-        "executor": data.executor if map_slices is None else "map_slices",
-        "workers": workers,
-        "slices_rerun": sum(repeated.values()),
+        "slices_reused": run_facts["slices_reused"],
+        "shards_resumed": run_facts["shards_resumed"],
+        "vocab_size": tok.vocab_size,
+        "executor": run_facts["executor"],
+        "workers": run_facts["workers"],
+        "slices_rerun": run_facts["slices_rerun"],
         "seconds": seconds,
-        "tokens_per_s": (totals["train"] + totals["val"]) / max(seconds, 1e-9),
+        "tokens_per_s": (tokens["train"] + tokens["val"]) / max(seconds, 1e-9),
     }
     if metrics["shards_resumed"]:
         log.info("resumed an interrupted run: %d finished shards kept as they were", metrics["shards_resumed"])
     log.info(
         "tokenized %d documents (of %d read; %d skipped) into %d train + %d val tokens in %d+%d shards "
         "(%d of %d slices reused) in %.1fs (%.0f tokens/s)",
-        documents["train"] + documents["val"], metrics["documents_read"],
-        stats["empty"] + stats["too_short"] + stats["undecodable"] + stats["too_large"], totals["train"], totals["val"],
-        shards["train"], shards["val"], len(reused), len(busy), seconds, metrics["tokens_per_s"],
+        documents["train"] + documents["val"], metrics["documents_read"], sum(stats[k] for k in _SKIPPED),
+        tokens["train"], tokens["val"], shards["train"], shards["val"], metrics["slices_reused"], len(busy), seconds,
+        metrics["tokens_per_s"],
     )  # fmt: skip
     return metrics
+
+
+def _tokenize(
+    data: DataSection, tok_cfg: TokenizerSection, out_dir: Path, staging: Path, seed: int, map_slices: MapSlices | None
+) -> dict:
+    """survey -> the tokenizer -> encode the changed slices -> assemble (the module's docstring)."""
+    started = time.perf_counter()
+    plan = _plan(data, tok_cfg, staging, seed)
+    previous = _previous(out_dir)
+    ledger = staging / "runs"
+    shutil.rmtree(ledger, ignore_errors=True)  # runs are counted per stage run
+    ledger.mkdir(parents=True)
+    with _executor(plan.data, len(plan.busy), staging, ledger, map_slices) as pool:
+        surveys = _surveys(plan, tok_cfg, pool)
+        tok = _tokenizer_used(plan, tok_cfg, surveys, previous, out_dir, pool)
+        records, jobs = _encode_jobs(plan, surveys, tok, previous, out_dir)
+        reused = set(records)
+        shards_resumed = _encode(plan, jobs, records, pool, map_slices, started)
+        workers = pool.num_proc
+
+    repeated = runs_repeated(ledger)  # a job run again in this run: a recompute after a lost worker
+    for name, n in repeated.items():
+        log.info("%s ran %d more time(s) (its worker was lost)", name, n)
+    totals = _totals(plan, records)
+    _assemble(out_dir, staging, records, reused, plan.busy, tok.raw, _manifest_fields(plan, tok, totals))
+    run_facts = {
+        "seconds": time.perf_counter() - started,
+        "slices_reused": len(reused),
+        "shards_resumed": shards_resumed,
+        "executor": plan.data.executor if map_slices is None else "map_slices",
+        "workers": workers,
+        "slices_rerun": sum(repeated.values()),
+    }
+    return _metrics(plan, tok, totals, records, run_facts)
 
 
 def _tokenizer_from(raw: bytes, where: str):
