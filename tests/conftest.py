@@ -39,6 +39,16 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_compiler_caches():
+    """Each module starts with Dynamo's caches empty: an xdist worker runs many modules in one
+    process, and recompiles of the same code object (a GLA block's forward) count toward
+    torch._dynamo.config.recompile_limit across all of them, so a module's compiled run could hit
+    the limit only because of what ran before it on that worker (test_train, CI of 2026-12-02)."""
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture
 def seeded():
     torch.manual_seed(0)

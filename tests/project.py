@@ -54,7 +54,9 @@ TINY_PARAMS = {
     "serve_check.output_tokens": [2, 12],
     "serve_check.decode_contexts": [256, 1024],
     "serve_check.decode_timing_steps": 16,
-    "serve_check.max_decode_cost_ratio": 1.5,  # a 1-layer model's ~1 ms steps are noisy; the gate logic is unit-tested
+    # a 1-layer model's ~1 ms steps are noisy (1.5 was missed at load 4: the fla import's run of
+    # 2026-12-02); the gate logic is unit-tested, and a K/V cache's cost grows 4x over 256 -> 1,024
+    "serve_check.max_decode_cost_ratio": 3.0,
     "numerics.batch_size": 2,
     "numerics.seq_len": 32,
     "numerics.prompt_tokens": 16,

@@ -384,50 +384,53 @@ def test_default_mqar_training_recalls_few_pairs_and_degrades_with_more():
     assert recall["recall_trained_mqar_summary"].startswith("recall above chance at")
 
 
+def tiny_probe_config(**sections) -> dict:
+    """A 2-layer model a few steps trained, and probes sized to run in seconds."""
+    return {
+        "data": {"max_documents": 300, "num_proc": 1},
+        "tokenizer": {"vocab_size": 400},
+        "model": {
+            "preset": "tiny",
+            "d_model": 64,
+            "n_layers": 2,
+            "n_heads": 2,
+            "chunk_size": 16,
+            "sub_chunk_size": 8,
+        },
+        "train": {
+            "steps": 2,
+            "batch_size": 2,
+            "seq_len": 32,
+            "eval_every": 2,
+            "eval_batches": 1,
+            "checkpoint_every": 2,
+            "warmup_steps": 1,
+        },
+        "engine": {"max_slots": 4, "prefill_buckets": [32, 64], "max_prompt_tokens": 64},
+        "probes": {
+            "mqar_contexts": [32, 128],
+            "mqar_pairs": [2, 4],
+            "mqar_samples": 6,
+            "passkey_contexts": [64, 200],
+            "passkey_depths": [0.5],
+            "passkey_samples": 1,
+            "recall_contexts": [320, 640],  # the training length is 32: both beyond it
+            "recall_samples": 1,
+            "memory_contexts": [128, 1024],
+            "kv_contexts": [2048, 8192],
+            "mqar_train_steps": 3,
+            "mqar_train_d_model": 32,
+            "mqar_train_layers": 1,
+            "mqar_train_vocab": 64,
+            "mqar_train_seq_len": 32,
+            "mqar_train_pairs": 4,
+        },
+    } | sections
+
+
 @pytest.mark.slow
 def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
-    cfg = config_from_dict(
-        {
-            "data": {"max_documents": 300, "num_proc": 1},
-            "tokenizer": {"vocab_size": 400},
-            "model": {
-                "preset": "tiny",
-                "d_model": 64,
-                "n_layers": 2,
-                "n_heads": 2,
-                "chunk_size": 16,
-                "sub_chunk_size": 8,
-            },
-            "train": {
-                "steps": 2,
-                "batch_size": 2,
-                "seq_len": 32,
-                "eval_every": 2,
-                "eval_batches": 1,
-                "checkpoint_every": 2,
-                "warmup_steps": 1,
-            },
-            "engine": {"max_slots": 4, "prefill_buckets": [32, 64], "max_prompt_tokens": 64},
-            "probes": {
-                "mqar_contexts": [32, 128],
-                "mqar_pairs": [2, 4],
-                "mqar_samples": 6,
-                "passkey_contexts": [64, 200],
-                "passkey_depths": [0.5],
-                "passkey_samples": 1,
-                "recall_contexts": [320, 640],  # the training length is 32: both beyond it
-                "recall_samples": 1,
-                "memory_contexts": [128, 1024],
-                "kv_contexts": [2048, 8192],
-                "mqar_train_steps": 3,
-                "mqar_train_d_model": 32,
-                "mqar_train_layers": 1,
-                "mqar_train_vocab": 64,
-                "mqar_train_seq_len": 32,
-                "mqar_train_pairs": 4,
-            },
-        }
-    )
+    cfg = config_from_dict(tiny_probe_config())
     data = tmp_path / "data"
     tokenize_corpus(cfg.data, cfg.tokenizer, data, cfg.seed)
     trained = train(cfg, data, tmp_path / "run", progress=False)
@@ -463,6 +466,38 @@ def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
         assert metrics[key] > 0, key
     for name in ("probes_mqar.png", "probes_memory.png", "probes_mqar.json", "probes_passkey.json"):
         assert (tmp_path / "plots" / name).stat().st_size > 0, name
+
+
+@pytest.mark.slow
+def test_numerics_and_probes_run_unchanged_on_a_hybrid_export(tmp_path):
+    """A GLA layer then an attention layer, trained, exported, then the numerics stage's checks
+    (compiled vs eager vs fp64, every gate) and the probes, as the pipeline runs them on GLA."""
+    from laplace.evals.numerics import run_numerics
+
+    hybrid = tiny_probe_config()
+    hybrid["model"] |= {"attn": {"layers": [1], "num_heads": 2}}
+    hybrid["engine"] |= {"max_context": 2048}  # every probed length and its answer fit
+    hybrid["numerics"] = {"batch_size": 2, "seq_len": 32, "prompt_tokens": 16, "greedy_prompts": 2}
+    hybrid["numerics"] |= {"greedy_tokens": 8}
+    cfg = config_from_dict(hybrid)
+    data = tmp_path / "data"
+    tokenize_corpus(cfg.data, cfg.tokenizer, data, cfg.seed)
+    trained = train(cfg, data, tmp_path / "run", progress=False)
+    export_model(ckpt.load_checkpoint(trained.checkpoint), data / "tokenizer.json", tmp_path / "export")
+
+    numerics = run_numerics(cfg, tmp_path / "export", data)
+    assert numerics["passed"], numerics["gate_table"]
+    assert numerics["fp32"]["prefill"]["rel_rms_compiled_vs_fp64"] < 1e-5  # the fp32 gate's own bound
+    assert numerics["greedy_agreement_fp32"] == 1.0
+
+    metrics = probe_and_plot(cfg, tmp_path / "export", data, tmp_path / "plots")
+    assert metrics["passed"] and metrics["mqar_paths_agree"], metrics["notes"]
+    # the engine's own allocation: recurrent state of the GLA layer, K/V of the attention layer to 2,048
+    assert metrics["state_bytes_match"] and metrics["kv_bytes_match"]
+    head_dim = 64 // 2
+    assert metrics["kv_bytes_measured"] == 2 * 2048 * 2 * head_dim * 4  # K and V, 2 heads, fp32
+    assert "contexts_over_max_context" not in metrics, metrics["notes"]
+    assert set(metrics["recall_verdict"]) == {"32", "64", "128", "200", "320", "640"}
 
 
 def test_recall_lengths_follow_the_training_length_above_the_configured_floor():

@@ -165,7 +165,8 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     if skipped:
         metrics["contexts_over_max_context"] = sorted(skipped)
         metrics["notes"].append(
-            f"lengths {sorted(skipped)} not probed: longer than engine.max_context={engine.max_context} "
+            f"lengths {sorted(skipped)} not probed: with {CONTEXT_ROOM} tokens to answer in, longer than "
+            f"engine.max_context={engine.max_context} "
             "(the attention layers' K/V cache)"
         )
 
@@ -206,7 +207,7 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     metrics["recall_verdict"] = by_length
     metrics["recall_summary"] = overall_verdict(by_length)
 
-    metrics["passed"] = bool(paths_agree and metrics["state_bytes_match"])
+    metrics["passed"] = bool(paths_agree and metrics["state_bytes_match"] and metrics["kv_bytes_match"])
     seconds["total"] = time.perf_counter() - start
     metrics["seconds"] = seconds
     figures = {"mqar": mqar_figure, "memory": memory, "passkey": passkey["table"]}
