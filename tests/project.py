@@ -108,10 +108,13 @@ def copy_project(dest: Path, params: dict | None = None) -> Path:
     )
     for rel in filter(None, listed):
         src = ROOT / rel
-        if src.is_file():
+        if src.is_symlink():  # compare/laplace-src, compare/.dvc/plots: links, as git keeps them
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            (dest / rel).symlink_to(src.readlink())
+        elif src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
-    for generated in ("dvc.lock", "metrics", "plots"):  # a fresh start, whatever the checkout holds
+    for generated in ("dvc.lock", "metrics", "plots", "compare/dvc.lock"):  # a fresh start, whatever the checkout holds
         p = dest / generated
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     if params:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
 from laplace.config import config_from_dict
 from laplace.errors import ConfigError
 from laplace.model.config import architecture_family
-from laplace.pipeline import compare
+from laplace.pipeline import compare, compare_table
 
 
 def test_every_default_arm_is_a_valid_config_of_its_family():
@@ -67,28 +69,28 @@ ROWS = {
 
 
 def test_the_pick_is_the_smallest_memory_within_the_sampling_error_of_the_best():
-    chosen = compare.pick(ROWS, tolerance_se=2.0, memory_context=8192)
+    chosen = compare_table.pick(ROWS, tolerance_se=2.0, memory_context=8192)
     # gla misses by far more than 2 standard errors; hybrid-1in4's 0.90 vs 0.95 at 256 over 64 queries each
     # is within 2 * hypot(se(0.90), se(0.95)) = 0.094, and it holds the fewest bytes of those left
     assert chosen["arm"] == "hybrid-1in4"
     assert "gla (0.40 vs softmax's 0.99 at 64" in chosen["reason"]
     assert "64 queries each" in chosen["reason"]
     # a tighter tolerance leaves only the arms at the top
-    assert compare.pick(ROWS, tolerance_se=0.5, memory_context=8192)["arm"] in ("hybrid-1in2", "softmax")
+    assert compare_table.pick(ROWS, tolerance_se=0.5, memory_context=8192)["arm"] in ("hybrid-1in2", "softmax")
     # within a family
-    assert compare.pick(ROWS, 2.0, 8192, ["hybrid-1in4", "hybrid-1in2"])["arm"] == "hybrid-1in4"
+    assert compare_table.pick(ROWS, 2.0, 8192, ["hybrid-1in4", "hybrid-1in2"])["arm"] == "hybrid-1in4"
 
 
 def test_the_headline_states_the_share_of_the_gap_closed_and_the_bytes_it_costs():
-    text = compare.headline(ROWS, 8192)
+    text = compare_table.headline(ROWS, 8192)
     # (0.90 - 0.20) / (0.95 - 0.20) = 93%; 2.25 MB / 150 kB = 15.0x; 8.4 MB / 2.25 MB = 3.7x
     assert "hybrid-1in4 recovered 93% of the softmax model's MQAR-trained recall at 256 tokens" in text
     assert "15.0x GLA's serving bytes per sequence at 8192 (3.7x less than softmax)" in text
 
 
 def test_binomial_error_has_a_floor_at_zero_and_one():
-    assert compare.binomial_se(0.5, 100) == pytest.approx(0.05)
-    assert compare.binomial_se(1.0, 100) == pytest.approx(math.sqrt(1 / 100) / 10)
+    assert compare_table.binomial_se(0.5, 100) == pytest.approx(0.05)
+    assert compare_table.binomial_se(1.0, 100) == pytest.approx(math.sqrt(1 / 100) / 10)
 
 
 # --------------------------------------------------------------------------- end to end through DVC
@@ -113,7 +115,7 @@ E2E_OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    from project import TINY_PARAMS, copy_project, run
+    from project import ROOT, TINY_PARAMS, copy_project, run
 
     repo = copy_project(
         tmp_path_factory.mktemp("compare"),
@@ -130,7 +132,11 @@ def compared(tmp_path_factory):
             "compare.lm_eval_tasks": [],
         },
     )
-    out = run(["python", "-m", "dvc", "repro", "compare/dvc.yaml"], repo, timeout=1500)
+    # `make compare` as the README prints it (the project's shards, then compare/'s own `dvc repro`),
+    # on this checkout's venv, already set up
+    venv = Path(sys.executable).parent.parent
+    make = ["make", "-f", str(ROOT / "Makefile"), f"VENV={venv}", "-o", f"{venv}/.installed", "-o", f"{venv}/.runtime"]
+    out = run([*make, "compare"], repo, timeout=1500)
     return repo, out.stdout + out.stderr
 
 
@@ -143,10 +149,13 @@ def test_the_comparison_runs_through_dvc_and_adding_an_arm_reruns_only_that_arm(
     from project import BIN, commit_all, run, set_params
 
     repo, output = compared
-    assert _ran(output) >= {"compare/dvc.yaml:arm@gla", "compare/dvc.yaml:arm@softmax", "compare/dvc.yaml:table"}
-    status = run(["python", "-m", "dvc", "status", "compare/dvc.yaml"], repo)
+    assert _ran(output) >= {"tokenize", "arm@gla", "arm@softmax", "table"}
+    status = run(["python", "-m", "dvc", "status"], repo / "compare")
     assert "up to date" in status.stdout, status.stdout
-    table = json.loads((repo / "metrics" / "compare.json").read_text())
+    # the project's own DVC view never lists the comparison (compare/ is a repository of its own)
+    project = run(["python", "-m", "dvc", "status"], repo).stdout
+    assert "arm@" not in project and "table" not in project and "tokenize" not in project, project
+    table = json.loads((repo / "compare" / "table.json").read_text())
     assert set(table["arms"]) == {"gla", "softmax"}
     gla, soft = table["arms"]["gla"], table["arms"]["softmax"]
     assert (gla["family"], soft["family"]) == ("gla", "softmax")
@@ -162,17 +171,17 @@ def test_the_comparison_runs_through_dvc_and_adding_an_arm_reruns_only_that_arm(
     # the docs' commands (docs/architectures.md), as printed
     shown = run([str(BIN / "laplace"), "compare", "--no-track"], repo)
     assert "pick" in shown.stdout and "gla" in shown.stdout and "softmax" in shown.stdout
-    metrics = run(["python", "-m", "dvc", "metrics", "show"], repo)
-    assert "metrics/compare.json" in metrics.stdout
-    run(["python", "-m", "dvc", "plots", "show"], repo)
-    assert (repo / "dvc_plots" / "index.html").exists()
+    metrics = run(["python", "-m", "dvc", "metrics", "show"], repo / "compare")
+    assert "table.json" in metrics.stdout
+    run(["python", "-m", "dvc", "plots", "show"], repo / "compare")
+    assert (repo / "compare" / "dvc_plots" / "index.html").exists()
 
     commit_all(repo, "the comparison")
     set_params(
         repo / "params.yaml", {"compare.arms.hybrid": {"preset": "tiny", "attn": {"layers": [1], "num_heads": 2}}}
     )
-    again = run(["python", "-m", "dvc", "repro", "compare/dvc.yaml"], repo, timeout=1500).stdout
-    assert _ran(again) == {"compare/dvc.yaml:arm@hybrid", "compare/dvc.yaml:table"}, again
+    again = run(["python", "-m", "dvc", "repro"], repo / "compare", timeout=1500).stdout
+    assert _ran(again) == {"arm@hybrid", "table"}, again
 
 
 @pytest.mark.slow
@@ -187,7 +196,7 @@ def test_mlflow_holds_one_parent_and_a_child_per_arm_with_the_tables_figures(com
     assert len(parents) >= 1
     parent = parents[-1]  # the first comparison (a later one adds an arm)
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    table = json.loads((repo / "metrics" / "compare.json").read_text())
+    table = json.loads((repo / "compare" / "table.json").read_text())
     by_arm = {r.data.params["arm"]: r for r in children}
     assert set(by_arm) <= set(table["arms"]) and len(by_arm) >= 2
     for arm, child in by_arm.items():

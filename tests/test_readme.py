@@ -59,7 +59,7 @@ RUN_ELSEWHERE = {
     "laplace import": ("test_hf.py", ['"import"', '"--out"']),
     "laplace export --format hf": ("test_hf.py", ['"export", "--format", "hf"']),
     "laplace eval": ("test_harness.py", ['"eval"', '"--tasks"']),
-    "dvc repro compare/dvc.yaml": ("test_compare.py", ['"repro", "compare/dvc.yaml"']),
+    "make compare": ("test_compare.py", ['"compare"', '"make"']),
     "laplace compare --no-track": ("test_compare.py", ['"compare", "--no-track"']),
     "lm_eval --model laplace": ("test_harness.py", ['"lm_eval"', '"--model", "laplace"', '"--model_args"']),
 }

@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "compare",
         help="the architecture comparison's table, plots and MLflow runs, from every arm's figures "
-        "(run the arms with `dvc repro compare/dvc.yaml`)",
+        "(run the arms with `cd compare && dvc repro`)",
     )
     add_config_arguments(p)
     p.add_argument("--no-track", action="store_true", help="write the table and plots, log nothing to MLflow")
@@ -439,7 +439,7 @@ def _stage(args, cfg) -> int:
 
 
 def _compare(args, cfg, paths: Paths) -> int:
-    from laplace.pipeline import compare
+    from laplace.pipeline import compare, compare_table
 
     compare.check_arms(cfg)  # every arm's config, before any work
     if args.command == "compare-arm":
@@ -450,8 +450,9 @@ def _compare(args, cfg, paths: Paths) -> int:
             where = compare.arm_paths(paths, args.arm).metrics_dir.relative_to(paths.root)
             print(f"laplace compare-arm: {args.arm} measured ({where})")
         return 0
-    table = compare.run_table(cfg, paths, track=not args.no_track)
-    print(json.dumps(table, default=str) if args.json else compare.format_table(table, cfg.compare.table_contexts))
+    table = compare_table.run_table(cfg, paths, track=not args.no_track)
+    text = compare_table.format_table(table, cfg.compare.table_contexts)
+    print(json.dumps(table, default=str) if args.json else text)
     return 0
 
 

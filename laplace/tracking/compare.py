@@ -3,7 +3,7 @@ one child run per arm with that arm's figures, params and exported model.
 
 Each arm's export is registered under `<compare.registry_prefix>-<family>` (gla, hybrid, softmax), so
 the registry holds one champion per architecture family: the comparison's pick within the family
-(laplace.pipeline.compare.pick) takes the `champion` alias there, every arm `candidate`; the
+(laplace.pipeline.compare_table.pick) takes the `champion` alias there, every arm `candidate`; the
 reason is the version's `registered_reason` tag. The parent's tags name the overall pick and the
 headline sentence."""
 
