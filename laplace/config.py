@@ -548,10 +548,12 @@ class CompareSection:
         [1024, 8192, 32768], doc="serving bytes per sequence (recurrent state + K/V) measured from the engine at these"
     )
     decode_contexts: list[int] = knob(
-        [1024, 8192, 32768], doc="decode time per token measured after prompts of these lengths"
+        [1024, 2048, 8192, 32768], doc="decode time per token measured after prompts of these lengths"
     )
     decode_timing_steps: int = knob(24, _positive, "decode steps timed at each of decode_contexts")
-    table_contexts: list[int] = knob([2048, 8192], doc="the table's decode ms per token columns")
+    table_contexts: list[int] = knob(
+        [2048, 8192], doc="the table's decode ms per token columns (each one of decode_contexts)"
+    )
     lm_eval_tasks: list[str] = knob(
         ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe"],
         doc="lm-evaluation-harness RULER tasks run on every arm (one that cannot run offline is reported, not run)",

@@ -50,6 +50,12 @@ def test_a_bad_arm_is_one_line_naming_it(arms, message):
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_a_table_column_that_was_never_measured_is_refused():
+    cfg = config_from_dict({"compare": {"decode_contexts": [1024, 8192], "table_contexts": [2048, 8192]}})
+    with pytest.raises(ConfigError, match=r"compare.table_contexts: \[2048\] not in compare.decode_contexts"):
+        compare.check_arms(cfg)
+
+
 def _row(arm, fam, trained, bytes_8k, samples=64):
     return {
         "arm": arm,
@@ -206,3 +212,22 @@ def test_mlflow_holds_one_parent_and_a_child_per_arm_with_the_tables_figures(com
     for family in ("gla", "softmax"):
         versions = client.search_model_versions(f"name='laplace-compare-{family}'")
         assert versions, family
+
+
+@pytest.mark.slow
+def test_the_prefect_flow_fans_out_one_task_per_arm_and_reruns_nothing_finished(compared, tmp_path):
+    """flows/compare.py (the laplace-compare deployments' entrypoint) run once, no server: a task per
+    arm, each `dvc repro --single-item` in compare/, all of them already up to date."""
+    from project import env, run
+
+    repo, _ = compared
+    e = env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    e.pop("PREFECT_API_URL", None)
+    out = run(["python", "flows/compare.py"], repo, env=e, timeout=600)
+    log = out.stdout + out.stderr
+    result = json.loads(out.stdout[out.stdout.index("{") :])
+    table = json.loads((repo / "compare" / "table.json").read_text())
+    assert sorted(result["arms"]) == sorted(table["arms"]) and result["pick"] == table["pick"]
+    for arm in table["arms"]:
+        assert f"stage-arm@{arm}" in log and f"'arm@{arm}' didn't change" in log, (arm, log[-3000:])
+    assert "Running stage" not in log, log[-3000:]

@@ -105,6 +105,12 @@ def arm_config(cfg: Config, arm: str) -> Config:
 
 def check_arms(cfg: Config) -> dict[str, Config]:
     """Every arm's config, built now: a bad arm stops the comparison before any work."""
+    c = cfg.compare
+    if unmeasured := [n for n in c.table_contexts if n not in c.decode_contexts]:
+        raise ConfigError(
+            f"compare.table_contexts: {unmeasured} not in compare.decode_contexts={c.decode_contexts} "
+            "(the table shows decode time where it was measured)"
+        )
     return {arm: arm_config(cfg, arm) for arm in cfg.compare.arms}
 
 
