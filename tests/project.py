@@ -85,6 +85,18 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
+def direct_flow_env(tmp_path: Path) -> dict[str, str]:
+    """A flow run with no server (`python flows/X.py`): Prefect starts a temporary one, given 300 s
+    to answer (its default 20 s is too few on 2 loaded cores)."""
+    e = env(
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
+    )
+    e.pop("PREFECT_API_URL", None)
+    return e
+
+
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 900, **kw) -> subprocess.CompletedProcess:
     out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), **kw)
     if check and out.returncode != 0:
