@@ -1,5 +1,6 @@
 # Front doors for a fresh machine (Python 3.11+, no GPU needed):
 #   make run    install the runtime set, then run the main job: the DVC pipeline on the tiny preset (CPU, offline)
+#   make compare  the architecture comparison: pure GLA, hybrids and softmax side by side (docs/architectures.md)
 #   make test   install the dev set (the runtime, test oracles, pytest), then run the whole test suite (CI: with make lint)
 #   make test-fast  the unit tests only (no end-to-end runs of DVC, Prefect, MLflow servers, torchrun)
 #   make lint   ruff check and ruff format --check
@@ -17,7 +18,7 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 export PREFECT_HOME ?= $(abspath .prefect)
 
-.PHONY: setup run test test-fast lint format params clean prefect-server prefect-worker prefect-ready mlflow-ui stop
+.PHONY: setup run compare test test-fast lint format params clean prefect-server prefect-worker prefect-ready mlflow-ui stop
 
 # Two installs: `setup` (make test, lint) is the dev set, `.[dev]`: the runtime plus the test
 # oracles (flash-linear-attention, triton, transformers, lm_eval, openai, accelerate) and pytest,
@@ -45,6 +46,12 @@ $(RUNTIME): pyproject.toml
 
 run: $(RUNTIME)
 	$(BIN)/laplace run
+
+# the architecture comparison (docs/architectures.md): the project's token shards, then every arm and
+# the table in compare/, a DVC repository of its own (the project's dvc status never lists its stages)
+compare: $(RUNTIME)
+	$(BIN)/dvc repro tokenize
+	cd compare && dvc repro
 
 # pytest-xdist workers: each test module (or the tiny_pipeline group) runs on one, the heaviest first by
 # tests/durations.json (tests/conftest.py, docs/testing.md); TEST_WORKERS=0 runs in one process.

@@ -491,6 +491,86 @@ class TrackingSection:
     )
 
 
+def _arms(v):
+    if not isinstance(v, dict) or not v:
+        return "must be a mapping of arm names to model.* overrides"
+    for name, over in v.items():
+        if not isinstance(name, str) or not name.replace("-", "").replace("_", "").isalnum():
+            return f"arm name {name!r} must be letters, digits, '-' or '_' (it names files and MLflow runs)"
+        if not isinstance(over, dict):
+            return f"arm {name!r} must be a mapping of model.* keys, got {over!r}"
+    return None
+
+
+def _dotted_overrides(v):
+    if not isinstance(v, dict) or not all(isinstance(k, str) and "." in k for k in v):
+        return "must map dotted keys (train.steps) to values"
+    if any(k.startswith(("model.", "compare.")) for k in v):
+        return "model.* belongs to the arms and compare.* to this section, not to the shared overrides"
+    return None
+
+
+@dataclass(frozen=True)
+class CompareSection:
+    """`compare:` the architecture comparison (compare/dvc.yaml, `laplace compare`): pure GLA, hybrids and a
+    softmax model trained and measured on the same corpus, tokenizer, steps, seed and server settings.
+
+    Each arm is its model.* overrides on top of params.yaml's model; everything else is params.yaml's, plus
+    compare.overrides, for every arm alike."""
+
+    arms: Any = knob(
+        {
+            "gla": {"preset": "tiny"},
+            "hybrid-1in4": {"preset": "tiny-hybrid"},
+            "hybrid-1in2": {"preset": "tiny", "attn": {"layers": [1, 3], "num_heads": 4}},
+            "softmax": {"preset": "tiny-attn"},
+        },
+        _arms,
+        "arm name -> its model.* overrides (model.attn: fla's AttentionSpec); adding one reruns only that arm",
+    )
+    overrides: Any = knob(
+        {
+            "train.steps": 200,
+            "serve_check.workloads": ["poisson"],
+            "serve_check.requests": 24,
+            "probes.mqar_contexts": [64, 256],
+            "probes.passkey_contexts": [256, 1024],
+            "probes.passkey_depths": [0.5],
+            "probes.recall_contexts": [256, 1024],
+            "probes.memory_contexts": [1024],
+            "probes.mqar_train_steps": 400,
+            "probes.mqar_train_layers": 4,
+        },
+        _dotted_overrides,
+        "settings every arm shares that differ from the main pipeline's (cut to what 2 cores run in minutes)",
+    )
+    memory_contexts: list[int] = knob(
+        [1024, 8192, 32768], doc="serving bytes per sequence (recurrent state + K/V) measured from the engine at these"
+    )
+    decode_contexts: list[int] = knob(
+        [1024, 2048, 8192, 32768], doc="decode time per token measured after prompts of these lengths"
+    )
+    decode_timing_steps: int = knob(24, _positive, "decode steps timed at each of decode_contexts")
+    table_contexts: list[int] = knob(
+        [2048, 8192], doc="the table's decode ms per token columns (each one of decode_contexts)"
+    )
+    lm_eval_tasks: list[str] = knob(
+        ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe"],
+        doc="lm-evaluation-harness RULER tasks run on every arm (one that cannot run offline is reported, not run)",
+    )
+    lm_eval_limit: int = knob(4, _positive, "samples per RULER task and length")
+    lm_eval_lengths: list[int] = knob([1024], doc="RULER's max_seq_lengths")
+    registry_prefix: str = knob(
+        "laplace-compare", doc="each arm's export is registered as <this>-<family> (gla | hybrid | softmax)"
+    )
+    champion_recall_tolerance: float = knob(
+        2.0,
+        _positive,
+        "the comparison's pick: the smallest serving bytes per sequence at 8k whose recall at every length is "
+        "within this many binomial standard errors of the best arm's",
+    )
+
+
 @dataclass(frozen=True)
 class PipelineSection:
     """`pipeline:` Prefect task settings (flows/pipeline.py)."""
@@ -517,6 +597,7 @@ class Config:
     probes: ProbesSection = field(default_factory=ProbesSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
+    compare: CompareSection = field(default_factory=CompareSection)
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The resolved architecture: preset, then params overrides, then the tokenizer's vocab size."""

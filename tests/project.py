@@ -87,6 +87,18 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
+def direct_flow_env(tmp_path: Path) -> dict[str, str]:
+    """A flow run with no server (`python flows/X.py`): Prefect starts a temporary one, given 300 s
+    to answer (its default 20 s is too few on 2 loaded cores)."""
+    e = env(
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
+    )
+    e.pop("PREFECT_API_URL", None)
+    return e
+
+
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 900, **kw) -> subprocess.CompletedProcess:
     out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), **kw)
     if check and out.returncode != 0:
@@ -110,10 +122,13 @@ def copy_project(dest: Path, params: dict | None = None) -> Path:
     )
     for rel in filter(None, listed):
         src = ROOT / rel
-        if src.is_file():
+        if src.is_symlink():  # compare/laplace-src, compare/.dvc/plots: links, as git keeps them
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            (dest / rel).symlink_to(src.readlink())
+        elif src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
-    for generated in ("dvc.lock", "metrics", "plots"):  # a fresh start, whatever the checkout holds
+    for generated in ("dvc.lock", "metrics", "plots", "compare/dvc.lock"):  # a fresh start, whatever the checkout holds
         p = dest / generated
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     if params:

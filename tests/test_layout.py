@@ -149,6 +149,19 @@ def test_every_module_a_stage_runs_is_a_dependency_of_that_stage():
     assert problems == [], "\n".join(problems)
 
 
+def test_every_module_a_compare_arm_runs_is_a_dependency_of_the_arm():
+    """The same for compare/dvc.yaml's arm stage (`laplace compare-arm`: laplace.pipeline.compare,
+    which runs the pipeline's stage modules): its code deps name laplace/ through compare/laplace-src."""
+    compare = ROOT / "compare"
+    assert (compare / "laplace-src").resolve() == PACKAGE
+    arm = yaml.safe_load((compare / "dvc.yaml").read_text())["stages"]["arm"]["do"]
+    deps = [(compare / d).resolve() for d in arm["deps"]]
+    assert (ROOT / "data" / "tokenized").resolve() in deps and (ROOT / "models").resolve() in deps
+    runs = closure({"laplace.pipeline.compare", "laplace.pipeline.params"})
+    missing = [p for p in sorted(runs) if not any(p == d or d in p.parents for d in deps)]
+    assert missing == [], [str(p.relative_to(ROOT)) for p in missing]
+
+
 def test_the_deps_check_sees_function_level_imports():
     """The check must not miss a lazy import inside a function (most stage imports are lazy)."""
     runs = closure({"laplace.pipeline.stage_numerics"})

@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from project import BIN, PIPELINE_RUN_S, PIPELINE_TIMEOUT_S, TINY_PARAMS, copy_project, descendants, env, free_port, run
+from project import (
+    BIN,
+    PIPELINE_RUN_S,
+    PIPELINE_TIMEOUT_S,
+    TINY_PARAMS,
+    copy_project,
+    descendants,
+    direct_flow_env,
+    env,
+    free_port,
+    run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -134,9 +145,13 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
 
 def test_bad_params_fail_the_flow_before_any_stage(tmp_path):
     repo = copy_project(tmp_path / "laplace", TINY_PARAMS)
-    e = env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    e.pop("PREFECT_API_URL", None)
-    out = run(["python", "flows/pipeline.py", "--set", "train.lrr=0.002"], repo, env=e, check=False, timeout=300)
+    out = run(
+        ["python", "flows/pipeline.py", "--set", "train.lrr=0.002"],
+        repo,
+        env=direct_flow_env(tmp_path),
+        check=False,
+        timeout=300,
+    )
     assert out.returncode != 0
     assert "unknown key 'train.lrr'" in out.stdout + out.stderr
     assert not (repo / "data").exists() and not (repo / "dvc.lock").exists()
@@ -165,12 +180,6 @@ def kill_once(parent: int, matches, done: threading.Event, killed: list) -> None
                 killed.append(pid)
                 return
         time.sleep(0.02)
-
-
-def direct_flow_env(tmp_path):
-    e = env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    e.pop("PREFECT_API_URL", None)
-    return e
 
 
 def test_a_rejected_stage_is_not_retried(tmp_path):

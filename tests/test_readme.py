@@ -59,6 +59,8 @@ RUN_ELSEWHERE = {
     "laplace import": ("test_hf.py", ['"import"', '"--out"']),
     "laplace export --format hf": ("test_hf.py", ['"export", "--format", "hf"']),
     "laplace eval": ("test_harness.py", ['"eval"', '"--tasks"']),
+    "make compare": ("test_compare.py", ['"compare"', '"make"']),
+    "laplace compare --no-track": ("test_compare.py", ['"compare", "--no-track"']),
     "lm_eval --model laplace": ("test_harness.py", ['"lm_eval"', '"--model", "laplace"', '"--model_args"']),
 }
 RUN_HERE = ("laplace info", "laplace generate", "laplace summary")

@@ -187,8 +187,10 @@ def evaluate(
     limit: int | None = None,
     model_args: dict | None = None,
     log_samples: bool = False,
+    metadata: dict | None = None,
 ) -> dict:
-    """lm-eval's simple_evaluate on the export (tasks from lm-eval, or task YAMLs in include_path)."""
+    """lm-eval's simple_evaluate on the export (tasks from lm-eval, or task YAMLs in include_path).
+    metadata: lm-eval's task metadata (RULER's max_seq_lengths and tokenizer)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -199,7 +201,9 @@ def evaluate(
         raise ConfigError(
             f"laplace eval: unknown lm-eval task {unknown[0]!r} (see `lm_eval ls tasks`, or --include-path)"
         )
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples)
+    return simple_evaluate(
+        model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples, metadata=metadata
+    )
 
 
 def main() -> None:

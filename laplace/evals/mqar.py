@@ -222,19 +222,28 @@ class RandomGuesser(torch.nn.Module):
 # --------------------------------------------------------------------------- MQAR training
 
 
-def mqar_model_config(probes: ProbesSection) -> ModelConfig:
-    """The small GLA trained on MQAR (the knobs are `probes.mqar_train_*`)."""
+def mqar_model_config(probes: ProbesSection, like: ModelConfig | None = None) -> ModelConfig:
+    """The small model trained on MQAR (the knobs are `probes.mqar_train_*`): a GLA, or, `like` a
+    model with attention layers, the same pattern at this size: each of `like`'s attention layers
+    placed at the same relative depth (layer i of n -> floor(i * layers / n)), heads as the MQAR
+    model's, so a hybrid's or a softmax model's MQAR is measured on a model that learned the task."""
     chunk = min(64, probes.mqar_train_seq_len)
+    layers = probes.mqar_train_layers
+    attn = None
+    if like is not None and like.attn_layers:
+        placed = sorted({i * layers // like.n_layers for i in like.attn_layers})
+        attn = {"layers": placed, "num_heads": probes.mqar_train_heads}
     return preset_model_config(
         "tiny",
         vocab_size=probes.mqar_train_vocab,
         d_model=probes.mqar_train_d_model,
-        n_layers=probes.mqar_train_layers,
+        n_layers=layers,
         n_heads=probes.mqar_train_heads,
         gate_bias_init=probes.mqar_train_gate_bias,
         chunk_size=chunk,
         sub_chunk_size=min(16, chunk),
         mlp_hidden=probes.mqar_train_d_model,  # recall needs the GLA, not a wide MLP: steps 1.4x cheaper
+        attn=attn,
     )
 
 
@@ -243,7 +252,7 @@ def state_floats(cfg: ModelConfig) -> int:
     return cfg.n_layers * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim
 
 
-def train_mqar(probes: ProbesSection, seed: int, progress: bool = True) -> dict:
+def train_mqar(probes: ProbesSection, seed: int, progress: bool = True, like: ModelConfig | None = None) -> dict:
     """Train a small GLA on MQAR, then measure accuracy per (context, pairs).
 
     Each batch mixes pair counts 1..mqar_train_pairs at mqar_train_seq_len; the loss is on
@@ -258,7 +267,7 @@ def train_mqar(probes: ProbesSection, seed: int, progress: bool = True) -> dict:
     bias decides it too: with gate_bias 0 the same run ends near 0.2.
     """
     torch.manual_seed(seed)
-    cfg = mqar_model_config(probes)
+    cfg = mqar_model_config(probes, like)
     model = LaplaceLM(cfg)
     optimizer = MuonAdamW(
         model, probes.mqar_train_lr, AdamWSection(weight_decay=0.0), MuonSection(lr=probes.mqar_train_muon_lr)

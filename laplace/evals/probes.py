@@ -172,7 +172,7 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
 
     if p.train_mqar:
         t = time.perf_counter()
-        trained = train_mqar(p, p.seed, progress=progress)
+        trained = train_mqar(p, p.seed, progress=progress, like=model.cfg)  # the exported model's architecture
         seconds["mqar_train_and_eval"] = time.perf_counter() - t
         t = time.perf_counter()
         metrics.update(_trained_recall(trained.pop("trained_model"), cfg, p, progress))

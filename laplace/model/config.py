@@ -302,3 +302,9 @@ def preset_model_config(name: str, **overrides) -> ModelConfig:
     values = dict(PRESETS[name])
     values.update({k: v for k, v in overrides.items() if v is not None})
     return validate_model_config(ModelConfig(**values))
+
+
+def architecture_family(cfg: ModelConfig) -> str:
+    """gla (no softmax attention layer), softmax (every layer attention) or hybrid (some of each)."""
+    attn = len(cfg.attn_layers)
+    return "gla" if attn == 0 else "softmax" if attn == cfg.n_layers else "hybrid"

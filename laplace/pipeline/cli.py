@@ -186,6 +186,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="write the results as JSON to this file")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
+    p = sub.add_parser(
+        "compare-arm",
+        help="the architecture comparison, one arm (compare.arms): its stages, then its figures (compare/dvc.yaml)",
+    )
+    add_config_arguments(p)
+    p.add_argument("arm", help="an arm of compare.arms (gla, hybrid-1in4, softmax, ...)")
+    p.add_argument("--json", action="store_true", help="print the arm's figures as one JSON object")
+    p = sub.add_parser(
+        "compare",
+        help="the architecture comparison's table, plots and MLflow runs, from every arm's figures "
+        "(run the arms with `cd compare && dvc repro`)",
+    )
+    add_config_arguments(p)
+    p.add_argument("--no-track", action="store_true", help="write the table and plots, log nothing to MLflow")
+    p.add_argument("--json", action="store_true", help="print the table as one JSON object")
+
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions) until SIGTERM")
     add_config_arguments(p)
     serve.add_arguments(p)
@@ -422,6 +438,24 @@ def _stage(args, cfg) -> int:
     return 0
 
 
+def _compare(args, cfg, paths: Paths) -> int:
+    from laplace.pipeline import compare, compare_table
+
+    compare.check_arms(cfg)  # every arm's config, before any work
+    if args.command == "compare-arm":
+        result = compare.run_arm(cfg, paths, args.arm)
+        if args.json:
+            print(json.dumps(result, default=str))
+        else:
+            where = compare.arm_paths(paths, args.arm).metrics_dir.relative_to(paths.root)
+            print(f"laplace compare-arm: {args.arm} measured ({where})")
+        return 0
+    table = compare_table.run_table(cfg, paths, track=not args.no_track)
+    text = compare_table.format_table(table, cfg.compare.table_contexts)
+    print(json.dumps(table, default=str) if args.json else text)
+    return 0
+
+
 def _eval(args, paths: Paths) -> int:
     from laplace.errors import ConfigError
     from laplace.fileio import atomic_write_bytes
@@ -454,7 +488,15 @@ def _eval(args, paths: Paths) -> int:
 
 # The commands that need no params file, and those run with the loaded config (any other is a stage).
 WITHOUT_PARAMS = {"run": _pipeline, "import": _import, "eval": lambda args: _eval(args, Paths.at(args.root))}
-WITH_PARAMS = {"info": _info, "plan": _plan, "serve": _serve, "summary": _summary, "generate": _generate}
+WITH_PARAMS = {
+    "info": _info,
+    "plan": _plan,
+    "serve": _serve,
+    "summary": _summary,
+    "generate": _generate,
+    "compare-arm": lambda args, cfg: _compare(args, cfg, Paths.at(args.root)),
+    "compare": lambda args, cfg: _compare(args, cfg, Paths.at(args.root)),
+}
 
 
 if __name__ == "__main__":

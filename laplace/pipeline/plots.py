@@ -216,3 +216,45 @@ def accuracy_plot(result: dict, path: Path) -> None:
         title = "MQAR"
     fig.suptitle(title)
     save_figure(fig, path)
+
+
+def comparison_plots(table: dict, out_dir: Path) -> None:
+    """The architecture comparison (laplace compare): recall per length per arm (MQAR-trained and the
+    exported model's suite), serving bytes per sequence and decode time against context, and recall
+    against bytes per sequence (the recall-per-byte frontier). One PNG each, a line or point per arm."""
+    rows = table["arms"]
+
+    def lines(key: str, title: str, ylabel: str, path: Path, logy: bool = False) -> None:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for arm, r in rows.items():
+            points = sorted((int(n), v) for n, v in r[key].items() if v is not None)
+            if points:
+                ax.plot(*zip(*points), marker="o", lw=1.4, label=f"{arm} ({r['family']})")
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save_figure(fig, path)
+
+    lines("recall_trained_mqar", "MQAR recall of each architecture trained on MQAR", "accuracy", out_dir / "recall.png")
+    lines("recall", "recall suite of the exported models", "accuracy", out_dir / "recall_exported.png")
+    lines("bytes_per_sequence", "serving bytes per sequence (state + K/V)", "bytes", out_dir / "bytes.png", True)
+    lines("decode_ms_per_token", "decode time per token after a prompt", "ms per token", out_dir / "decode.png", True)
+    mem = str(table["memory_context"])
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for arm, r in rows.items():
+        recall = [v for v in r["recall_trained_mqar"].values() if v is not None]
+        if r["bytes_per_sequence"].get(mem) and recall:
+            x, y = r["bytes_per_sequence"][mem], sum(recall) / len(recall)
+            ax.scatter([x], [y], s=40)
+            ax.annotate(arm, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"serving bytes per sequence at {mem} tokens")
+    ax.set_ylabel("MQAR-trained recall (mean over lengths)")
+    ax.set_title("recall against serving memory")
+    ax.grid(alpha=0.3)
+    save_figure(fig, out_dir / "frontier.png")

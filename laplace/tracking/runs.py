@@ -367,7 +367,6 @@ def _log_run_contents(
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import Metric, Param
-    from mlflow.models import infer_signature
 
     now = int(time.time() * 1000)
     param_items = [Param(k, redact(str(v), secrets)[:6000]) for k, v in sorted(resolved_params(cfg).items())]
@@ -411,7 +410,15 @@ def _log_run_contents(
 
     if export_dir is None or not (export_dir / "config.json").exists():
         return None
+    return log_export_model(cfg, export_dir, model_name if register else None, final_step)
+
+
+def log_export_model(cfg: Config, export_dir: Path, registered_name: str | None, step: int = 0) -> int | str | None:
+    """Log an export as the active run's pyfunc model (models from code: no pickle) and register it
+    under `registered_name` (None: not registered). Returns the new model version."""
+    import mlflow
     import pandas as pd
+    from mlflow.models import infer_signature
 
     import laplace
     from laplace.serving.engine import SHAPE_KEYS
@@ -439,10 +446,10 @@ def _log_run_contents(
         # the engine's shapes; MLflow also logs model_config as run params, so under the run's own
         # names and values (engine.max_slots ...), not as unprefixed duplicates
         model_config={f"engine.{k}": getattr(cfg.engine, k) for k in SHAPE_KEYS},
-        step=final_step,
+        step=step,
         code_paths=[str(Path(laplace.__file__).parent)],
         pip_requirements=["torch>=2.13", "numpy", "safetensors", "tokenizers", "pandas"],
-        registered_model_name=model_name if register else None,
+        registered_model_name=registered_name,
     )
     return info.registered_model_version
 

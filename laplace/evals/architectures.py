@@ -1,0 +1,161 @@
+"""What an architecture costs to serve, measured through the serving engine: the figures the
+comparison (laplace compare) puts beside quality and recall, the same code for every arm.
+
+- bytes per sequence: the engine's own allocations for one slot (the GLA layers' recurrent and
+  conv state, the attention layers' K/V cache sized for the context; the 8-byte position counter
+  of each row apart), at each of
+  compare.memory_contexts, beside the formula (laplace.model.lm.sequence_bytes);
+- decode time per token after a prompt of each of compare.decode_contexts: one engine per length,
+  each holding one sequence prefilled to that length, timed in alternation so machine load hits
+  every length alike. Eager: a compiled decode graph per context length would cost more compile
+  time than the whole measurement, and the trend with context is the same;
+- serving: the serve-check workload replayed through the padded, compiled engine as `laplace
+  serve` runs it (output tokens/s, TTFT, compile events while serving);
+- RULER through lm-evaluation-harness (compare.lm_eval_tasks): a task that needs data or a
+  package that cannot be had offline is reported as not run, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from laplace.config import Config
+
+
+def _engine(export_dir: Path, cfg: Config, context: int, compiled: bool, device):
+    """A one-sequence engine whose slots hold `context` tokens."""
+    from laplace.serving.engine import DecodeEngine
+
+    params = dataclasses.replace(
+        cfg.engine, max_slots=1, widths=[], max_context=context, max_prompt_tokens=context, prefix_cache_bytes=0
+    )
+    engine, _, _ = DecodeEngine.from_export(
+        export_dir, params, "padded", device=device, kernel=cfg.model.kernel, compiled=compiled
+    )
+    return engine
+
+
+def bytes_per_sequence(cfg: Config, export_dir: Path, contexts: list[int], device) -> dict:
+    """{context: bytes} the engine allocates for one slot, and the formula's, at each context."""
+    from laplace.model.lm import sequence_bytes
+
+    measured, formula, kv = {}, {}, {}
+    for context in contexts:
+        engine = _engine(export_dir, cfg, context, compiled=False, device=device)
+        # the engine's slot tensors (recurrent and conv state, the attention K/V), measured, per row
+        a = engine.cache.allocation()
+        rows = engine.cache.max_slots + 1  # the dummy pad row is allocated too
+        measured[str(context)] = (a["state_bytes"] + a["kv_bytes"]) // rows
+        kv[str(context)] = a["kv_bytes"] // rows
+        formula[str(context)] = sequence_bytes(engine.model.cfg, context)["total_bytes"]
+        del engine
+    return {"bytes_per_sequence": measured, "bytes_per_sequence_formula": formula, "kv_bytes_per_sequence": kv}
+
+
+def decode_time(cfg: Config, export_dir: Path, contexts: list[int], steps: int, text, device) -> dict:
+    """Median milliseconds per decoded token after a prompt of each context length (one engine each)."""
+    import contextlib
+
+    tokens, times, slots = {}, {c: [] for c in contexts}, {}
+    with contextlib.ExitStack() as leases, torch.inference_mode():
+        engines = {c: _engine(export_dir, cfg, c + steps + 8, compiled=False, device=device) for c in contexts}
+        for context, engine in engines.items():
+            (slots[context],) = leases.enter_context(engine.leased([-1]))
+            prompt = np.resize(np.asarray(text, dtype=np.int64), context)
+            tokens[context] = engine.prefill(slots[context], prompt).argmax(-1)
+        for i in range(steps + 4):
+            # the order flips every round: on a loaded machine the second of two back-to-back steps
+            # is the one more often preempted, which must not bias any length
+            for context in contexts if i % 2 == 0 else contexts[::-1]:
+                start = time.perf_counter()
+                tokens[context] = engines[context].decode_step([slots[context]], tokens[context]).argmax(-1)
+                if i >= 4:  # the first rounds warm caches
+                    times[context].append(time.perf_counter() - start)
+    ms = {str(c): 1e3 * statistics.median(t) for c, t in times.items()}
+    lo, hi = str(min(contexts)), str(max(contexts))
+    return {"decode_ms_per_token": ms, "decode_ratio_longest_vs_shortest": ms[hi] / ms[lo]}
+
+
+def serving_figures(cfg: Config, export_dir: Path, data_dir: Path) -> dict:
+    """The serve-check workload (serve_check.workloads[0]) through the padded, compiled engine."""
+    from laplace.data.shards import open_split
+    from laplace.runtime import resolve_device
+    from laplace.serving.engine import DecodeEngine
+    from laplace.serving.replay import replay, summarize
+    from laplace.serving.warmup import apply_compile_settings
+    from laplace.serving.workload import build_requests
+
+    apply_compile_settings(cfg.server.threads)
+    device = resolve_device(cfg.engine.device)
+    engine, _, _ = DecodeEngine.from_export(export_dir, cfg.engine, "padded", device=device, kernel=cfg.model.kernel)
+    start = time.perf_counter()
+    engine.warmup()
+    warm_s = time.perf_counter() - start
+    kind = cfg.serve_check.workloads[0]
+    requests = build_requests(kind, cfg.serve_check, open_split(data_dir, "val"), cfg.serve_check.seed)
+    with torch.compiler.set_stance("fail_on_recompile"):  # serving runs the warmed graphs only
+        done = replay(engine, requests)
+    figures = summarize(engine.steps, done, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s)
+    return {"workload": kind, "warmup_s": warm_s, **figures}
+
+
+def ruler_figures(cfg: Config, export_dir: Path) -> dict:
+    """RULER tasks of lm-evaluation-harness through the engine, or the reason each did not run."""
+    c = cfg.compare
+    try:
+        from laplace.evals.harness import evaluate
+    except ImportError as exc:
+        return {task: {"run": False, "reason": f"lm-eval is not installed ({exc})"} for task in c.lm_eval_tasks}
+    out = {}
+    for task in c.lm_eval_tasks:
+        try:
+            results = evaluate(
+                export_dir,
+                [task],
+                limit=c.lm_eval_limit,
+                metadata={"max_seq_lengths": list(c.lm_eval_lengths), "tokenizer": str(export_dir)},
+            )
+        except Exception as exc:  # noqa: BLE001 - a task that cannot run offline is reported, not fatal
+            reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+            out[task] = {"run": False, "reason": f"{type(exc).__name__}: {reason}"}
+            continue
+        scores = results.get("results", {}).get(task, {})
+        out[task] = {"run": True, **{k: v for k, v in scores.items() if isinstance(v, (int, float))}}
+    return out
+
+
+def architecture_figures(cfg: Config, export_dir: Path, data_dir: Path) -> dict:
+    """Every figure of one arm that the pipeline's own stages do not already measure."""
+    from laplace.data.shards import open_split
+    from laplace.model.config import ModelConfig, architecture_family
+    from laplace.model.export import read_export_config
+    from laplace.runtime import resolve_device
+
+    c = cfg.compare
+    device = resolve_device(cfg.engine.device)
+    model_cfg = ModelConfig(**read_export_config(Path(export_dir))["model"])
+    text = np.asarray(open_split(data_dir, "val")[: max(c.decode_contexts)])
+    seconds = {}
+    out: dict = {
+        "family": architecture_family(model_cfg),
+        "attn_layers": list(model_cfg.attn_layers),
+        "layers": model_cfg.n_layers,
+    }
+    for name, measure in (
+        ("memory", lambda: bytes_per_sequence(cfg, export_dir, c.memory_contexts, device)),
+        ("decode", lambda: decode_time(cfg, export_dir, c.decode_contexts, c.decode_timing_steps, text, device)),
+        ("serving", lambda: {"serving": serving_figures(cfg, export_dir, data_dir)}),
+        ("ruler", lambda: {"ruler": ruler_figures(cfg, export_dir)} if c.lm_eval_tasks else {}),
+    ):
+        start = time.perf_counter()
+        out.update(measure())
+        seconds[name] = round(time.perf_counter() - start, 3)
+    out["bytes_match_formula"] = out["bytes_per_sequence"] == out["bytes_per_sequence_formula"]
+    out["seconds"] = seconds
+    return out

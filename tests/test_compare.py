@@ -1,0 +1,232 @@
+"""The architecture comparison (laplace.pipeline.compare, compare/dvc.yaml): arms as configs, the
+table's rules, and the engine's bytes and decode time against context for each architecture."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from laplace.config import config_from_dict
+from laplace.errors import ConfigError
+from laplace.model.config import architecture_family
+from laplace.pipeline import compare, compare_table
+
+
+def test_every_default_arm_is_a_valid_config_of_its_family():
+    cfg = config_from_dict({})
+    arms = compare.check_arms(cfg)
+    families = {arm: architecture_family(c.model_config()) for arm, c in arms.items()}
+    assert families == {"gla": "gla", "hybrid-1in4": "hybrid", "hybrid-1in2": "hybrid", "softmax": "softmax"}
+    layers = {arm: c.model_config().attn_layers for arm, c in arms.items()}
+    assert layers == {"gla": (), "hybrid-1in4": (3,), "hybrid-1in2": (1, 3), "softmax": (0, 1, 2, 3)}
+    # the shared settings are the same for every arm: only model.* differs
+    shared = {arm: {k: v for k, v in c.to_dict().items() if k not in ("model", "compare")} for arm, c in arms.items()}
+    assert all(s == shared["gla"] for s in shared.values())
+    assert all(c.train.steps == cfg.compare.overrides["train.steps"] for c in arms.values())
+
+
+def test_a_gla_arm_does_not_inherit_the_main_pipelines_attention_layers():
+    cfg = config_from_dict({"model": {"preset": "tiny-hybrid"}})
+    assert cfg.model_config().attn_layers == (3,)
+    assert compare.arm_config(cfg, "gla").model_config().attn_layers == ()
+
+
+@pytest.mark.parametrize(
+    ("arms", "message"),
+    [
+        ({"x": {"d_modell": 64}}, "compare.arms.x.d_modell: not a model.* knob"),
+        ({"x": {"attn": {"layers": [9], "num_heads": 4}}}, "compare.arms.x.model.attn"),
+        ({"x": {"preset": "tiny", "n_heads": 3}}, "compare.arms.x.model.n_heads"),
+        ({"bad name": {}}, "compare.arms"),
+    ],
+)
+def test_a_bad_arm_is_one_line_naming_it(arms, message):
+    with pytest.raises(ConfigError) as exc:
+        compare.check_arms(config_from_dict({"compare": {"arms": arms}}))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_table_column_that_was_never_measured_is_refused():
+    cfg = config_from_dict({"compare": {"decode_contexts": [1024, 8192], "table_contexts": [2048, 8192]}})
+    with pytest.raises(ConfigError, match=r"compare.table_contexts: \[2048\] not in compare.decode_contexts"):
+        compare.check_arms(cfg)
+
+
+def _row(arm, fam, trained, bytes_8k, samples=64):
+    return {
+        "arm": arm,
+        "family": fam,
+        "recall_trained_mqar": {str(n): v for n, v in trained.items()},
+        "mqar_trained_samples": {str(n): samples for n in trained},
+        "bytes_per_sequence": {"8192": bytes_8k},
+    }
+
+
+ROWS = {
+    "gla": _row("gla", "gla", {64: 0.40, 256: 0.20}, 150_000),
+    "hybrid-1in4": _row("hybrid-1in4", "hybrid", {64: 0.95, 256: 0.90}, 2_250_000),
+    "hybrid-1in2": _row("hybrid-1in2", "hybrid", {64: 0.97, 256: 0.93}, 4_300_000),
+    "softmax": _row("softmax", "softmax", {64: 0.99, 256: 0.95}, 8_400_000),
+}
+
+
+def test_the_pick_is_the_smallest_memory_within_the_sampling_error_of_the_best():
+    chosen = compare_table.pick(ROWS, tolerance_se=2.0, memory_context=8192)
+    # gla misses by far more than 2 standard errors; hybrid-1in4's 0.90 vs 0.95 at 256 over 64 queries each
+    # is within 2 * hypot(se(0.90), se(0.95)) = 0.094, and it holds the fewest bytes of those left
+    assert chosen["arm"] == "hybrid-1in4"
+    assert "gla (0.40 vs softmax's 0.99 at 64" in chosen["reason"]
+    assert "64 queries each" in chosen["reason"]
+    # a tighter tolerance leaves only the arms at the top
+    assert compare_table.pick(ROWS, tolerance_se=0.5, memory_context=8192)["arm"] in ("hybrid-1in2", "softmax")
+    # within a family
+    assert compare_table.pick(ROWS, 2.0, 8192, ["hybrid-1in4", "hybrid-1in2"])["arm"] == "hybrid-1in4"
+
+
+def test_the_headline_states_the_share_of_the_gap_closed_and_the_bytes_it_costs():
+    text = compare_table.headline(ROWS, 8192)
+    # (0.90 - 0.20) / (0.95 - 0.20) = 93%; 2.25 MB / 150 kB = 15.0x; 8.4 MB / 2.25 MB = 3.7x
+    assert "hybrid-1in4 recovered 93% of the softmax model's MQAR-trained recall at 256 tokens" in text
+    assert "15.0x GLA's serving bytes per sequence at 8192 (3.7x less than softmax)" in text
+
+
+def test_binomial_error_has_a_floor_at_zero_and_one():
+    assert compare_table.binomial_se(0.5, 100) == pytest.approx(0.05)
+    assert compare_table.binomial_se(1.0, 100) == pytest.approx(math.sqrt(1 / 100) / 10)
+
+
+# --------------------------------------------------------------------------- end to end through DVC
+
+# two arms of two layers at the tests' tiny width, a few steps each; a third is added later
+ARM_LAYERS = {"model.n_layers": 2}
+E2E_ARMS = {
+    "gla": {"preset": "tiny"},
+    "softmax": {"preset": "tiny", "attn": {"layers": [0, 1], "num_heads": 2}},
+}
+E2E_OVERRIDES = {
+    "train.steps": 4,
+    "train.eval_every": 2,
+    "train.checkpoint_every": 2,
+    "serve_check.workloads": ["poisson"],
+    "serve_check.requests": 6,
+    "probes.mqar_train_layers": 2,
+    "probes.mqar_train_steps": 6,
+    "probes.memory_contexts": [128],
+}
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    from project import ROOT, TINY_PARAMS, copy_project, run
+
+    repo = copy_project(
+        tmp_path_factory.mktemp("compare"),
+        {
+            **TINY_PARAMS,
+            **ARM_LAYERS,
+            "engine.max_context": 1024,
+            "compare.arms": E2E_ARMS,
+            "compare.overrides": E2E_OVERRIDES,
+            "compare.memory_contexts": [256, 1024],
+            "compare.decode_contexts": [64, 512],
+            "compare.decode_timing_steps": 4,
+            "compare.table_contexts": [64, 512],
+            "compare.lm_eval_tasks": [],
+        },
+    )
+    # `make compare` as the README prints it (the project's shards, then compare/'s own `dvc repro`),
+    # on this checkout's venv, already set up
+    venv = Path(sys.executable).parent.parent
+    make = ["make", "-f", str(ROOT / "Makefile"), f"VENV={venv}", "-o", f"{venv}/.installed", "-o", f"{venv}/.runtime"]
+    out = run([*make, "compare"], repo, timeout=1500)
+    return repo, out.stdout + out.stderr
+
+
+def _ran(output: str) -> set[str]:
+    return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")}
+
+
+@pytest.mark.slow
+def test_the_comparison_runs_through_dvc_and_adding_an_arm_reruns_only_that_arm(compared):
+    from project import BIN, commit_all, run, set_params
+
+    repo, output = compared
+    assert _ran(output) >= {"tokenize", "arm@gla", "arm@softmax", "table"}
+    status = run(["python", "-m", "dvc", "status"], repo / "compare")
+    assert "up to date" in status.stdout, status.stdout
+    # the project's own DVC view never lists the comparison (compare/ is a repository of its own)
+    project = run(["python", "-m", "dvc", "status"], repo).stdout
+    listed = {line.rstrip(":") for line in project.splitlines() if line and not line.startswith(("\t", " "))}
+    assert listed and not any(name.startswith(("arm@", "table", "tokenize", "corpus")) for name in listed), project
+    table = json.loads((repo / "compare" / "table.json").read_text())
+    assert set(table["arms"]) == {"gla", "softmax"}
+    gla, soft = table["arms"]["gla"], table["arms"]["softmax"]
+    assert (gla["family"], soft["family"]) == ("gla", "softmax")
+    assert gla["val_loss"] > 0 and soft["val_loss"] > 0
+    # every arm served the workload with no compile, measured its bytes as the formula says
+    for row in (gla, soft):
+        assert row["compiles_while_serving"] == 0
+        assert row["bytes_per_sequence"] == row["bytes_per_sequence_formula"]
+    # a GLA's state is the same at every length; a softmax model (no GLA layer) holds only K/V, which
+    # grows with the context: 2 (K, V) x 2 layers x tokens x 32 (2 heads x 16) x 4 bytes
+    assert gla["bytes_per_sequence"]["256"] == gla["bytes_per_sequence"]["1024"] > 0
+    assert soft["bytes_per_sequence"] == {"256": 2 * 2 * 256 * 32 * 4, "1024": 2 * 2 * 1024 * 32 * 4}
+    # the docs' commands (docs/architectures.md), as printed
+    shown = run([str(BIN / "laplace"), "compare", "--no-track"], repo)
+    assert "pick" in shown.stdout and "gla" in shown.stdout and "softmax" in shown.stdout
+    metrics = run(["python", "-m", "dvc", "metrics", "show"], repo / "compare")
+    assert "table.json" in metrics.stdout
+    run(["python", "-m", "dvc", "plots", "show"], repo / "compare")
+    assert (repo / "compare" / "dvc_plots" / "index.html").exists()
+
+    commit_all(repo, "the comparison")
+    set_params(
+        repo / "params.yaml", {"compare.arms.hybrid": {"preset": "tiny", "attn": {"layers": [1], "num_heads": 2}}}
+    )
+    again = run(["python", "-m", "dvc", "repro"], repo / "compare", timeout=1500).stdout
+    assert _ran(again) == {"arm@hybrid", "table"}, again
+
+
+@pytest.mark.slow
+def test_mlflow_holds_one_parent_and_a_child_per_arm_with_the_tables_figures(compared):
+    from mlflow import MlflowClient
+
+    repo, _ = compared
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("laplace-compare")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) >= 1
+    parent = parents[-1]  # the first comparison (a later one adds an arm)
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    table = json.loads((repo / "compare" / "table.json").read_text())
+    by_arm = {r.data.params["arm"]: r for r in children}
+    assert set(by_arm) <= set(table["arms"]) and len(by_arm) >= 2
+    for arm, child in by_arm.items():
+        assert child.data.metrics["val_loss"] == pytest.approx(table["arms"][arm]["val_loss"])
+        assert parent.data.metrics[f"{arm}.val_loss"] == pytest.approx(table["arms"][arm]["val_loss"])
+    # one registered model per family, each version's reason saying why
+    for family in ("gla", "softmax"):
+        versions = client.search_model_versions(f"name='laplace-compare-{family}'")
+        assert versions, family
+
+
+@pytest.mark.slow
+def test_the_prefect_flow_fans_out_one_task_per_arm_and_reruns_nothing_finished(compared, tmp_path):
+    """flows/compare.py (the laplace-compare deployments' entrypoint) run once, no server: a task per
+    arm, each `dvc repro --single-item` in compare/, all of them already up to date."""
+    from project import direct_flow_env, run
+
+    repo, _ = compared
+    out = run(["python", "flows/compare.py"], repo, env=direct_flow_env(tmp_path), timeout=900)
+    log = out.stdout + out.stderr
+    result = json.loads(out.stdout[out.stdout.index("{") :])
+    table = json.loads((repo / "compare" / "table.json").read_text())
+    assert sorted(result["arms"]) == sorted(table["arms"]) and result["pick"] == table["pick"]
+    for arm in table["arms"]:
+        assert f"stage-arm@{arm}" in log and f"'arm@{arm}' didn't change" in log, (arm, log[-3000:])
+    assert "Running stage" not in log, log[-3000:]
