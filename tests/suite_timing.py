@@ -81,6 +81,8 @@ def slower_than_recorded(timings: Timings, recorded: dict) -> list[str]:
         if new is None:
             continue
         for field, floor in (("cpu_s", CPU_FLOOR_S), ("wall_s", WALL_FLOOR_S)):
+            if field not in old:  # an entry measured by wall clock only
+                continue
             if new[field] > FACTOR * old[field] and new[field] - old[field] > floor:
                 lines.append(
                     f"{nodeid}: {field[:-2]} {new[field]:.0f} s, recorded {old[field]:.0f} s "
