@@ -530,7 +530,7 @@ class CompareSection:
     )
     overrides: Any = knob(
         {
-            "train.steps": 200,
+            "train.steps": 100,
             "serve_check.workloads": ["poisson"],
             "serve_check.requests": 24,
             "probes.mqar_contexts": [64, 256],

@@ -212,8 +212,12 @@ class ModelRunner:
             raise ConfigError(f"engine.compile_scope: unknown scope {compile_scope!r} (block or model)")
 
     def graphs_needed(self) -> int:
-        """Distinct shapes one compiled function may see: sets the recompile limit."""
-        return len(self.widths) + len(self.buckets)
+        """Graphs one compiled function may hold: sets the recompile limit. One per decode width and
+        prefill bucket; under compile_scope "block" every block shares one forward, compiled for each
+        shape once per kind of block (GLA, and each distinct attention spec of a hybrid)."""
+        cfg = self.model.cfg
+        kinds = len({repr(cfg.attention_spec(layer)) for layer in range(cfg.n_layers)})
+        return (len(self.widths) + len(self.buckets)) * kinds
 
     # -- the two graphs (over the state buffers, mutated in place) -----------------------------
 
