@@ -124,7 +124,7 @@ def _random_export(out, tokenizer, attn):
 def test_decode_time_grows_with_context_for_softmax_and_stays_flat_for_gla(tiny_artifacts, tmp_path):
     """laplace.evals.architectures.decode_time, the comparison's measurement, on a pure GLA and an
     all-attention model of the same shape, both in one run (ratios, robust to the machine's speed):
-    16x the context costs the softmax model's decode step more than 1.5x, and GLA's less than 1.3x."""
+    16x the context costs the softmax model's decode step more than 1.8x, and GLA's less than 1.5x."""
     from laplace.evals.architectures import decode_time
 
     data_dir, _ = tiny_artifacts
@@ -135,9 +135,9 @@ def test_decode_time_grows_with_context_for_softmax_and_stays_flat_for_gla(tiny_
     text = list(range(3, 300))
     flat = decode_time(cfg, gla, [256, 4096], 12, text, torch.device("cpu"))
     grows = decode_time(cfg, softmax, [256, 4096], 12, text, torch.device("cpu"))
-    assert flat["decode_ratio_longest_vs_shortest"] < 1.3, flat
-    assert grows["decode_ratio_longest_vs_shortest"] > 1.5, grows
-    assert grows["decode_ratio_longest_vs_shortest"] > flat["decode_ratio_longest_vs_shortest"] + 0.3
+    assert flat["decode_ratio_longest_vs_shortest"] < 1.5, flat
+    assert grows["decode_ratio_longest_vs_shortest"] > 1.8, grows
+    assert grows["decode_ratio_longest_vs_shortest"] > flat["decode_ratio_longest_vs_shortest"] + 0.5
 
 
 # --------------------------------------------------------------------------- end to end through DVC
