@@ -195,7 +195,8 @@ def evaluate(
     from lm_eval.tasks import TaskManager
 
     lm = LaplaceHarnessLM(export=str(export), **(model_args or {}))
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    # the metadata goes to the TaskManager: simple_evaluate reads it only when it builds the manager itself
+    manager = TaskManager(include_path=include_path, metadata=metadata)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(
