@@ -95,6 +95,22 @@ def test_the_headline_states_the_share_of_the_gap_closed_and_the_bytes_it_costs(
     assert "15.0x GLA's serving bytes per sequence at 8192 (3.7x less than softmax)" in text
 
 
+def test_the_3b_shape_and_its_hybrids_from_the_formula():
+    """At 8k tokens in bf16: the article's 2.4 GB K/V against laplace-3b's fixed state is the article's
+    82x; each hybrid's ratio is computed from its layers, and more attention layers hold more."""
+    from laplace.model.config import preset_model_config
+    from laplace.model.lm import sequence_bytes
+
+    big = compare_table.laplace_3b_bytes(8192)
+    gla = big["presets"]["laplace-3b"]
+    assert gla["bytes"] == sequence_bytes(preset_model_config("laplace-3b"), 8192)["total_bytes"]
+    assert big["article_kv_cache_bytes"] == pytest.approx(2.416e9, rel=1e-3)  # 2 x 24 x 8192 x 3072 x 2
+    assert gla["article_kv_over_this"] == pytest.approx(82, rel=0.02)
+    order = ["laplace-3b", "laplace-3b-hybrid-24to1", "laplace-3b-hybrid-7to1", "laplace-3b-hybrid-3to1"]
+    ratios = [big["presets"][n]["attention_over_this"] for n in order + ["laplace-3b-attn"]]
+    assert ratios == sorted(ratios, reverse=True) and ratios[-1] == 1.0
+
+
 def test_binomial_error_has_a_floor_at_zero_and_one():
     assert compare_table.binomial_se(0.5, 100) == pytest.approx(0.05)
     assert compare_table.binomial_se(1.0, 100) == pytest.approx(math.sqrt(1 / 100) / 10)

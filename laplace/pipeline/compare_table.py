@@ -159,6 +159,36 @@ def pick(rows: dict, tolerance_se: float, memory_context: int, candidates: list[
     return {"arm": chosen, "reason": reason}
 
 
+# the article's shape and its hybrids, from the formula (nothing that size is trained here)
+LAPLACE_3B = (
+    "laplace-3b",
+    "laplace-3b-hybrid-24to1",
+    "laplace-3b-hybrid-7to1",
+    "laplace-3b-hybrid-3to1",
+    "laplace-3b-attn",
+)
+
+
+def laplace_3b_bytes(context: int) -> dict:
+    """Bytes per sequence at `context` tokens of the laplace-3b presets (bf16), each against the
+    all-attention preset (GQA, 8 kv heads) and the article's K/V cache (a 3B transformer's MHA,
+    laplace.model.lm.kv_cache_bytes): ratios computed, not assumed."""
+    from laplace.model.config import preset_model_config
+    from laplace.model.lm import kv_cache_bytes, sequence_bytes
+
+    configs = {name: preset_model_config(name) for name in LAPLACE_3B}
+    total = {name: sequence_bytes(m, context)["total_bytes"] for name, m in configs.items()}
+    mha = kv_cache_bytes(configs["laplace-3b"], context)
+    return {
+        "context": context,
+        "article_kv_cache_bytes": mha,
+        "presets": {
+            name: {"bytes": b, "attention_over_this": total["laplace-3b-attn"] / b, "article_kv_over_this": mha / b}
+            for name, b in total.items()
+        },
+    }
+
+
 def build_table(cfg: Config, paths: Paths) -> dict:
     """compare/table.json: the table's rows, the headline, the overall pick and one per family."""
     c = cfg.compare
@@ -176,6 +206,7 @@ def build_table(cfg: Config, paths: Paths) -> dict:
             f: pick(rows, c.champion_recall_tolerance, memory_context, arms) for f, arms in families.items()
         },
         "memory_context": memory_context,
+        "laplace_3b": laplace_3b_bytes(memory_context),
     }
 
 
@@ -209,6 +240,12 @@ def format_table(table: dict, table_contexts: list[int]) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    if big := table.get("laplace_3b"):  # the formula's figures at the article's shape
+        shown = ", ".join(
+            f"{name} {v['bytes'] / 1e6:,.1f} MB ({v['article_kv_over_this']:.1f}x less than the article's K/V)"
+            for name, v in big["presets"].items()
+        )
+        lines.append(f"3B formula  at {big['context']} tokens, bf16: {shown}")
     p = table["pick"]
     lines.append(f"headline    {table['headline']}")
     lines.append(f"pick        {p['arm'] or 'none'}: {p['reason']}")
