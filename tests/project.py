@@ -23,6 +23,14 @@ PIPELINE_RUN_S = 1500  # the subprocess limit of such a run (project.run's defau
 TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "chunk_size": 16, "sub_chunk_size": 8}
 
 
+# A 2-layer model on a 300-document corpus: the training and probe tests' config sections
+TWO_LAYER_RUN = {
+    "data": {"max_documents": 300, "num_proc": 1},
+    "tokenizer": {"vocab_size": 400},
+    "model": {"preset": "tiny", "d_model": 64, "n_layers": 2, "n_heads": 2, "chunk_size": 16, "sub_chunk_size": 8},
+}
+
+
 def tiny_model_config(vocab_size: int, **overrides):
     """The tests' tiny ModelConfig (TINY_MODEL), with field overrides."""
     from laplace.model.config import preset_model_config

@@ -12,6 +12,8 @@ from laplace.optim.muon import route_parameters
 from laplace.training import checkpoint as ckpt
 from laplace.training.loop import train
 
+from project import TWO_LAYER_RUN
+
 ATTN = {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qkv_bias": True}
 
 
@@ -31,17 +33,8 @@ def hybrid_config(**train_over):
     train_section.update(train_over)
     return config_from_dict(
         {
-            "data": {"max_documents": 300, "num_proc": 1},
-            "tokenizer": {"vocab_size": 400},
-            "model": {
-                "preset": "tiny",
-                "d_model": 64,
-                "n_layers": 2,
-                "n_heads": 2,
-                "chunk_size": 16,
-                "sub_chunk_size": 8,
-                "attn": ATTN,
-            },
+            **TWO_LAYER_RUN,
+            "model": {**TWO_LAYER_RUN["model"], "attn": ATTN},
             "train": train_section,
         }
     )

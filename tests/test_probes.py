@@ -2,6 +2,7 @@
 paths (pad rows as NaN), chunked long prefills, passkey prompts, memory accounting, and an MQAR
 training run that learns (slow)."""
 
+import copy
 import dataclasses
 import json
 import math
@@ -40,7 +41,7 @@ from laplace.serving.engine import DecodeEngine
 from laplace.training import checkpoint as ckpt
 from laplace.training.loop import train
 
-from project import tiny_model_config
+from project import TWO_LAYER_RUN, tiny_model_config
 
 # The values proposed for params.yaml's probes section (train_mqar reaches ~0.97-1.0 on 4 pairs);
 # once they are the defaults, ProbesSection() alone will do.
@@ -387,16 +388,7 @@ def test_default_mqar_training_recalls_few_pairs_and_degrades_with_more():
 def tiny_probe_config(**sections) -> dict:
     """A 2-layer model a few steps trained, and probes sized to run in seconds."""
     return {
-        "data": {"max_documents": 300, "num_proc": 1},
-        "tokenizer": {"vocab_size": 400},
-        "model": {
-            "preset": "tiny",
-            "d_model": 64,
-            "n_layers": 2,
-            "n_heads": 2,
-            "chunk_size": 16,
-            "sub_chunk_size": 8,
-        },
+        **copy.deepcopy(TWO_LAYER_RUN),  # the hybrid test adds to its model section
         "train": {
             "steps": 2,
             "batch_size": 2,

@@ -16,6 +16,8 @@ from laplace.serving.sampling import sample_next, stream_key
 from laplace.training import checkpoint as ckpt
 from laplace.training.loop import TrainingDiverged, check_inputs, lr_scale, train
 
+from project import TWO_LAYER_RUN
+
 
 def small_config(**train_over) -> Config:
     train = dict(
@@ -32,16 +34,7 @@ def small_config(**train_over) -> Config:
     train.update(train_over)
     return config_from_dict(
         {
-            "data": {"max_documents": 300, "num_proc": 1},
-            "tokenizer": {"vocab_size": 400},
-            "model": {
-                "preset": "tiny",
-                "d_model": 64,
-                "n_layers": 2,
-                "n_heads": 2,
-                "chunk_size": 16,
-                "sub_chunk_size": 8,
-            },
+            **TWO_LAYER_RUN,
             "train": train,
         }
     )
