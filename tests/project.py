@@ -31,6 +31,23 @@ TWO_LAYER_RUN = {
 }
 
 
+def write_model_export(model, tokenizer: Path, out: Path, step: int = 0, bos_id=None, eos_id=None) -> Path:
+    """An export directory of `model` (a LaplaceLM, as it is) with the tokenizer.json at `tokenizer`."""
+    from laplace.model.export import FORMAT, write_export
+    from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
+
+    config = {
+        "format": FORMAT,
+        "model": model.cfg.architecture(),
+        "step": step,
+        "tokenizer_sha256": tokenizer_sha256(load_tokenizer(tokenizer)),
+        "bos_id": bos_id,
+        "eos_id": eos_id,
+    }
+    write_export(model.state_dict(), config, tokenizer, out)
+    return out
+
+
 def tiny_model_config(vocab_size: int, **overrides):
     """The tests' tiny ModelConfig (TINY_MODEL), with field overrides."""
     from laplace.model.config import preset_model_config

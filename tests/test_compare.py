@@ -123,17 +123,13 @@ def _random_export(out, tokenizer, attn):
     """A random 4-layer model at width 512 (decode cost is the attention's K/V reads, not Python;
     measured at load 3: GLA 1.01x, softmax 2.67x from 256 to 4,096 tokens)."""
     from laplace.model.config import ModelConfig
-    from laplace.model.export import FORMAT, write_export
     from laplace.model.lm import LaplaceLM
-    from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
-    cfg = ModelConfig(vocab_size=512, d_model=512, n_layers=4, n_heads=4, attn=attn)
+    from project import write_model_export
+
     torch.manual_seed(0)
-    model = LaplaceLM(cfg)
-    sha = tokenizer_sha256(load_tokenizer(tokenizer))
-    config = {"format": FORMAT, "model": cfg.architecture(), "step": 0, "tokenizer_sha256": sha, "bos_id": None}
-    write_export(model.state_dict(), config | {"eos_id": 0}, tokenizer, out)
-    return out
+    model = LaplaceLM(ModelConfig(vocab_size=512, d_model=512, n_layers=4, n_heads=4, attn=attn))
+    return write_model_export(model, tokenizer, out, eos_id=0)
 
 
 @pytest.mark.slow

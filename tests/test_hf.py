@@ -16,12 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from laplace.model.config import ModelConfig
-from laplace.model.export import FORMAT, load_export, write_export
+from laplace.model.export import load_export
 from laplace.model.hf import FLA_FIXED, FLA_IGNORES, config_from_hf, export_hf, import_checkpoint
 from laplace.model.lm import LaplaceLM
 from laplace.pipeline import cli
 
 from hf_fixture import TEXT, fla_checkpoint, fla_logits, llama_style_tokenizer, read_json
+from project import write_model_export
 
 fla = pytest.importorskip("fla", reason="flash-linear-attention (the dev extra) builds the fla-format checkpoints")
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "manifest.json")
@@ -86,18 +87,7 @@ def _laplace_export(tmp_path: Path, **model) -> tuple[Path, LaplaceLM]:
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
     tok = llama_style_tokenizer(tmp_path / "tok" / "tokenizer.json")
-    from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
-
-    config = {
-        "format": FORMAT,
-        "model": cfg.architecture(),
-        "step": 7,
-        "tokenizer_sha256": tokenizer_sha256(load_tokenizer(tok)),
-        "bos_id": 1,
-        "eos_id": 2,
-    }
-    write_export(lm.state_dict(), config, tok, tmp_path / "laplace")
-    return tmp_path / "laplace", lm
+    return write_model_export(lm, tok, tmp_path / "laplace", step=7, bos_id=1, eos_id=2), lm
 
 
 @pytest.mark.parametrize("tie", [False, True])
