@@ -391,6 +391,16 @@ class NumericsSection:
     mode: Literal["compare", "eager"] = knob(
         "compare", doc="compare | eager (also prove two eager runs are bit-identical)"
     )
+    precisions: list[str] = knob(
+        ["fp32", "bf16"],
+        lambda v: (
+            None
+            if v and len(set(v)) == len(v) and set(v) <= {"fp32", "bf16"}
+            else "must name fp32, bf16 or both, each once"
+        ),
+        doc="checked precisions: fp32 (compiled within fp32_rel_rms_max of fp64) and bf16 (compiled no worse than "
+        "eager); each compiles its own prefill, decode and training-step graphs",
+    )
     batch_size: int = knob(4, _positive, "held-out sequences per check")
     seq_len: int = knob(128, _positive, "prefill / training-step length")
     greedy_prompts: int = knob(4, _positive, doc="prompts decoded greedily, compiled vs eager")

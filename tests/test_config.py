@@ -63,6 +63,8 @@ def test_the_model_section_is_every_modelconfig_field():
         ("model.sub_chunk_size=48", "model.sub_chunk_size: 48 does not divide chunk_size=64"),
         ("data.val_fraction=1.5", "data.val_fraction: must be in [0, 1), got 1.5"),
         ("tokenizer.vocab_size=100", "tokenizer.vocab_size: must be >= 260"),
+        ("numerics.precisions=[fp16]", "numerics.precisions: must name fp32, bf16 or both, each once"),
+        ("numerics.precisions=[]", "numerics.precisions: must name fp32, bf16 or both, each once"),
         ("tokenizer.path=t.json", "'tokenizer.path' is now 'tokenizer.from': rename the key (same value)"),
     ],
 )

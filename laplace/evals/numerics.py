@@ -1,6 +1,6 @@
 """Numerics checks: compiled vs eager vs an fp64 eager reference of the same weights.
 
-On the exported model and held-out text, for fp32 and bf16, on the three graphs that
+On the exported model and held-out text, for fp32 and bf16 (`numerics.precisions`), on the three graphs that
 matter: prefill (the chunked form, every position), the decode step at every warmed
 width (with pad rows on the dummy slot), and one training step (loss and gradients).
 The compiled path is the serving one: `engine.compile_scope` decides whether one GLA
@@ -302,7 +302,7 @@ def dtype_gates(cfg: Config, name: str, report: dict) -> dict[str, tuple[bool, f
 
 
 def gates(cfg: Config, result: dict) -> dict[str, tuple[bool, float, str]]:
-    g = {**dtype_gates(cfg, "fp32", result["fp32"]), **dtype_gates(cfg, "bf16", result["bf16"])}
+    g = {k: v for name in cfg.numerics.precisions for k, v in dtype_gates(cfg, name, result[name]).items()}
     if "reproducibility" in result:
         ok = result["reproducibility"]["bitwise_identical"]
         g["eager mode bitwise reproducible"] = (ok, float(ok), "== 1")
@@ -356,6 +356,9 @@ def reproducibility(export_dir: Path, held_out: Tensor, seed: int) -> dict:
 # --------------------------------------------------------------------------- all checks
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled=None) -> dict:
     import numpy as np
 
@@ -381,9 +384,9 @@ def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled
         "mode": n.mode,
         "reference_seconds": time.perf_counter() - started,
     }
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for name in n.precisions:
         started = time.perf_counter()
-        result[name] = check_dtype(cfg, export_dir, dtype, held_out, ref, corrupt_compiled)
+        result[name] = check_dtype(cfg, export_dir, DTYPES[name], held_out, ref, corrupt_compiled)
         print(f"{name}: checked in {time.perf_counter() - started:.1f}s", flush=True)
     if n.mode == "eager":
         result["reproducibility"] = reproducibility(export_dir, held_out, n.seed)
@@ -391,17 +394,13 @@ def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled
     result["gates"] = {k: {"passed": ok, "value": v, "threshold": t} for k, (ok, v, t) in g.items()}
     result["gate_table"] = gate_table(g)
     result["passed"] = all(ok for ok, _, _ in g.values())
-    f32 = result["fp32"]
-    result["max_abs_logit_diff_fp32"] = max(
-        [f32["prefill"]["max_abs_logit_diff"]] + [r["max_abs_logit_diff"] for r in f32["decode"].values()]
-    )
-    result["max_abs_logit_diff_bf16"] = max(
-        [result["bf16"]["prefill"]["max_abs_logit_diff"]]
-        + [r["max_abs_logit_diff"] for r in result["bf16"]["decode"].values()]
-    )
-    result["greedy_agreement_fp32"] = f32["greedy"]["mean_agreement"]
-    result["greedy_agreement_bf16"] = result["bf16"]["greedy"]["mean_agreement"]
-    result["rel_rms_fp32_compiled_vs_fp64"] = f32["prefill"]["rel_rms_compiled_vs_fp64"]
-    result["rel_rms_bf16_compiled_vs_fp64"] = result["bf16"]["prefill"]["rel_rms_compiled_vs_fp64"]
-    result["rel_rms_bf16_eager_vs_fp64"] = result["bf16"]["prefill"]["rel_rms_eager_vs_fp64"]
+    for name in n.precisions:  # the headline figures, flat (MLflow metrics, the summary)
+        r = result[name]
+        result[f"max_abs_logit_diff_{name}"] = max(
+            [r["prefill"]["max_abs_logit_diff"]] + [d["max_abs_logit_diff"] for d in r["decode"].values()]
+        )
+        result[f"greedy_agreement_{name}"] = r["greedy"]["mean_agreement"]
+        result[f"rel_rms_{name}_compiled_vs_fp64"] = r["prefill"]["rel_rms_compiled_vs_fp64"]
+    if "bf16" in result:
+        result["rel_rms_bf16_eager_vs_fp64"] = result["bf16"]["prefill"]["rel_rms_eager_vs_fp64"]
     return result

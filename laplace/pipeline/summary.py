@@ -95,17 +95,18 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
             + _live_line(sv),
         )
     if nm := info.get("numerics"):
-        f32, b16 = nm["fp32"]["prefill"], nm["bf16"]["prefill"]
-        add(
-            "numerics",
-            "numerics",
-            [
-                f"fp32 compiled vs fp64 rel RMS {f32['rel_rms_compiled_vs_fp64']:.1e}, max |compiled-eager| "
-                f"{nm['max_abs_logit_diff_fp32']:.1e}; "
-                f"bf16 compiled {b16['rel_rms_compiled_vs_fp64']:.1e} vs eager "
-                f"{b16['rel_rms_eager_vs_fp64']:.1e}; gates {_verdict(nm['passed'])}"
-            ],
-        )
+        figures = []
+        if f32 := nm.get("fp32"):
+            figures.append(
+                f"fp32 compiled vs fp64 rel RMS {f32['prefill']['rel_rms_compiled_vs_fp64']:.1e}, "
+                f"max |compiled-eager| {nm['max_abs_logit_diff_fp32']:.1e}"
+            )
+        if b16 := nm.get("bf16"):
+            figures.append(
+                f"bf16 compiled {b16['prefill']['rel_rms_compiled_vs_fp64']:.1e} vs eager "
+                f"{b16['prefill']['rel_rms_eager_vs_fp64']:.1e}"
+            )
+        add("numerics", "numerics", ["; ".join(figures) + f"; gates {_verdict(nm['passed'])}"])
     if pr := info.get("probes"):
         lines = []
         if grid := pr.get("mqar_trained_accuracy") or {}:
