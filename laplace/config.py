@@ -570,6 +570,9 @@ class CompareSection:
     )
     lm_eval_limit: int = knob(4, _positive, "samples per RULER task and length")
     lm_eval_lengths: list[int] = knob([1024], doc="RULER's max_seq_lengths")
+    lm_eval_timeout_s: float = knob(
+        600.0, _positive, "a RULER task still running after this long is killed and reported as not run"
+    )
     registry_prefix: str = knob(
         "laplace-compare", doc="each arm's export is registered as <this>-<family> (gla | hybrid | softmax)"
     )

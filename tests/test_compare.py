@@ -111,6 +111,37 @@ def test_the_3b_shape_and_its_hybrids_from_the_formula():
     assert ratios == sorted(ratios, reverse=True) and ratios[-1] == 1.0
 
 
+def test_ruler_columns_are_the_mean_over_the_tasks_that_ran_and_the_rest_are_named_with_their_reason():
+    from laplace.tracking.compare import arm_metrics
+
+    ruler = {
+        "niah_single_1": {"run": True, "score": {"1024": 0.5}, "samples": 4},
+        "ruler_vt": {"run": True, "score": {"1024": 0.0}, "samples": 4},
+        "ruler_fwe": {"run": False, "reason": "did not finish in 600 s"},
+    }
+    figures = {
+        "train": {"val_loss": 5.0},
+        "probes": {},
+        "export": {"parameters": 10},
+        compare_table.ARCH_FIGURES: {"family": "gla", "ruler": ruler},
+    }
+    row = compare_table.table_row("gla", figures, [])
+    assert row["ruler"] == {"1024": 0.25}  # (0.5 + 0.0) / 2: the task that did not run is not a zero
+    assert row["ruler_not_run"] == {"ruler_fwe": "did not finish in 600 s"}
+    metrics = arm_metrics(row)
+    assert metrics["ruler_1024"] == 0.25 and metrics["ruler_niah_single_1_1024"] == 0.5
+    assert "ruler_ruler_fwe_1024" not in metrics
+    table = {
+        "arms": {"gla": row | {"recall": {}, "recall_trained_mqar": {}, "bytes_per_sequence": {}}},
+        "memory_context": 8192,
+        "headline": "h",
+        "pick": {"arm": "gla", "reason": "r"},
+    }
+    text = compare_table.format_table(table, [])
+    assert "ruler@1024" in text.splitlines()[0] and "0.25" in text.splitlines()[1]
+    assert "ruler       ruler_fwe not run on gla: did not finish in 600 s" in text
+
+
 def test_binomial_error_has_a_floor_at_zero_and_one():
     assert compare_table.binomial_se(0.5, 100) == pytest.approx(0.05)
     assert compare_table.binomial_se(1.0, 100) == pytest.approx(math.sqrt(1 / 100) / 10)

@@ -34,7 +34,6 @@ pytest.importorskip("fla", reason="flash-linear-attention (dev) builds the fla-f
 
 # the tests' tiny pipeline, less its model.* keys: with model.init the architecture is the init's
 PARAMS = {k: v for k, v in TINY_PARAMS.items() if not (k.startswith("model.") or k.startswith("tokenizer."))}
-PARAMS["numerics.precisions"] = ["fp32", "bf16"]  # the one pipeline run of the suite that checks bf16 too
 PARAMS["probes.train_mqar"] = False  # the MQAR-trained GLA is not this test's subject (tests/test_probes.py)
 # Most of this pipeline's time is Inductor compiling from cold, for a model twice the tiny one's
 # depth (measured at load 16-19: warmup's 3 graphs 635 s, the first 321 s; serve-check's exact replay,
@@ -74,10 +73,6 @@ def test_the_whole_pipeline_fine_tunes_the_import_and_registers_it(piloted):
     assert train["steps"] == 6 and train["val_loss"] < train["val_loss_initial"]  # from the import's weights, lower
     for stage in ("serve-check", "numerics", "probes"):
         assert json.loads((repo / "metrics" / f"{stage}.json").read_text())["passed"] is True, stage
-    numerics = json.loads((repo / "metrics" / "numerics.json").read_text())
-    bf16_gates = [name for name in numerics["gates"] if name.startswith("bf16 ")]
-    assert "bf16 train-step gradient error compiled / eager" in bf16_gates, bf16_gates
-    assert all(numerics["gates"][name]["passed"] for name in bf16_gates), numerics["gate_table"]
     probes = json.loads((repo / "metrics" / "probes.json").read_text())
     assert probes["recall_summary"].startswith("recall:") and probes["recall_training_length"] == 32
     assert "=== Laplace pipeline ===" in output

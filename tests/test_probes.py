@@ -477,10 +477,13 @@ def test_numerics_and_probes_run_unchanged_on_a_hybrid_export(tmp_path):
     trained = train(cfg, data, tmp_path / "run", progress=False)
     export_model(ckpt.load_checkpoint(trained.checkpoint), data / "tokenizer.json", tmp_path / "export")
 
-    numerics = run_numerics(cfg, tmp_path / "export", data)
+    numerics = run_numerics(cfg, tmp_path / "export", data)  # both precisions: the suite's one bf16 check
     assert numerics["passed"], numerics["gate_table"]
     assert numerics["fp32"]["prefill"]["rel_rms_compiled_vs_fp64"] < 1e-5  # the fp32 gate's own bound
     assert numerics["greedy_agreement_fp32"] == 1.0
+    bf16_gates = [name for name in numerics["gates"] if name.startswith("bf16 ")]
+    assert "bf16 train-step gradient error compiled / eager" in bf16_gates and len(bf16_gates) >= 5, bf16_gates
+    assert numerics["rel_rms_bf16_compiled_vs_fp64"] <= 1.5 * numerics["rel_rms_bf16_eager_vs_fp64"]
 
     metrics = probe_and_plot(cfg, tmp_path / "export", data, tmp_path / "plots")
     assert metrics["passed"] and metrics["mqar_paths_agree"], metrics["notes"]

@@ -18,9 +18,6 @@ comparison (laplace compare) puts beside quality and recall, the same code for e
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -110,42 +107,18 @@ def serving_figures(cfg: Config, export_dir: Path, data_dir: Path) -> dict:
 
 
 def ruler_figures(cfg: Config, export_dir: Path) -> dict:
-    """RULER tasks of lm-evaluation-harness through the engine, or the reason each did not run."""
+    """RULER tasks of lm-evaluation-harness through the engine, lm_eval_limit samples per task and
+    length (laplace.evals.ruler), each in a child process, or the reason each did not run."""
+    import importlib.util
+
+    from laplace.evals.ruler import run_tasks
+
     c = cfg.compare
-    try:
-        from laplace.evals.harness import evaluate
-    except ImportError as exc:
-        return {task: {"run": False, "reason": f"lm-eval is not installed ({exc})"} for task in c.lm_eval_tasks}
-    out = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        tokenizer_dir = ruler_tokenizer_dir(export_dir, Path(scratch))
-        for task in c.lm_eval_tasks:
-            out[task] = _ruler_task(task, export_dir, tokenizer_dir, c, evaluate)
-    return out
-
-
-def ruler_tokenizer_dir(export_dir: Path, scratch: Path) -> Path:
-    """RULER sizes its synthetic prompts with transformers' AutoTokenizer, which loads a directory
-    holding tokenizer_config.json: the export's own tokenizer.json as a PreTrainedTokenizerFast."""
-    shutil.copyfile(Path(export_dir) / "tokenizer.json", scratch / "tokenizer.json")
-    (scratch / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    return scratch
-
-
-def _ruler_task(task: str, export_dir: Path, tokenizer_dir: Path, c, evaluate) -> dict:
-    """One RULER task's scores, or the reason it did not run."""
-    try:
-        results = evaluate(
-            export_dir,
-            [task],
-            limit=c.lm_eval_limit,
-            metadata={"max_seq_lengths": list(c.lm_eval_lengths), "tokenizer": str(tokenizer_dir)},
-        )
-    except Exception as exc:  # noqa: BLE001 - a task that cannot run offline is reported, not fatal
-        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-        return {"run": False, "reason": f"{type(exc).__name__}: {reason}"}
-    scores = results.get("results", {}).get(task, {})
-    return {"run": True, **{k: v for k, v in scores.items() if isinstance(v, (int, float))}}
+    if importlib.util.find_spec("lm_eval") is None:
+        why = "lm-eval is not installed (pip install 'laplace[eval]')"
+        return {task: {"run": False, "reason": why} for task in c.lm_eval_tasks}
+    lengths = list(c.lm_eval_lengths)
+    return run_tasks(export_dir, list(c.lm_eval_tasks), lengths, c.lm_eval_limit, c.lm_eval_timeout_s)
 
 
 def architecture_figures(cfg: Config, export_dir: Path, data_dir: Path) -> dict:

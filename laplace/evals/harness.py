@@ -51,7 +51,8 @@ def _truthy(value) -> bool:
 @register_model("laplace")
 class LaplaceHarnessLM(LM):
     """model_args: export=PATH (required), device=auto (cpu, cuda, cuda:N), kernel=auto, max_slots=8, compile=true
-    (false: the same ladder widths, eager), max_gen_toks=256."""
+    (false: the same ladder widths, eager), max_gen_toks=256, max_context=2048 (models with attention
+    layers: the tokens a sequence may reach, as engine.max_context)."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class LaplaceHarnessLM(LM):
         max_slots: int | str = 8,
         compile: bool | str = True,
         max_gen_toks: int | str = 256,
+        max_context: int | str = EngineSection().max_context,
         batch_size=None,  # lm-eval passes its --batch_size; the engine batches at its ladder widths instead
         **_ignored,
     ):
@@ -77,7 +79,12 @@ class LaplaceHarnessLM(LM):
         device = torch.device(device) if ":" in device else resolve_device(device)
         # the default `engine:` shapes at max_slots, any prompt length (lm-eval's contexts are long)
         params = dataclasses.replace(
-            EngineSection(), max_slots=int(max_slots), widths=[], max_prompt_tokens=2**62, prefix_cache_bytes=0
+            EngineSection(),
+            max_slots=int(max_slots),
+            widths=[],
+            max_prompt_tokens=2**62,
+            prefix_cache_bytes=0,
+            max_context=int(max_context),
         )
         self.engine, self.tokenizer, self.config = DecodeEngine.from_export(
             export, params, "padded", device=device, kernel=kernel, compiled=_truthy(compile)

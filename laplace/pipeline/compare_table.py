@@ -45,6 +45,16 @@ def trained_recall_by_length(probes: dict) -> dict[int, float]:
     return {int(c): _mean(row.values()) for c, row in sorted(grid.items(), key=lambda kv: int(kv[0]))}
 
 
+def ruler_by_length(ruler: dict) -> dict[str, float]:
+    """RULER per length: the mean score over the tasks that ran (each task's own score is kept beside)."""
+    by_length: dict[str, list[float]] = {}
+    for result in ruler.values():
+        if result.get("run"):
+            for length, score in (result.get("score") or {}).items():
+                by_length.setdefault(length, []).append(score)
+    return {n: _mean(v) for n, v in sorted(by_length.items(), key=lambda kv: int(kv[0]))}
+
+
 def table_row(arm: str, figures: dict, table_contexts: list[int]) -> dict:
     """One row of the comparison table, from one arm's figures."""
     train, probes, arch = figures["train"], figures["probes"], figures[ARCH_FIGURES]
@@ -61,6 +71,9 @@ def table_row(arm: str, figures: dict, table_contexts: list[int]) -> dict:
         "recall": {str(n): v for n, v in recall_by_length(probes).items()},
         "recall_trained_mqar": {str(n): v for n, v in trained_recall_by_length(probes).items()},
         "mqar_trained_samples": probes.get("mqar_trained_samples"),
+        "ruler": ruler_by_length(arch.get("ruler") or {}),
+        "ruler_tasks": {t: r.get("score") for t, r in (arch.get("ruler") or {}).items() if r.get("run")},
+        "ruler_not_run": {t: r.get("reason") for t, r in (arch.get("ruler") or {}).items() if not r.get("run")},
         "bytes_per_sequence": memory,
         "bytes_per_sequence_formula": arch.get("bytes_per_sequence_formula") or {},
         "decode_ms_per_token": {str(c): decode.get(str(c)) for c in table_contexts} | decode,
@@ -218,11 +231,13 @@ def format_table(table: dict, table_contexts: list[int]) -> str:
     rows = table["arms"]
     lengths = sorted({n for r in rows.values() for n in r["recall"]}, key=int)
     trained = sorted({n for r in rows.values() for n in r["recall_trained_mqar"]}, key=int)
+    ruler = sorted({n for r in rows.values() for n in r.get("ruler", {})}, key=int)
     mem = str(table["memory_context"])
     head = (
         ["arm", "family", "params", "val loss"]
         + [f"recall@{n}" for n in lengths]
         + [f"mqar@{n}" for n in trained]
+        + [f"ruler@{n}" for n in ruler]
         + [f"B/seq@{mem}"]
         + [f"ms/tok@{c}" for c in table_contexts]
         + ["tok/s", "compiles"]
@@ -233,6 +248,7 @@ def format_table(table: dict, table_contexts: list[int]) -> str:
             [r["arm"], r["family"], _fmt(r["parameters"], ","), _fmt(r["val_loss"], ".3f")]
             + [_fmt(r["recall"].get(n), ".2f") for n in lengths]
             + [_fmt(r["recall_trained_mqar"].get(n), ".2f") for n in trained]
+            + [_fmt(r.get("ruler", {}).get(n), ".2f") for n in ruler]
             + [_fmt(r["bytes_per_sequence"].get(mem), ",")]
             + [_fmt(r["decode_ms_per_token"].get(str(c)), ".2f") for c in table_contexts]
             + [_fmt(r["output_tokens_per_s"], ".0f"), _fmt(r["compiles_while_serving"], "d")]
@@ -240,6 +256,10 @@ def format_table(table: dict, table_contexts: list[int]) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    not_run = {task: why for r in rows.values() for task, why in (r.get("ruler_not_run") or {}).items()}
+    for task, why in not_run.items():  # the same reason for every arm, as a rule: once per task
+        arms = [r["arm"] for r in rows.values() if task in (r.get("ruler_not_run") or {})]
+        lines.append(f"ruler       {task} not run on {', '.join(arms)}: {why}")
     if big := table.get("laplace_3b"):  # the formula's figures at the article's shape
         shown = ", ".join(
             f"{name} {v['bytes'] / 1e6:,.1f} MB ({v['article_kv_over_this']:.1f}x less than the article's K/V)"

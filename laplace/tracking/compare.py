@@ -23,10 +23,13 @@ def arm_metrics(row: dict) -> dict[str, float]:
     for key in ("val_loss", "perplexity", "parameters", "output_tokens_per_s", "ttft_p99_s", "compiles_while_serving"):
         if row.get(key) is not None:
             out[key] = float(row[key])
-    for key in ("recall", "recall_trained_mqar", "bytes_per_sequence", "decode_ms_per_token"):
+    for key in ("recall", "recall_trained_mqar", "ruler", "bytes_per_sequence", "decode_ms_per_token"):
         for length, value in (row.get(key) or {}).items():
             if value is not None:
                 out[f"{key}_{length}"] = float(value)
+    for task, by_length in (row.get("ruler_tasks") or {}).items():
+        for length, value in (by_length or {}).items():
+            out[f"ruler_{task}_{length}"] = float(value)
     return out
 
 
