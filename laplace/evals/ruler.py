@@ -167,11 +167,22 @@ def _child(export_dir, tasks, lengths, samples, timeout_s, out: Path, log_path: 
     """Run `tasks` in one child until it finishes, crashes or one task outlives `timeout_s`: the
     results it wrote, and the reason for the task it was on when it was stopped."""
     out.unlink(missing_ok=True)
+    # lm-eval's RULER module downloads nltk's punkt_tab at import unless nltk finds it; none of these
+    # tasks tokenizes sentences (only the essay haystacks do), so an empty stand-in keeps the child
+    # off the network: a task that did need it fails, and is reported, instead of a download hanging
+    nltk_data = out.parent / "nltk_data"
+    (nltk_data / "tokenizers" / "punkt_tab").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "NLTK_DATA": str(nltk_data)}
     argv = [sys.executable, "-m", __name__, "--export", str(export_dir), "--out", str(out)]
     argv += ["--samples", str(samples), "--lengths", *map(str, lengths), "--tasks", *tasks]
     with open(log_path, "w+") as log:
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=child_dies_with_us()
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=child_dies_with_us(),
         )
         # the child's progress: the task it is on and the results so far; each change restarts the
         # clock, so the child's start-up (imports, the model) is timed apart from every task
