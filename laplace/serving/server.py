@@ -54,16 +54,19 @@ log = logging.getLogger("laplace.serving.server")
 warmup_interrupted = threading.Event()  # a signal arrived during warmup (the process leaves at once)
 
 
-def stop_compilers() -> None:
+def stop_compilers(wait_s: float = 0.0) -> None:
     """Kill this process's children (g++ and Inductor's compile workers, during warmup), at once:
-    nothing is left compiling after a SIGTERM, and no compiler's error output floods the log."""
+    nothing is left compiling after a SIGTERM, and no compiler's error output floods the log.
+    `wait_s`: how long to wait for them to be gone (the signal handler does not wait: the lifespan's
+    last call does, once, so the whole stop stays within the 2 s a SIGTERM during warmup is given)."""
     import psutil
 
     children = psutil.Process().children(recursive=True)
     for child in children:
         with contextlib.suppress(psutil.Error):
             child.kill()
-    psutil.wait_procs(children, timeout=1.0)
+    if wait_s > 0:
+        psutil.wait_procs(children, timeout=wait_s)
 
 
 def max_model_len(service: CompletionsService) -> int:
@@ -96,7 +99,7 @@ def build_app(service: CompletionsService, metrics: ServerMetrics, on_started=No
             warming = not loop.ready.is_set()
             loop.stop(timeout=0.5 if warming else 30.0)
             if warming:
-                stop_compilers()  # any the abandoned warmup started since the signal
+                stop_compilers(wait_s=0.5)  # any the abandoned warmup started since the signal, and gone
             service.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="laplace", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
