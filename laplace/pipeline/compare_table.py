@@ -58,6 +58,7 @@ def ruler_by_length(ruler: dict) -> dict[str, float]:
 def table_row(arm: str, figures: dict, table_contexts: list[int]) -> dict:
     """One row of the comparison table, from one arm's figures."""
     train, probes, arch = figures["train"], figures["probes"], figures[ARCH_FIGURES]
+    ruler = arch.get("ruler") or {}
     padded = arch.get("serving") or {}
     decode = arch.get("decode_ms_per_token") or {}
     memory = arch.get("bytes_per_sequence") or {}
@@ -71,9 +72,9 @@ def table_row(arm: str, figures: dict, table_contexts: list[int]) -> dict:
         "recall": {str(n): v for n, v in recall_by_length(probes).items()},
         "recall_trained_mqar": {str(n): v for n, v in trained_recall_by_length(probes).items()},
         "mqar_trained_samples": probes.get("mqar_trained_samples"),
-        "ruler": ruler_by_length(arch.get("ruler") or {}),
-        "ruler_tasks": {t: r.get("score") for t, r in (arch.get("ruler") or {}).items() if r.get("run")},
-        "ruler_not_run": {t: r.get("reason") for t, r in (arch.get("ruler") or {}).items() if not r.get("run")},
+        "ruler": ruler_by_length(ruler),
+        "ruler_tasks": {t: r.get("score") for t, r in ruler.items() if r.get("run")},
+        "ruler_not_run": {t: r.get("reason") for t, r in ruler.items() if not r.get("run")},
         "bytes_per_sequence": memory,
         "bytes_per_sequence_formula": arch.get("bytes_per_sequence_formula") or {},
         "decode_ms_per_token": {str(c): decode.get(str(c)) for c in table_contexts} | decode,
@@ -256,9 +257,11 @@ def format_table(table: dict, table_contexts: list[int]) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
-    not_run = {task: why for r in rows.values() for task, why in (r.get("ruler_not_run") or {}).items()}
-    for task, why in not_run.items():  # the same reason for every arm, as a rule: once per task
-        arms = [r["arm"] for r in rows.values() if task in (r.get("ruler_not_run") or {})]
+    not_run: dict[str, tuple[list[str], str]] = {}  # task: (the arms, the first arm's reason), a line per task
+    for r in rows.values():
+        for task, why in (r.get("ruler_not_run") or {}).items():
+            not_run.setdefault(task, ([], why))[0].append(r["arm"])
+    for task, (arms, why) in not_run.items():
         lines.append(f"ruler       {task} not run on {', '.join(arms)}: {why}")
     if big := table.get("laplace_3b"):  # the formula's figures at the article's shape
         shown = ", ".join(
