@@ -1,6 +1,7 @@
 """Processes that die with their parent: Linux's prctl(PR_SET_PDEATHSIG), the one mechanism that
 holds when the parent is SIGKILLed (no handler of the parent's runs then). Used by the tokenize
-workers, torchrun's agent and ranks, and every child the pipeline starts (dvc repro, stage workers)."""
+workers, torchrun's agent and ranks, and every child the pipeline starts (dvc repro, stage workers);
+and the CPU-seconds of the children a process has reaped (start-up costs measured robustly to load)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def child_dies_with_us(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     return lambda: prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def reaped_children_cpu_s() -> float:
+    """CPU-seconds (user + system) of every child this process has reaped so far, with the children
+    they reaped: the difference across a worker's run is that worker's process tree, which a
+    loaded machine does not inflate as it does wall-clock time."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

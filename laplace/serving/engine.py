@@ -238,9 +238,10 @@ class DecodeEngine:
         widths: list[int] | None = None,
         buckets: list[int] | None = None,
         log: Callable[[str], None] | None = None,
+        build_packages: bool = False,
     ) -> dict[str, dict[int, float]]:
         """Every decode width and prefill bucket (or the given ones) run once: see ModelRunner.warmup."""
-        return self.runner.warmup(widths, buckets, log)
+        return self.runner.warmup(widths, buckets, log, build_packages)
 
     # -- slots by hand (probes, numerics, the lm-eval harness) -------------------------------------
 

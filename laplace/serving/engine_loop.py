@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -160,26 +160,18 @@ class EngineLoop:
 
         try:
             started = time.perf_counter()
-            outcomes = Counter()
-
-            def warmup_log(line: str) -> None:
-                # the engine's warmup says per graph how it got it; counted here for the log and /metrics
-                if "loaded from the compile cache" in line:
-                    outcomes["loaded from the compile cache"] += 1
-                elif " compiled in " in line and "already" not in line:
-                    outcomes["compiled in"] += 1
-                log.info(line)
-
-            seconds = self.engine.warmup(widths=self.warmup_widths, log=warmup_log)
+            seconds = self.engine.warmup(widths=self.warmup_widths, log=log.info)
             self.warmup_s = time.perf_counter() - started
             graphs = len(seconds["decode"]) + len(seconds["prefill"])
+            # how the engine got each graph: its own package or cache, or a compile (ModelRunner.warmup)
+            loaded, compiled = (self.engine.warmup_report[k] for k in ("loaded_from_cache", "compiled"))
             self.metrics.warmup_seconds.set(self.warmup_s)
             self.metrics.warmup_graphs.set(graphs)
-            self.metrics.warmup_from_cache.set(outcomes["loaded from the compile cache"])
-            self.metrics.warmup_compiled.set(outcomes["compiled in"])
+            self.metrics.warmup_from_cache.set(loaded)
+            self.metrics.warmup_compiled.set(compiled)
             self.warmup_summary = (
-                f"warmup {self.warmup_s:.1f}s, {outcomes['loaded from the compile cache']}/{graphs} graphs loaded "
-                f"from the compile cache, {outcomes['compiled in']} compiled"
+                f"warmup {self.warmup_s:.1f}s, {loaded}/{graphs} graphs loaded from the compile cache, "
+                f"{compiled} compiled"
                 if self.engine.compiled
                 else f"warmup {self.warmup_s:.1f}s (eager)"
             )

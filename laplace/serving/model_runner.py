@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from laplace.errors import ConfigError
 from laplace.model.lm import LaplaceLM, State
 from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
+from laplace.serving import aot
 from laplace.serving.cache_manager import CacheManager, state_tensors
 from laplace.serving.sampling import apply_penalties, sample_next
 from laplace.serving.shapes import prefill_pieces
@@ -200,6 +201,9 @@ class ModelRunner:
         # CUDA graphs for the whole decode step (gpt-fast's "reduce-overhead"): on a GPU an eager or
         # per-block step is bound by kernel launches. Prefill, longer and run once per request, is not graphed.
         self.cuda_graphs = compile_scope == "model" and self.device.type == "cuda" and backend == "inductor"
+        # ahead-of-time packages (serving/aot.py): where warmup built them, each graph loads without tracing
+        self.packages = aot.package_dir() if aot.applies(self.device, backend, compile_scope) else None
+        self._loaded: dict[tuple[str, int], Callable] = {}  # (kind, size): its loaded package
         if compile_scope == "model":
             self._decode_graph = compile_static(
                 self.graphs.decode_step, backend, mode="reduce-overhead" if self.cuda_graphs else None
@@ -225,12 +229,16 @@ class ModelRunner:
         """The decode graph on exactly these rows: next tokens [W] and logits [W, V], both still on
         the device. Under CUDA graphs both live in the graph's static memory until the next step:
         read or copy them before it."""
+        if packaged := self._loaded.get(("decode", batch.width)):
+            return packaged(batch.ints, batch.floats)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's outputs may be overwritten
         return self._decode_graph(batch.ints, batch.floats)
 
     def prefill_piece(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
         """The prefill graph on exactly these tokens [B, bucket] (no padding: `prefill` pads)."""
+        if tokens.shape[0] == 1 and (packaged := self._loaded.get(("prefill", tokens.shape[1]))):
+            return packaged(tokens, slots, lengths)
         return self._prefill_graph(tokens, slots, lengths)
 
     @torch.inference_mode()
@@ -269,17 +277,21 @@ class ModelRunner:
         widths: list[int] | None = None,
         buckets: list[int] | None = None,
         log: Callable[[str], None] | None = None,
+        build_packages: bool = False,
     ) -> dict[str, dict[int, float]]:
         """Run every decode width and prefill bucket (or the given ones) once on the dummy slot,
         compiling them when compiled. `log` gets a line as each graph starts and one with its
         seconds, so a cold compile of minutes is not silent, then a summary: how many graphs were
         loaded from the compile cache (a server started after `laplace warmup` must load all of
-        them). Returns seconds per graph; `warmup_report` keeps the counts.
+        them). Returns seconds per graph (a package's build or load included); `warmup_report`
+        keeps the counts.
 
-        A graph is loaded (Inductor's FX graph cache hit, no miss), compiled (a miss: the cache
-        did not have it, e.g. it was built under another thread count, which Inductor's cache
-        key includes) or already compiled in this process."""
-        dummy = self.cache.dummy
+        Where packages apply (serving/aot.py: Inductor on CPU, compile scope "model"), a graph is
+        loaded from its ahead-of-time package when the compile cache holds one built for exactly
+        this graph; `build_packages` (laplace warmup) builds the missing ones. Otherwise a graph is
+        loaded (Inductor's FX graph cache hit, no miss), compiled (a miss: the cache did not have
+        it, e.g. it was built under another thread count, which Inductor's cache key includes) or
+        already compiled in this process."""
         counts = {"loaded_from_cache": 0, "compiled": 0, "already_compiled": 0, "eager": 0}
         started = time.perf_counter()
         out: dict[str, dict[int, float]] = {"decode": {}, "prefill": {}}
@@ -290,19 +302,17 @@ class ModelRunner:
             if log:
                 log(f"warmup {i}/{len(shapes)}: {what} ...")
             before, cache_before = compiled_graph_count(), compile_cache_counts()
+            args = self._example_inputs(kind, size)
+            packaged, seconds = self.timed(lambda k=kind, n=size, a=args: self._package(k, n, a, build_packages))
             if kind == "decode":
-                tokens = torch.full((size,), self.pad_id, dtype=torch.long, device=self.device)
-                slots = torch.full((size,), dummy, dtype=torch.long, device=self.device)
-                batch = DecodeBatch.greedy(tokens, slots)
-                seconds = self.timed(lambda b=batch: self.decode_step(b)[1].clone())[1]
+                seconds += self.timed(lambda a=args: self.decode_step(DecodeBatch(*a))[1].clone())[1]
             else:
-                tokens = torch.full((1, size), self.pad_id, dtype=torch.long, device=self.device)
-                slots = torch.tensor([dummy], device=self.device)
-                lengths = torch.tensor([size], device=self.device)
-                seconds = self.timed(lambda t=tokens, s=slots, n=lengths: self.prefill_piece(t, s, n))[1]
+                seconds += self.timed(lambda a=args: self.prefill_piece(*a))[1]
             out[kind][size] = seconds
             hits, misses = (now - then for now, then in zip(compile_cache_counts(), cache_before))
-            if not self.compiled:
+            if packaged:
+                how, count = packaged, ("compiled" if packaged.startswith("compiled") else "loaded_from_cache")
+            elif not self.compiled:
                 how, count = "ran eagerly", "eager"
             elif compiled_graph_count() == before:
                 how, count = "was already compiled", "already_compiled"
@@ -323,3 +333,29 @@ class ModelRunner:
                 f"already compiled {r['already_compiled']}"
             )
         return out
+
+    def _example_inputs(self, kind: str, size: int) -> tuple[Tensor, ...]:
+        """The inputs warmup runs a graph on (the dummy slot, pad tokens): shaped as serving's."""
+        dummy, device = self.cache.dummy, self.device
+        if kind == "decode":
+            tokens = torch.full((size,), self.pad_id, dtype=torch.long, device=device)
+            batch = DecodeBatch.greedy(tokens, torch.full((size,), dummy, dtype=torch.long, device=device))
+            return batch.ints, batch.floats
+        tokens = torch.full((1, size), self.pad_id, dtype=torch.long, device=device)
+        return tokens, torch.tensor([dummy], device=device), torch.tensor([size], device=device)
+
+    def _package(self, kind: str, size: int, args: tuple[Tensor, ...], build: bool) -> str | None:
+        """Load this graph's ahead-of-time package (building it first when `build`); how, or None
+        where packages do not apply or none was built for exactly this graph."""
+        if self.packages is None or (kind, size) in self._loaded:
+            return None
+        method = "decode_step" if kind == "decode" else "prefill"
+        path = aot.package_path(self.packages, kind, size, aot.fingerprint(self.graphs, kind, size, args))
+        how = "loaded its ahead-of-time package"
+        if not path.is_file():
+            if not build:
+                return None
+            aot.build(self.graphs, method, args, path)
+            how = "compiled ahead of time"
+        self._loaded[(kind, size)] = aot.load(self.graphs, path)
+        return how

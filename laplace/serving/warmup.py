@@ -86,7 +86,8 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
     model = LaplaceLM(model_cfg).to(device=device, dtype=torch_dtype(model_cfg.dtype))
     backend = compile_backend(device)
     engine = DecodeEngine(model, cfg.engine, "padded", backend=backend)
-    seconds = engine.warmup(log=lambda line: print(line, flush=True))  # one line per graph as it compiles
+    # one line per graph as it compiles; the ahead-of-time packages a warm start loads are built here
+    seconds = engine.warmup(log=lambda line: print(line, flush=True), build_packages=True)
     cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if cache_dir:
         record_compile_settings(Path(cache_dir), settings)
