@@ -75,6 +75,11 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
                     if wu.get("warm_loaded_from_cache") is not None
                     else ""
                 )
+                + (  # process trees in CPU-seconds: the load-robust measure (runs before it had none)
+                    f"; {wu['warm_cpu_s']:.1f} of {wu['cold_cpu_s']:.1f} CPU-s ({wu['warm_cpu_fraction']:.1%})"
+                    if wu.get("warm_cpu_fraction") is not None
+                    else ""
+                )
             ],
         )
     if sv := info.get("serve-check"):
