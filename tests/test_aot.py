@@ -1,5 +1,6 @@
 """Ahead-of-time compiled serving graphs (serving/aot.py): a package built by warmup loads in another
-engine without tracing, runs that engine's own weights and state rows (read and written in place),
+engine without tracing (at its warmup, or at a shape's first use where warmup did not run), runs
+that engine's own weights and state rows (read and written in place),
 and gives the tokens of the eager engine, greedy and seeded, on a hybrid with a K/V cache; a
 package built for anything else (another width, vocabulary, thread count, model) is never found,
 and a failed build leaves no package."""
@@ -71,18 +72,23 @@ def test_a_package_loads_without_tracing_and_serves_what_the_eager_engine_serves
     eager = engine(m, compile_scope=None)
     assert [c.output_ids for c in replay(warm, sampled)] == [c.output_ids for c in replay(eager, sampled)]
 
-    # the state rows are the engine's own memory: one decode step writes them in place, as eager does
+    # an engine that never ran warmup (the numerics worker's) finds the package at a shape's first
+    # use; the state rows are the engine's own memory: one decode step writes them in place, as eager does
+    lazy = engine(m)
+    traced = compiled_graph_count()
     with torch.inference_mode():
-        for eng in (warm, eager):
+        for eng in (lazy, eager):
             eng.reset()
             torch.manual_seed(5)
             for t in (eng.state.recurrent, eng.state.conv, eng.state.keys, eng.state.values):
                 t.normal_() if t is not None else None
         before = eager.state.recurrent.clone()
-        logits = [eng.decode_step([0, 1], [3, 7], 2) for eng in (warm, eager)]
+        logits = [eng.decode_step([0, 1], [3, 7], 2) for eng in (lazy, eager)]
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)  # fp32, two schedules of one sum
-        torch.testing.assert_close(warm.state.recurrent, eager.state.recurrent, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lazy.state.recurrent, eager.state.recurrent, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lazy.state.keys, eager.state.keys, rtol=1e-5, atol=1e-5)  # the K/V cache too
         assert not torch.equal(eager.state.recurrent, before)
+    assert compiled_graph_count() == traced and ("decode", 2) in lazy.runner._loaded
 
 
 def test_the_fingerprint_holds_what_the_graph_was_built_for_and_not_the_weights():

@@ -24,9 +24,11 @@ mode, which a package does not capture; Neuron keeps its NEFF cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +51,7 @@ def applies(device: torch.device, backend: str, compile_scope: str | None) -> bo
     return device.type == "cpu" and backend == "inductor" and compile_scope == "model"
 
 
+@functools.cache  # the source does not change under a running process
 def _source_digest() -> str:
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
@@ -102,7 +105,9 @@ def build(graphs: nn.Module, method: str, args: tuple[Tensor, ...], path: Path) 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # the .pt2 ending is required
     try:
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            # torch 2.13's own export code trips its pytree deprecation: two lines per graph in every log
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             exported = torch.export.export(_Graph(graphs, method), args, strict=False)
             torch._inductor.aoti_compile_and_package(
                 exported,

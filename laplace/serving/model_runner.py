@@ -204,6 +204,7 @@ class ModelRunner:
         # ahead-of-time packages (serving/aot.py): where warmup built them, each graph loads without tracing
         self.packages = aot.package_dir() if aot.applies(self.device, backend, compile_scope) else None
         self._loaded: dict[tuple[str, int], Callable] = {}  # (kind, size): its loaded package
+        self._looked_up: set[tuple[str, int]] = set()  # shapes whose package was looked for
         if compile_scope == "model":
             self._decode_graph = compile_static(
                 self.graphs.decode_step, backend, mode="reduce-overhead" if self.cuda_graphs else None
@@ -229,7 +230,7 @@ class ModelRunner:
         """The decode graph on exactly these rows: next tokens [W] and logits [W, V], both still on
         the device. Under CUDA graphs both live in the graph's static memory until the next step:
         read or copy them before it."""
-        if packaged := self._loaded.get(("decode", batch.width)):
+        if packaged := self._packaged("decode", batch.width):
             return packaged(batch.ints, batch.floats)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's outputs may be overwritten
@@ -237,7 +238,7 @@ class ModelRunner:
 
     def prefill_piece(self, tokens: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
         """The prefill graph on exactly these tokens [B, bucket] (no padding: `prefill` pads)."""
-        if tokens.shape[0] == 1 and (packaged := self._loaded.get(("prefill", tokens.shape[1]))):
+        if tokens.shape[0] == 1 and (packaged := self._packaged("prefill", tokens.shape[1])):
             return packaged(tokens, slots, lengths)
         return self._prefill_graph(tokens, slots, lengths)
 
@@ -311,13 +312,14 @@ class ModelRunner:
             out[kind][size] = seconds
             hits, misses = (now - then for now, then in zip(compile_cache_counts(), cache_before))
             if packaged:
-                how, count = packaged, ("compiled" if packaged.startswith("compiled") else "loaded_from_cache")
+                how, count = packaged
             elif not self.compiled:
                 how, count = "ran eagerly", "eager"
             elif compiled_graph_count() == before:
                 how, count = "was already compiled", "already_compiled"
             elif misses or not hits:  # Neuron has no FX graph cache counters: counted as compiled
-                how, count = "compiled", "compiled"
+                how = "compiled" + (" (no ahead-of-time package was built for it)" if self.packages else "")
+                count = "compiled"
             else:
                 how, count = "loaded from the compile cache", "loaded_from_cache"
             counts[count] += 1
@@ -344,18 +346,26 @@ class ModelRunner:
         tokens = torch.full((1, size), self.pad_id, dtype=torch.long, device=device)
         return tokens, torch.tensor([dummy], device=device), torch.tensor([size], device=device)
 
-    def _package(self, kind: str, size: int, args: tuple[Tensor, ...], build: bool) -> str | None:
-        """Load this graph's ahead-of-time package (building it first when `build`); how, or None
-        where packages do not apply or none was built for exactly this graph."""
+    def _packaged(self, kind: str, size: int) -> Callable | None:
+        """This shape's loaded package, looked for at its first use where warmup did not run (the
+        numerics worker's engine, say); None where there is none."""
+        if self.packages is not None and (kind, size) not in self._looked_up:
+            self._package(kind, size, self._example_inputs(kind, size), build=False)
+        return self._loaded.get((kind, size))
+
+    def _package(self, kind: str, size: int, args: tuple[Tensor, ...], build: bool) -> tuple[str, str] | None:
+        """Load this graph's ahead-of-time package (building it first when `build`): (how, its
+        warmup_report count), or None where packages do not apply or none was built for exactly
+        this graph (it is compiled just in time then)."""
         if self.packages is None or (kind, size) in self._loaded:
             return None
-        method = "decode_step" if kind == "decode" else "prefill"
+        self._looked_up.add((kind, size))
         path = aot.package_path(self.packages, kind, size, aot.fingerprint(self.graphs, kind, size, args))
-        how = "loaded its ahead-of-time package"
+        outcome = ("loaded its ahead-of-time package", "loaded_from_cache")
         if not path.is_file():
             if not build:
                 return None
-            aot.build(self.graphs, method, args, path)
-            how = "compiled ahead of time"
+            aot.build(self.graphs, "decode_step" if kind == "decode" else "prefill", args, path)
+            outcome = ("compiled ahead of time", "compiled")
         self._loaded[(kind, size)] = aot.load(self.graphs, path)
-        return how
+        return outcome
