@@ -300,9 +300,9 @@ class EngineSection:
 
     device: Literal["auto", "cpu", "cuda", "neuron"] = knob("auto", doc="auto | cpu | cuda | neuron")
     compile_scope: Literal["block", "model"] = knob(
-        "model",
-        doc="model: the whole step, one graph (on CPU warmup ships it ahead-of-time compiled) | block: one GLA "
-        "block compiled, reused by every layer",
+        "block",
+        doc="what compiles just in time: block: one GLA block, reused by every layer | model: the whole step, one "
+        "graph (CUDA graphs on CUDA); on CPU warmup ships every graph as an ahead-of-time package of the whole step",
     )
     max_slots: int = knob(8, _positive, "concurrent sequences; one more (dummy) slot takes the padding rows")
     widths: list[int] = knob([], doc="decode width ladder; [] = powers of two up to max_slots ([1, 2, 4, 8] for 8)")

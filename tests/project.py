@@ -69,10 +69,6 @@ TINY_PARAMS = {
     "train.checkpoint_every": 3,
     "train.log_every": 1,
     "pipeline.retries": 0,
-    # one GLA block compiled just in time per shape: the suite's pipelines (six runs) took ~60 s longer
-    # each under the default whole-step scope (its just-in-time compiles in serve-check's exact replay
-    # and numerics); the default's ahead-of-time packages are tested by test_warmup and test_aot
-    "engine.compile_scope": "block",
     "engine.max_slots": 2,  # each compiled graph costs ~6-11 s on 2 cores whatever the model size
     "engine.prefill_buckets": [64],
     "engine.max_prompt_tokens": 64,

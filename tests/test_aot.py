@@ -122,12 +122,12 @@ def test_the_fingerprint_holds_what_the_graph_was_built_for_and_not_the_weights(
     assert aot.fingerprint(gla_only, "decode", 2, (ints, floats)) != key
 
 
-def test_packages_apply_to_inductors_whole_step_graphs_on_cpu_only():
+def test_packages_apply_to_compiled_engines_with_inductor_on_cpu_only():
     cpu = torch.device("cpu")
-    assert aot.applies(cpu, "inductor", "model")
-    assert not aot.applies(cpu, "inductor", "block")  # one block shared by every layer: compiled just in time
-    assert not aot.applies(torch.device("cuda"), "inductor", "model")  # CUDA graphs: torch.compile's
-    assert not aot.applies(cpu, "neuron", "model")  # Neuron's NEFF cache
+    assert aot.applies(cpu, "inductor", compiled=True)
+    assert not aot.applies(cpu, "inductor", compiled=False)  # eager
+    assert not aot.applies(torch.device("cuda"), "inductor", compiled=True)  # CUDA graphs: torch.compile's
+    assert not aot.applies(cpu, "neuron", compiled=True)  # Neuron's NEFF cache
 
 
 def test_a_failed_build_leaves_no_package(tmp_path, monkeypatch):

@@ -4,8 +4,8 @@ On the exported model and held-out text, for fp32 and bf16 (`numerics.precisions
 matter: prefill (the chunked form, every position), the decode step at every warmed
 width (with pad rows on the dummy slot), and one training step (loss and gradients).
 The compiled path is the serving one: `engine.compile_scope` decides whether one GLA
-block or the whole step is a graph (on CPU the whole step's decode graphs are warmup's
-AOTInductor packages where this process's compile cache holds them). Gates follow PyTorch's own practice for low
+block or the whole step is a graph (on CPU the decode steps are warmup's whole-step AOTInductor
+packages where this process's compile cache holds them). Gates follow PyTorch's own practice for low
 precision: fp32 compiled must sit within ~1e-5 of fp64; bf16 compiled must be no worse
 than 1.5x eager's error against fp64, and agree on top-1 where the reference has a
 clear margin. `numerics.mode: eager` adds a bitwise-reproducibility check of eager mode.

@@ -16,6 +16,10 @@ A package is found by a file name that holds a fingerprint of all it was compile
 source of the code traced into it, torch's version and the intra-op thread count. Anything else
 finds no package, and that graph is compiled just in time as before: a stale package is never run.
 
+A package is the whole step whatever `engine.compile_scope` says: that knob decides what compiles
+just in time where there is no package (one GLA block per shape, or the whole step); the export
+runs blocks compiled just in time as plain code.
+
 Packages live in `aoti/` of the compile cache directory (TORCHINDUCTOR_CACHE_DIR, which every
 warmup, serve-check, probes and `laplace serve` process points at its copy of the warmup
 artifact). CPU only: on CUDA the decode step is CUDA-graphed by torch.compile's reduce-overhead
@@ -46,9 +50,9 @@ def package_dir() -> Path | None:
     return Path(cache) / PACKAGE_DIR if cache else None
 
 
-def applies(device: torch.device, backend: str, compile_scope: str | None) -> bool:
-    """Packages serve the whole-model graphs of Inductor on CPU (see the module docstring)."""
-    return device.type == "cpu" and backend == "inductor" and compile_scope == "model"
+def applies(device: torch.device, backend: str, compiled: bool) -> bool:
+    """Packages serve a compiled engine's graphs with Inductor on CPU (see the module docstring)."""
+    return compiled and device.type == "cpu" and backend == "inductor"
 
 
 @functools.cache  # the source does not change under a running process
@@ -105,7 +109,13 @@ def build(graphs: nn.Module, method: str, args: tuple[Tensor, ...], path: Path) 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # the .pt2 ending is required
     try:
-        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        # force_eager: blocks compiled just in time (compile scope "block") are traced as plain code
+        with (
+            torch.inference_mode(False),
+            torch.no_grad(),
+            torch.compiler.set_stance("force_eager"),
+            warnings.catch_warnings(),
+        ):
             # torch 2.13's own export code trips its pytree deprecation: two lines per graph in every log
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             exported = torch.export.export(_Graph(graphs, method), args, strict=False)

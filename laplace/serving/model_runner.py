@@ -202,7 +202,7 @@ class ModelRunner:
         # per-block step is bound by kernel launches. Prefill, longer and run once per request, is not graphed.
         self.cuda_graphs = compile_scope == "model" and self.device.type == "cuda" and backend == "inductor"
         # ahead-of-time packages (serving/aot.py): where warmup built them, each graph loads without tracing
-        self.packages = aot.package_dir() if aot.applies(self.device, backend, compile_scope) else None
+        self.packages = aot.package_dir() if aot.applies(self.device, backend, compile_scope is not None) else None
         self._loaded: dict[tuple[str, int], Callable] = {}  # (kind, size): its loaded package
         self._looked_up: set[tuple[str, int]] = set()  # shapes whose package was looked for
         if compile_scope == "model":
@@ -287,7 +287,7 @@ class ModelRunner:
         them). Returns seconds per graph (a package's build or load included); `warmup_report`
         keeps the counts.
 
-        Where packages apply (serving/aot.py: Inductor on CPU, compile scope "model"), a graph is
+        Where packages apply (serving/aot.py: a compiled engine with Inductor on CPU), a graph is
         loaded from its ahead-of-time package when the compile cache holds one built for exactly
         this graph; `build_packages` (laplace warmup) builds the missing ones. Otherwise a graph is
         loaded (Inductor's FX graph cache hit, no miss), compiled (a miss: the cache did not have
