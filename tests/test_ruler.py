@@ -52,7 +52,7 @@ def test_tasks_score_through_lm_eval_and_one_that_never_finishes_is_killed(tiny_
     child's process group, and a fresh child scores the task after it."""
     _, export_dir = tiny_artifacts
     tasks = ["niah_single_1", "ruler_vt", "niah_multikey_2"]
-    # 45 s: a task's own time includes its child's start (lm-eval's and torch's imports), which took
+    # 120 s: a task's own time includes its child's start (lm-eval's and torch's imports), which took
     # over 20 s, then over 45 s, on a loaded machine (2026-12-02); VT never finishes, whatever the bound
     result = ruler.run_tasks(export_dir, tasks, [512], samples=2, timeout_s=120)
     assert list(result) == tasks
