@@ -6,8 +6,8 @@ state plus a directory: the first worker with an empty cache directory (cold: wh
 the second reusing it (warm: what serve-check pays when it starts from this artifact); each
 measured in wall-clock seconds and in CPU-seconds of its process tree. On CPU the artifact holds
 the ahead-of-time packages of the whole-step graphs (`aoti/`, serving/aot.py: a warm start loads
-them without tracing) beside the Inductor cache directory (what a graph without a package, e.g.
-under `engine.compile_scope: block`, loads from); on Trainium the same directory is handed to
+them without tracing, whatever `engine.compile_scope`) beside the Inductor cache directory (what a
+graph without a package, e.g. on CUDA, loads from); on Trainium the same directory is handed to
 Neuron as its NEFF cache.
 """
 
