@@ -9,6 +9,7 @@ something: accuracy high with few pairs, falling as pairs outgrow the state.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -224,25 +225,49 @@ class RandomGuesser(torch.nn.Module):
 
 def mqar_model_config(probes: ProbesSection, like: ModelConfig | None = None) -> ModelConfig:
     """The small model trained on MQAR (the knobs are `probes.mqar_train_*`): a GLA, or, `like` a
-    model with attention layers, the same pattern at this size: each of `like`'s attention layers
-    placed at the same relative depth (layer i of n -> floor(i * layers / n)), heads as the MQAR
-    model's, so a hybrid's or a softmax model's MQAR is measured on a model that learned the task."""
-    chunk = min(64, probes.mqar_train_seq_len)
-    layers = probes.mqar_train_layers
-    attn = None
-    if like is not None and like.attn_layers:
-        placed = sorted({i * layers // like.n_layers for i in like.attn_layers})
-        attn = {"layers": placed, "num_heads": probes.mqar_train_heads}
-    return preset_model_config(
-        "tiny",
+    model with attention layers, the same pattern at this size (`placed_attention_layers`), so a
+    hybrid's or a softmax model's MQAR is measured on a model that learned the task."""
+    return small_mqar_model(
+        like,
         vocab_size=probes.mqar_train_vocab,
         d_model=probes.mqar_train_d_model,
+        layers=probes.mqar_train_layers,
+        heads=probes.mqar_train_heads,
+        gate_bias=probes.mqar_train_gate_bias,
+        seq_len=probes.mqar_train_seq_len,
+    )
+
+
+def placed_attention_layers(like: ModelConfig, layers: int) -> list[int]:
+    """`like`'s attention layers at the same relative depth in a model of `layers` layers (layer i of n
+    -> floor(i * layers / n)). The family is kept: a hybrid stays a hybrid (where every layer would be
+    attention, the lowest placed one stays GLA), so a shallow model can merge two hybrids' patterns,
+    never turn one into a softmax model."""
+    placed = sorted({i * layers // like.n_layers for i in like.attn_layers})
+    if like.gla_layers and len(placed) == layers:
+        placed = placed[1:]
+    return placed
+
+
+def small_mqar_model(
+    like: ModelConfig | None, *, vocab_size: int, d_model: int, layers: int, heads: int, gate_bias: float, seq_len: int
+) -> ModelConfig:
+    """A small model of `like`'s architecture (pure GLA where None) to train on MQAR: its attention
+    layers placed by `placed_attention_layers`, heads as given."""
+    chunk = min(64, seq_len)
+    attn = None
+    if like is not None and like.attn_layers:
+        attn = {"layers": placed_attention_layers(like, layers), "num_heads": heads}
+    return preset_model_config(
+        "tiny",
+        vocab_size=vocab_size,
+        d_model=d_model,
         n_layers=layers,
-        n_heads=probes.mqar_train_heads,
-        gate_bias_init=probes.mqar_train_gate_bias,
+        n_heads=heads,
+        gate_bias_init=gate_bias,
         chunk_size=chunk,
         sub_chunk_size=min(16, chunk),
-        mlp_hidden=probes.mqar_train_d_model,  # recall needs the GLA, not a wide MLP: steps 1.4x cheaper
+        mlp_hidden=d_model,  # recall needs the GLA, not a wide MLP: steps 1.4x cheaper
         attn=attn,
     )
 
@@ -250,6 +275,53 @@ def mqar_model_config(probes: ProbesSection, like: ModelConfig | None = None) ->
 def state_floats(cfg: ModelConfig) -> int:
     """Numbers in the recurrent matrix state of one sequence (all layers; the conv cache excluded)."""
     return cfg.n_layers * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim
+
+
+@dataclass(frozen=True)
+class MqarTraining:
+    """How a model is trained on MQAR: batches mixing 1..top_pairs pairs at seq_len tokens, Muon on
+    the matrices and AdamW on the rest (embeddings, gates, norms), a linear warmup then cosine to 0."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    top_pairs: int
+    muon_lr: float
+    adamw_lr: float
+    warmup_steps: int
+
+
+def train_on_mqar(
+    cfg: ModelConfig, how: MqarTraining, seed: int, progress: bool = True
+) -> tuple[LaplaceLM, list[float]]:
+    """A model of `cfg` trained on MQAR from seed `seed` (its initialisation and its batches):
+    (the model in eval mode, the loss of every step). The loss is on the queries only."""
+    torch.manual_seed(seed)
+    model = LaplaceLM(cfg)
+    optimizer = MuonAdamW(model, how.adamw_lr, AdamWSection(weight_decay=0.0), MuonSection(lr=how.muon_lr))
+    rng = np.random.default_rng(seed)
+    V = cfg.vocab_size
+    # the training loop's schedule: a linear warmup, then cosine down to zero
+    schedule = TrainSection(steps=how.steps, warmup_steps=how.warmup_steps, schedule="cosine", min_lr_ratio=0.0)
+    model.train()
+    bar = progress_bar(range(how.steps), desc="mqar train", unit="step", enabled=progress)
+    losses = []
+    for step in bar:
+        optimizer.set_lr_scale(lr_scale(step, schedule))
+        tokens, targets = _mixed_batch(how.batch_size, how.seq_len, how.top_pairs, V, rng)
+        loss = F.cross_entropy(model(tokens).reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE)
+        loss.backward()
+        # clipped to a global norm of 1 over the model's parameters in the model's order: the recall
+        # thresholds were set on this rounding (the optimizer's own clip sums in route order, and
+        # with it the trained recall at 4 pairs fell from >= 0.9 to 0.84; tests/test_probes.py)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    bar.close()
+    model.eval()
+    return model, losses
 
 
 def train_mqar(probes: ProbesSection, seed: int, progress: bool = True, like: ModelConfig | None = None) -> dict:
@@ -266,39 +338,28 @@ def train_mqar(probes: ProbesSection, seed: int, progress: bool = True, like: Mo
     with 256 ids (128 values) 600 steps never left the plateau, with 64 they do. The forget-gate
     bias decides it too: with gate_bias 0 the same run ends near 0.2.
     """
-    torch.manual_seed(seed)
     cfg = mqar_model_config(probes, like)
-    model = LaplaceLM(cfg)
-    optimizer = MuonAdamW(
-        model, probes.mqar_train_lr, AdamWSection(weight_decay=0.0), MuonSection(lr=probes.mqar_train_muon_lr)
-    )
-    batch_size, warmup_steps = probes.mqar_train_batch_size, probes.mqar_train_warmup_steps
-    rng = np.random.default_rng(seed)
-    L, V, top = probes.mqar_train_seq_len, probes.mqar_train_vocab, probes.mqar_train_pairs
-    steps = probes.mqar_train_steps
-    # the training loop's schedule: a linear warmup, then cosine down to zero
-    schedule = TrainSection(steps=steps, warmup_steps=warmup_steps, schedule="cosine", min_lr_ratio=0.0)
+    if not _pair_counts(probes.mqar_train_seq_len, probes.mqar_train_pairs, probes.mqar_train_vocab):
+        raise ConfigError(
+            f"probes.mqar_train_seq_len={probes.mqar_train_seq_len} holds no MQAR pair (needs >= 4 tokens per pair)"
+        )
+    V = probes.mqar_train_vocab
     start = time.perf_counter()
-    model.train()
-    if not _pair_counts(L, top, V):
-        raise ConfigError(f"probes.mqar_train_seq_len={L} holds no MQAR pair (needs >= 4 tokens per pair)")
-    bar = progress_bar(range(steps), desc="mqar train", unit="step", enabled=progress)
-    losses = []
-    for step in bar:
-        scale = lr_scale(step, schedule)
-        optimizer.set_lr_scale(scale)
-        tokens, targets = _mixed_batch(batch_size, L, top, V, rng)
-        loss = F.cross_entropy(model(tokens).reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE)
-        loss.backward()
-        # clipped to a global norm of 1 over the model's parameters in the model's order: the recall
-        # thresholds were set on this rounding (the optimizer's own clip sums in route order, and
-        # with it the trained recall at 4 pairs fell from >= 0.9 to 0.84; tests/test_probes.py)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-    bar.close()
+    model, losses = train_on_mqar(
+        cfg,
+        MqarTraining(
+            steps=probes.mqar_train_steps,
+            batch_size=probes.mqar_train_batch_size,
+            seq_len=probes.mqar_train_seq_len,
+            top_pairs=probes.mqar_train_pairs,
+            muon_lr=probes.mqar_train_muon_lr,
+            adamw_lr=probes.mqar_train_lr,
+            warmup_steps=probes.mqar_train_warmup_steps,
+        ),
+        seed,
+        progress,
+    )
+    L, top = probes.mqar_train_seq_len, probes.mqar_train_pairs
     train_seconds = time.perf_counter() - start
     model.eval()
     accuracy = mqar_grid(model, probes.mqar_contexts, probes.mqar_pairs, probes.mqar_samples, V, seed + 1)
