@@ -1,5 +1,6 @@
 """The architecture comparison as a Prefect flow: the corpus and its shards, then one task per arm
-of params.yaml's compare.arms, then the table.
+of params.yaml's compare.arms and one per cell of the MQAR protocol (mqar.*), its summary, then the
+table.
 
 Each task is `dvc repro --single-item` of its stage: corpus and tokenize in the project's dvc.yaml,
 the arms and the table in compare/ (a DVC repository of its own), so DVC decides what is up to date
@@ -50,12 +51,19 @@ def _submit(cfg, stage: str, root: Path, run_id: str, wait_for=None):
     return run_compare_stage.with_options(**options).submit(stage, str(root), run_id, wait_for=wait_for)
 
 
+def mqar_cell_stages(cfg) -> list[str]:
+    """The MQAR protocol's cells as compare/dvc.yaml's matrix names them (values as Python prints them)."""
+    m = cfg.mqar
+    return [f"cell@{a}-{w}-{lr}-{s}" for a in m.arms for w in m.widths for lr in m.lrs for s in m.seeds]
+
+
 @flow(name="laplace-compare")
 def compare(overrides: dict[str, Any] | None = None, root: str | None = None) -> dict:
     """Train and measure every arm of compare.arms, then write the table. `overrides`
     ({"compare.overrides": {...}, "train.seed": 1}) are written into params.yaml first, as
     `dvc exp run --set-param` would, so dvc.lock records them."""
     from laplace.pipeline.compare import COMPARE_DIR, check_arms
+    from laplace.pipeline.compare_mqar import arm_models, check_protocol
     from laplace.pipeline.compare_table import format_table, table_file
     from laplace.pipeline.layout import Paths
 
@@ -66,12 +74,15 @@ def compare(overrides: dict[str, Any] | None = None, root: str | None = None) ->
         write_params(params_file, overrides)
     cfg = load_config(params_file)
     check_arms(cfg)  # every arm's config before any work: a bad arm is one line, never retried
+    check_protocol(cfg.mqar, arm_models(cfg))
     run_id = str(flow_run.id or "local")
 
     data = _submit(cfg, "tokenize", root_path, run_id, wait_for=[_submit(cfg, "corpus", root_path, run_id)])
     compare_root = root_path / COMPARE_DIR
     arms = [_submit(cfg, f"arm@{arm}", compare_root, run_id, wait_for=[data]) for arm in cfg.compare.arms]
-    table = _submit(cfg, "table", compare_root, run_id, wait_for=arms)
+    cells = [_submit(cfg, stage, compare_root, run_id) for stage in mqar_cell_stages(cfg)]
+    mqar = _submit(cfg, "mqar", compare_root, run_id, wait_for=cells)
+    table = _submit(cfg, "table", compare_root, run_id, wait_for=[*arms, mqar])
     table.result()
     result = json.loads(table_file(Paths.at(root_path)).read_text())
     text = format_table(result, cfg.compare.table_contexts)

@@ -550,8 +550,7 @@ class CompareSection:
             "probes.passkey_depths": [0.5],
             "probes.recall_contexts": [256, 1024],
             "probes.memory_contexts": [1024],
-            "probes.mqar_train_steps": 400,
-            "probes.mqar_train_layers": 4,
+            "probes.train_mqar": False,  # the arms' recall on MQAR is the protocol's (mqar.*), trained per arm there
         },
         _dotted_overrides,
         "settings every arm shares that differ from the main pipeline's (cut to what 2 cores run in minutes)",
@@ -578,11 +577,74 @@ class CompareSection:
     registry_prefix: str = knob(
         "laplace-compare", doc="each arm's export is registered as <this>-<family> (gla | hybrid | softmax)"
     )
-    champion_recall_tolerance: float = knob(
+
+
+def _distinct_positive(v):
+    if (
+        not isinstance(v, list)
+        or not v
+        or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 for x in v)
+    ):
+        return "must be a non-empty list of positive numbers"
+    return "names a value twice" if len(set(v)) != len(v) else None
+
+
+def _mqar_seeds(v):
+    if not isinstance(v, list) or len(set(v)) < 3:
+        return "needs at least 3 distinct seeds: the standard error across seeds is what a recall figure carries"
+    return None
+
+
+@dataclass(frozen=True)
+class MqarSection:
+    """`mqar:` the MQAR recall protocol of the comparison (compare/dvc.yaml: one `cell@ARM-WIDTH-LR-SEED` stage
+    per cell, then `mqar`): Zoology's multi-query associative recall (arXiv 2312.04927), every (architecture,
+    width) trained once per learning rate and seed, the best rate's accuracy reported with its error over
+    seeds, behind a validity gate that first reproduces the known result."""
+
+    arms: list[str] = knob(
+        ["gla", "hybrid-1in4", "hybrid-1in2", "softmax"],
+        doc="the architectures: arms of compare.arms (each arm's attention layers at the same relative depth in "
+        "mqar.layers layers; every arm needs its recall for the pick)",
+    )
+    widths: list[int] = knob(
+        [32, 64], _distinct_positive, doc="model widths (d_model): every arm at each (the gate needs two for GLA)"
+    )
+    lrs: list[float] = knob(
+        [0.0025, 0.005, 0.01],
+        _distinct_positive,
+        "the learning-rate grid (Muon's; AdamW's is this times adamw_lr_ratio): each (arm, width) trains at every "
+        "one and reports the best, as Zoology does, so no arm runs at a rate tuned for another",
+    )
+    seeds: list[int] = knob([0, 1, 2], _mqar_seeds, doc="training seeds (initialisation and batches) of every cell")
+    layers: int = knob(
+        2,
+        _positive,
+        "layers of every MQAR model (2: a hybrid is one GLA and one attention layer, both hybrids alike; 4 keeps "
+        "a 1-in-4 and a 1-in-2 pattern apart at about 2.2x the time per step)",
+    )
+    heads: int = knob(2, _positive, doc="GLA and attention heads of every MQAR model")
+    gate_bias: float = knob(4.0, doc="GLA forget gates start near 1 (long memory)")
+    vocab: int = knob(128, _positive, doc="MQAR vocabulary: 48 key ids, 64 value ids (chance 1/64)")
+    seq_len: int = knob(64, _positive, doc="training sequence length (and the gate's reference context)")
+    train_pairs: int = knob(16, _positive, doc="each training batch mixes 1..this many key-value pairs")
+    steps: int = knob(800, _positive, doc="training steps of every cell")
+    batch_size: int = knob(16, _positive, doc="sequences per training step")
+    warmup_steps: int = knob(20, _non_negative, doc="linear learning-rate warmup, then cosine to zero")
+    adamw_lr_ratio: float = knob(1.0, _positive, doc="AdamW's learning rate (embeddings, gates, norms) over Muon's")
+    contexts: list[int] = knob([64], doc="test sequence lengths")
+    pairs: list[int] = knob([4, 8, 16], doc="test key-value pair counts (a cell per length and count that fits)")
+    test_queries: int = knob(1000, _positive, doc="at least this many test queries per (length, pairs) cell and seed")
+    test_seed: int = knob(1_000_003, doc="seeds the test sequences (the same for every model: paired comparisons)")
+    reference_pairs: int = knob(
+        16, _positive, doc="the gate's reference cell: this many pairs at seq_len, which all-attention must solve"
+    )
+    attention_min: float = knob(0.99, _unit_interval, doc="gate: all-attention's accuracy on the reference cell")
+    significance_se: float = knob(
         2.0,
         _positive,
-        "the comparison's pick: the smallest serving bytes per sequence at 8k whose recall at every length is "
-        "within this many binomial standard errors of the best arm's",
+        "a difference counts when it exceeds this many standard errors (seed spread included): the gate, the "
+        "pick and the headline",
     )
 
 
@@ -613,6 +675,7 @@ class Config:
     tracking: TrackingSection = field(default_factory=TrackingSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     compare: CompareSection = field(default_factory=CompareSection)
+    mqar: MqarSection = field(default_factory=MqarSection)
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The resolved architecture: preset, then params overrides, then the tokenizer's vocab size."""

@@ -4,7 +4,6 @@ table's rules, and the engine's bytes and decode time against context for each a
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -57,44 +56,6 @@ def test_a_table_column_that_was_never_measured_is_refused():
         compare.check_arms(cfg)
 
 
-def _row(arm, fam, trained, bytes_8k, samples=64):
-    return {
-        "arm": arm,
-        "family": fam,
-        "recall_trained_mqar": {str(n): v for n, v in trained.items()},
-        "mqar_trained_samples": {str(n): samples for n in trained},
-        "bytes_per_sequence": {"8192": bytes_8k},
-    }
-
-
-ROWS = {
-    "gla": _row("gla", "gla", {64: 0.40, 256: 0.20}, 150_000),
-    "hybrid-1in4": _row("hybrid-1in4", "hybrid", {64: 0.95, 256: 0.90}, 2_250_000),
-    "hybrid-1in2": _row("hybrid-1in2", "hybrid", {64: 0.97, 256: 0.93}, 4_300_000),
-    "softmax": _row("softmax", "softmax", {64: 0.99, 256: 0.95}, 8_400_000),
-}
-
-
-def test_the_pick_is_the_smallest_memory_within_the_sampling_error_of_the_best():
-    chosen = compare_table.pick(ROWS, tolerance_se=2.0, memory_context=8192)
-    # gla misses by far more than 2 standard errors; hybrid-1in4's 0.90 vs 0.95 at 256 over 64 queries each
-    # is within 2 * hypot(se(0.90), se(0.95)) = 0.094, and it holds the fewest bytes of those left
-    assert chosen["arm"] == "hybrid-1in4"
-    assert "gla (0.40 vs softmax's 0.99 at 64" in chosen["reason"]
-    assert "64 queries each" in chosen["reason"]
-    # a tighter tolerance leaves only the arms at the top
-    assert compare_table.pick(ROWS, tolerance_se=0.5, memory_context=8192)["arm"] in ("hybrid-1in2", "softmax")
-    # within a family
-    assert compare_table.pick(ROWS, 2.0, 8192, ["hybrid-1in4", "hybrid-1in2"])["arm"] == "hybrid-1in4"
-
-
-def test_the_headline_states_the_share_of_the_gap_closed_and_the_bytes_it_costs():
-    text = compare_table.headline(ROWS, 8192)
-    # (0.90 - 0.20) / (0.95 - 0.20) = 93%; 2.25 MB / 150 kB = 15.0x; 8.4 MB / 2.25 MB = 3.7x
-    assert "hybrid-1in4 recovered 93% of the softmax model's MQAR-trained recall at 256 tokens" in text
-    assert "15.0x GLA's serving bytes per sequence at 8192 (3.7x less than softmax)" in text
-
-
 def test_the_3b_shape_and_its_hybrids_from_the_formula():
     """At 8k tokens in bf16: the article's 2.4 GB K/V against laplace-3b's fixed state is the article's
     82x; each hybrid's ratio is computed from its layers, and more attention layers hold more."""
@@ -132,7 +93,8 @@ def test_ruler_columns_are_the_mean_over_the_tasks_that_ran_and_the_rest_are_nam
     assert metrics["ruler_1024"] == 0.25 and metrics["ruler_niah_single_1_1024"] == 0.5
     assert "ruler_ruler_fwe_1024" not in metrics
     table = {
-        "arms": {"gla": row | {"recall": {}, "recall_trained_mqar": {}, "bytes_per_sequence": {}}},
+        "arms": {"gla": row | {"recall": {}, "bytes_per_sequence": {}}},
+        "mqar": PROTOCOL,
         "memory_context": 8192,
         "headline": "h",
         "pick": {"arm": "gla", "reason": "r"},
@@ -142,9 +104,41 @@ def test_ruler_columns_are_the_mean_over_the_tasks_that_ran_and_the_rest_are_nam
     assert "ruler       ruler_fwe not run on gla: did not finish in 600 s" in text
 
 
-def test_binomial_error_has_a_floor_at_zero_and_one():
-    assert compare_table.binomial_se(0.5, 100) == pytest.approx(0.05)
-    assert compare_table.binomial_se(1.0, 100) == pytest.approx(math.sqrt(1 / 100) / 10)
+# one model of a protocol summary, as laplace.pipeline.compare_mqar writes it (the table's printout needs one)
+PROTOCOL = {
+    "models": {
+        "gla-w64": {
+            "arm": "gla",
+            "width": 64,
+            "family": "gla",
+            "best_lr": 0.005,
+            "bytes_per_sequence": {"64": 11264},
+            "accuracy": {"64": {"16": {"mean": 0.5, "se": 0.1, "seeds": [0.4, 0.5, 0.6], "queries": 1008}}},
+        }
+    },
+    "gate": {"passed": False, "checks": [], "reason": "r"},
+    "reference": {"context": 64, "pairs": 16},
+    "significance_se": 2.0,
+}
+
+
+def test_lm_recall_columns_where_every_arm_is_at_chance_are_marked_not_informative():
+    def row(verdict_256, ruler):
+        return {
+            "recall": {"256": 0.0, "1024": 0.0},
+            "recall_verdict": {"256": verdict_256, "1024": "recall: none above chance"},
+            "ruler": {"1024": ruler},
+        }
+
+    rows = {"gla": row("recall: none above chance", 0.0), "softmax": row("recall above chance: passkey", 0.0)}
+    muted = compare_table.uninformative_columns(rows, 70)
+    # 256: one arm recalls, so the column compares something; 1024 and RULER: nothing anywhere
+    assert muted == {
+        "recall@1024": "no arm above chance after 70 training steps",
+        "ruler@1024": "every arm scored 0 after 70 training steps",
+    }
+    rows["gla"]["ruler"]["1024"] = 0.25
+    assert "ruler@1024" not in compare_table.uninformative_columns(rows, 70)
 
 
 # --------------------------------------------------------------------------- decode time against context
@@ -197,9 +191,24 @@ E2E_OVERRIDES = {
     "train.checkpoint_every": 2,
     "serve_check.workloads": ["poisson"],
     "serve_check.requests": 6,
-    "probes.mqar_train_layers": 2,
-    "probes.mqar_train_steps": 6,
+    "probes.train_mqar": False,
     "probes.memory_contexts": [128],
+}
+# the MQAR protocol at a size that trains in a second per cell: one width, so its gate cannot pass
+# (GLA's rise with width is not measured) and the table must say recall was not measured
+E2E_MQAR = {
+    "mqar.arms": ["gla", "softmax"],
+    "mqar.widths": [16],
+    "mqar.lrs": [0.01],
+    "mqar.vocab": 32,
+    "mqar.seq_len": 16,
+    "mqar.train_pairs": 2,
+    "mqar.contexts": [16],
+    "mqar.pairs": [1, 2],
+    "mqar.reference_pairs": 2,
+    "mqar.steps": 10,
+    "mqar.batch_size": 8,
+    "mqar.test_queries": 50,
 }
 
 
@@ -220,6 +229,7 @@ def compared(tmp_path_factory):
             "compare.decode_timing_steps": 4,
             "compare.table_contexts": [64, 512],
             "compare.lm_eval_tasks": [],
+            **E2E_MQAR,
         },
     )
     # `make compare` as the README prints it (the project's shards, then compare/'s own `dvc repro`),
@@ -239,7 +249,8 @@ def test_the_comparison_runs_through_dvc_and_adding_an_arm_reruns_only_that_arm(
     from project import BIN, commit_all, run, set_params
 
     repo, output = compared
-    assert _ran(output) >= {"tokenize", "arm@gla", "arm@softmax", "table"}
+    cells = {f"cell@{a}-16-0.01-{s}" for a in ("gla", "softmax") for s in (0, 1, 2)}
+    assert _ran(output) >= {"tokenize", "arm@gla", "arm@softmax", "mqar", "table"} | cells
     status = run(["python", "-m", "dvc", "status"], repo / "compare")
     assert "up to date" in status.stdout, status.stdout
     # the project's own DVC view never lists the comparison (compare/ is a repository of its own)
@@ -259,9 +270,18 @@ def test_the_comparison_runs_through_dvc_and_adding_an_arm_reruns_only_that_arm(
     # grows with the context: 2 (K, V) x 2 layers x tokens x 32 (2 heads x 16) x 4 bytes
     assert gla["bytes_per_sequence"]["256"] == gla["bytes_per_sequence"]["1024"] > 0
     assert soft["bytes_per_sequence"] == {"256": 2 * 2 * 256 * 32 * 4, "1024": 2 * 2 * 1024 * 32 * 4}
+    # one width: the protocol's gate fails on GLA's rise with width, so recall draws no pick or headline
+    gate = table["mqar"]["gate"]
+    assert not gate["passed"] and "GLA rises with width: failed, needs pure GLA at two widths" in gate["reason"]
+    assert table["pick"]["arm"] is None and table["pick"]["reason"].startswith("recall not measured: ")
+    assert table["headline"].startswith("recall not measured: ")
+    assert set(table["arms"]["gla"]["mqar"]) == {"gla-w16"}
     # the docs' commands (docs/architectures.md), as printed
     shown = run([str(BIN / "laplace"), "compare", "--no-track"], repo)
     assert "pick" in shown.stdout and "gla" in shown.stdout and "softmax" in shown.stdout
+    assert "pick        none: recall not measured" in shown.stdout and "gate        FAILED" in shown.stdout
+    protocol = run([str(BIN / "laplace"), "mqar"], repo).stdout
+    assert "gla-w16" in protocol and "FAIL GLA rises with width" in protocol, protocol
     metrics = run(["python", "-m", "dvc", "metrics", "show"], repo / "compare")
     assert "table.json" in metrics.stdout
     run(["python", "-m", "dvc", "plots", "show"], repo / "compare")
@@ -269,10 +289,15 @@ def test_the_comparison_runs_through_dvc_and_adding_an_arm_reruns_only_that_arm(
 
     commit_all(repo, "the comparison")
     set_params(
-        repo / "params.yaml", {"compare.arms.hybrid": {"preset": "tiny", "attn": {"layers": [1], "num_heads": 2}}}
+        repo / "params.yaml",
+        {
+            "compare.arms.hybrid": {"preset": "tiny", "attn": {"layers": [1], "num_heads": 2}},
+            "mqar.arms": ["gla", "softmax", "hybrid"],
+        },
     )
     again = run(["python", "-m", "dvc", "repro"], repo / "compare", timeout=1500).stdout
-    assert _ran(again) == {"arm@hybrid", "table"}, again
+    # the new arm, its protocol cells, the protocol's summary and the table: nothing finished reruns
+    assert _ran(again) == {"arm@hybrid", "mqar", "table"} | {f"cell@hybrid-16-0.01-{s}" for s in (0, 1, 2)}, again
 
 
 @pytest.mark.slow

@@ -61,6 +61,7 @@ RUN_ELSEWHERE = {
     "laplace eval": ("test_harness.py", ['"eval"', '"--tasks"']),
     "make compare": ("test_compare.py", ['"compare"', '"make"']),
     "laplace compare --no-track": ("test_compare.py", ['"compare", "--no-track"']),
+    "laplace mqar": ("test_compare.py", ['"laplace"), "mqar"']),
     "lm_eval --model laplace": ("test_harness.py", ['"lm_eval"', '"--model", "laplace"', '"--model_args"']),
 }
 RUN_HERE = ("laplace info", "laplace generate", "laplace summary")

@@ -202,6 +202,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-track", action="store_true", help="write the table and plots, log nothing to MLflow")
     p.add_argument("--json", action="store_true", help="print the table as one JSON object")
 
+    p = sub.add_parser(
+        "mqar-cell",
+        help="the MQAR protocol, one cell: ARM at WIDTH trained at LR from SEED, then tested (compare/dvc.yaml)",
+    )
+    add_config_arguments(p)
+    p.add_argument("arm", help="one of mqar.arms")
+    p.add_argument("width", type=int, help="one of mqar.widths")
+    p.add_argument("lr", type=float, help="one of mqar.lrs")
+    p.add_argument("seed", type=int, help="one of mqar.seeds")
+    p = sub.add_parser(
+        "mqar",
+        help="the MQAR protocol's summary from its cells: best rates, errors over seeds, the validity gate, "
+        "the frontier (compare/mqar/protocol.json)",
+    )
+    add_config_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions) until SIGTERM")
     add_config_arguments(p)
     serve.add_arguments(p)
@@ -456,6 +473,20 @@ def _compare(args, cfg, paths: Paths) -> int:
     return 0
 
 
+def _mqar(args, cfg, paths: Paths) -> int:
+    from laplace.pipeline import compare_mqar
+
+    compare_mqar.check_protocol(cfg.mqar, compare_mqar.arm_models(cfg))
+    if args.command == "mqar-cell":
+        r = compare_mqar.run_cell(cfg, paths, args.arm, args.width, args.lr, args.seed)
+        cells = ", ".join(f"{p} pairs@{c}: {v:.3f}" for c, row in r["accuracy"].items() for p, v in row.items())
+        print(f"laplace mqar-cell: {r['model']} lr {args.lr:g} seed {args.seed}: {cells} ({r['train_seconds']:.0f} s)")
+        return 0
+    result = compare_mqar.run_protocol(cfg, paths)
+    print(json.dumps(result, default=str) if args.json else compare_mqar.format_protocol(result))
+    return 0
+
+
 def _eval(args, paths: Paths) -> int:
     from laplace.errors import ConfigError
     from laplace.fileio import atomic_write_bytes
@@ -496,6 +527,8 @@ WITH_PARAMS = {
     "generate": _generate,
     "compare-arm": lambda args, cfg: _compare(args, cfg, Paths.at(args.root)),
     "compare": lambda args, cfg: _compare(args, cfg, Paths.at(args.root)),
+    "mqar-cell": lambda args, cfg: _mqar(args, cfg, Paths.at(args.root)),
+    "mqar": lambda args, cfg: _mqar(args, cfg, Paths.at(args.root)),
 }
 
 

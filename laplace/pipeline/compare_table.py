@@ -10,8 +10,11 @@ import math
 from pathlib import Path
 
 from laplace.config import Config
+from laplace.errors import InputError
+from laplace.evals.mqar_protocol import differs
 from laplace.fileio import atomic_write_json
 from laplace.pipeline.compare import ARCH_FIGURES, COMPARE_DIR, arm_figures, arm_paths, check_arms
+from laplace.pipeline.compare_mqar import format_protocol, protocol_file
 from laplace.pipeline.layout import Paths
 
 
@@ -38,13 +41,6 @@ def recall_by_length(probes: dict) -> dict[int, float]:
     return {n: _mean(v) for n, v in sorted(by_length.items())}
 
 
-def trained_recall_by_length(probes: dict) -> dict[int, float]:
-    """MQAR recall of the model of the arm's architecture trained on MQAR: per context, the mean
-    over pair counts (the grid's cells that fit)."""
-    grid = probes.get("mqar_trained_accuracy") or {}
-    return {int(c): _mean(row.values()) for c, row in sorted(grid.items(), key=lambda kv: int(kv[0]))}
-
-
 def ruler_by_length(ruler: dict) -> dict[str, float]:
     """RULER per length: the mean score over the tasks that ran (each task's own score is kept beside)."""
     by_length: dict[str, list[float]] = {}
@@ -55,8 +51,30 @@ def ruler_by_length(ruler: dict) -> dict[str, float]:
     return {n: _mean(v) for n, v in sorted(by_length.items(), key=lambda kv: int(kv[0]))}
 
 
-def table_row(arm: str, figures: dict, table_contexts: list[int]) -> dict:
-    """One row of the comparison table, from one arm's figures."""
+def read_protocol(paths: Paths) -> dict:
+    """The MQAR protocol's summary (compare/mqar/protocol.json, the `mqar` stage)."""
+    import json
+
+    path = protocol_file(paths)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise InputError(
+            f"no MQAR protocol in {path}: run `cd compare && dvc repro` (or `laplace mqar` after its cells)"
+        ) from None
+
+
+def arm_recall(protocol: dict, arm: str) -> dict:
+    """The arm's MQAR protocol figures, by model: {ARM-wWIDTH: {width, best_lr, accuracy}}."""
+    return {
+        name: {"width": m["width"], "best_lr": m["best_lr"], "accuracy": m["accuracy"]}
+        for name, m in protocol["models"].items()
+        if m["arm"] == arm
+    }
+
+
+def table_row(arm: str, figures: dict, table_contexts: list[int], protocol: dict | None = None) -> dict:
+    """One row of the comparison table, from one arm's figures (and its MQAR protocol figures)."""
     train, probes, arch = figures["train"], figures["probes"], figures[ARCH_FIGURES]
     ruler = arch.get("ruler") or {}
     padded = arch.get("serving") or {}
@@ -70,8 +88,8 @@ def table_row(arm: str, figures: dict, table_contexts: list[int]) -> dict:
         "val_loss": train.get("val_loss"),
         "perplexity": math.exp(train["val_loss"]) if train.get("val_loss") is not None else None,
         "recall": {str(n): v for n, v in recall_by_length(probes).items()},
-        "recall_trained_mqar": {str(n): v for n, v in trained_recall_by_length(probes).items()},
-        "mqar_trained_samples": probes.get("mqar_trained_samples"),
+        "recall_verdict": probes.get("recall_verdict") or {},
+        "mqar": arm_recall(protocol, arm) if protocol else {},
         "ruler": ruler_by_length(ruler),
         "ruler_tasks": {t: r.get("score") for t, r in ruler.items() if r.get("run")},
         "ruler_not_run": {t: r.get("reason") for t, r in ruler.items() if not r.get("run")},
@@ -84,92 +102,111 @@ def table_row(arm: str, figures: dict, table_contexts: list[int]) -> dict:
     }
 
 
-def _gap_recovered(rows: dict, arm: str, length: str, key: str) -> float | None:
-    """(arm - gla) / (softmax - gla) of a recall figure at one length: the share of the gap closed."""
-    fam = {r["family"]: r for r in rows.values()}
-    gla, soft = fam.get("gla"), fam.get("softmax")
-    if gla is None or soft is None:
-        return None
-    lo, hi, mid = gla[key].get(length), soft[key].get(length), rows[arm][key].get(length)
-    if None in (lo, hi, mid) or hi - lo <= 0:
-        return None
-    return (mid - lo) / (hi - lo)
+def _cell(row: dict, width: int, ctx: str, pairs: str) -> dict:
+    """An arm's MQAR estimate at one width and test cell; a figure without its error or query count is an
+    InputError (the pick never guesses a count)."""
+    for name, m in row["mqar"].items():
+        if m["width"] == width:
+            e = m["accuracy"].get(ctx, {}).get(pairs)
+            if not e or any(e.get(k) is None for k in ("mean", "se", "queries", "seeds")):
+                raise InputError(
+                    f"MQAR protocol: {name} has no mean, error, seeds and query count at {pairs} pairs, {ctx} tokens: "
+                    "rerun `cd compare && dvc repro`"
+                )
+            return e
+    raise InputError(f"MQAR protocol: arm {row['arm']} has no model at width {width}: rerun `cd compare && dvc repro`")
 
 
-def headline(rows: dict, memory_context: int) -> str:
-    """The trade in one sentence: how much of the softmax model's MQAR-trained recall each hybrid
-    recovered (the gap between GLA and softmax closed), for how many times GLA's serving bytes."""
+def _shown(e: dict) -> str:
+    return f"{e['mean']:.2f} ± {e['se']:.2f}"
+
+
+def _not_measured(protocol: dict) -> str | None:
+    gate = protocol["gate"]
+    return (
+        None if gate["passed"] else f"recall not measured: the MQAR protocol's validity gate failed ({gate['reason']})"
+    )
+
+
+def headline(rows: dict, protocol: dict, memory_context: int) -> str:
+    """The trade in one sentence, from the MQAR protocol at its widest width and reference cell: each
+    hybrid against pure GLA and softmax, a difference stated only where it exceeds the protocol's
+    significance (`indistinguishable` otherwise), the share of the GLA-softmax gap only where that gap
+    is itself significant, and its serving bytes against GLA's and softmax's."""
+    if reason := _not_measured(protocol):
+        return reason
     fam = {r["family"]: r for r in rows.values()}
     gla, soft = fam.get("gla"), fam.get("softmax")
     if gla is None or soft is None:
         return "the comparison needs a gla and a softmax arm to state the trade"
-    key, at = str(memory_context), None
-    lengths = sorted(set(gla["recall_trained_mqar"]) & set(soft["recall_trained_mqar"]), key=int)
-    if lengths:
-        at = lengths[-1]
-    parts = []
+    z = protocol["significance_se"]
+    width = max(m["width"] for m in protocol["models"].values())
+    ctx, pairs = str(protocol["reference"]["context"]), str(protocol["reference"]["pairs"])
+    g, s = _cell(gla, width, ctx, pairs), _cell(soft, width, ctx, pairs)
+
+    def versus(a: dict, b: dict, name: str) -> str:
+        score = differs(a, b, z)
+        if abs(score) <= z:
+            return f"indistinguishable from {name}"
+        return f"{'above' if score > 0 else 'below'} {name} by {abs(a['mean'] - b['mean']):.2f} ({abs(score):.1f} SE)"
+
+    key = str(memory_context)
+    gap = differs(s, g, z)
+    where = f"MQAR at width {width}, {pairs} pairs in {ctx} tokens (best learning rate each, mean ± SE over seeds)"
+    parts = [f"{where}: {gla['arm']} {_shown(g)}, {soft['arm']} {_shown(s)} ({versus(s, g, gla['arm'])})"]
     for arm, row in rows.items():
-        if row["family"] != "hybrid" or at is None:
+        if row["family"] != "hybrid":
             continue
-        share = _gap_recovered(rows, arm, at, "recall_trained_mqar")
-        mine, base = row["bytes_per_sequence"].get(key), gla["bytes_per_sequence"].get(key)
-        top = soft["bytes_per_sequence"].get(key)
-        if share is None or not mine or not base or not top:
-            continue
-        parts.append(
-            f"{arm} recovered {share:.0%} of the softmax model's MQAR-trained recall at {at} tokens "
-            f"(over pure GLA) for {mine / base:.1f}x GLA's serving bytes per sequence at {memory_context} "
-            f"({top / mine:.1f}x less than softmax)"
-        )
-    if not parts:
-        return (
-            f"no hybrid arm measured against both ends (softmax vs gla MQAR-trained recall at {at} tokens: "
-            f"{soft['recall_trained_mqar'].get(at)} vs {gla['recall_trained_mqar'].get(at)})"
-        )
+        h = _cell(row, width, ctx, pairs)
+        text = f"{arm} {_shown(h)}: {versus(h, g, gla['arm'])}, {versus(h, s, soft['arm'])}"
+        if gap > z:
+            text += f", {(h['mean'] - g['mean']) / (s['mean'] - g['mean']):.0%} of the gap closed"
+        mine, base, top = (r["bytes_per_sequence"].get(key) for r in (row, gla, soft))
+        if mine and base and top:
+            text += f", for {mine / base:.1f}x {gla['arm']}'s serving bytes at {memory_context}"
+            text += f" ({top / mine:.1f}x less than {soft['arm']})"
+        parts.append(text)
     return "; ".join(parts)
 
 
-def binomial_se(p: float, n: int) -> float:
-    return math.sqrt(max(p * (1 - p), 1.0 / max(n, 1)) / max(n, 1))
-
-
-def pick(rows: dict, tolerance_se: float, memory_context: int, candidates: list[str] | None = None) -> dict:
+def pick(rows: dict, protocol: dict, memory_context: int, candidates: list[str] | None = None) -> dict:
     """The comparison's choice: the arm with the smallest serving bytes per sequence at
-    `memory_context` whose MQAR-trained recall at every length is within `tolerance_se` binomial
-    standard errors of the best arm's there (`candidates`: only these arms, e.g. one family).
-    Returns {arm, reason}."""
+    `memory_context` whose MQAR protocol accuracy is not significantly below the best arm's in any test
+    cell at any width (more than the protocol's `significance_se` standard errors, seed spread
+    included); `candidates`: only these arms, e.g. one family. Returns {arm, reason}; no pick where
+    the protocol's validity gate failed."""
+    if reason := _not_measured(protocol):
+        return {"arm": None, "reason": reason}
     names = candidates or list(rows)
-    key = str(memory_context)
-    lengths = sorted({n for a in names for n in rows[a]["recall_trained_mqar"]}, key=int)
-    samples = {a: rows[a].get("mqar_trained_samples") or {} for a in names}
-    ok, why = [], {}
-    for a in names:
-        misses = []
-        for n in lengths:
-            mine = rows[a]["recall_trained_mqar"].get(n)
-            best_arm = max(names, key=lambda b: rows[b]["recall_trained_mqar"].get(n) or -1)
-            best = rows[best_arm]["recall_trained_mqar"].get(n)
-            if mine is None or best is None:
-                continue
-            count = int(samples[a].get(n) or 1)
-            bound = tolerance_se * math.hypot(binomial_se(mine, count), binomial_se(best, count))
-            if best - mine > bound:
-                misses.append(f"{mine:.2f} vs {best_arm}'s {best:.2f} at {n} (> {bound:.2f}, {count} queries each)")
-        if misses:
-            why[a] = "; ".join(misses)
-        else:
-            ok.append(a)
-    if not ok:
-        return {"arm": None, "reason": "no arm is within the tolerance of the best at every length"}
+    z, key = protocol["significance_se"], str(memory_context)
+    widths = sorted({m["width"] for m in protocol["models"].values()})
+    cells = sorted(
+        {(c, p) for m in protocol["models"].values() for c, row in m["accuracy"].items() for p in row},
+        key=lambda cp: (int(cp[0]), int(cp[1])),
+    )
+    why = {}
+    for w in widths:
+        for ctx, pairs in cells:
+            est = {a: _cell(rows[a], w, ctx, pairs) for a in names}
+            best = max(names, key=lambda a: est[a]["mean"])
+            for a in names:
+                score = differs(est[best], est[a], z)
+                if a != best and score > z:
+                    why.setdefault(a, []).append(
+                        f"{_shown(est[a])} vs {best}'s {_shown(est[best])} at width {w}, {pairs} pairs in {ctx} "
+                        f"tokens ({score:.1f} SE, {est[a]['queries']:,} queries x {len(est[a]['seeds'])} seeds)"
+                    )
+    ok = [a for a in names if a not in why]
     chosen = min(ok, key=lambda a: rows[a]["bytes_per_sequence"].get(key) or math.inf)
-    out_of = [a for a in names if a != chosen]
     reason = (
         f"the smallest serving bytes per sequence at {memory_context} "
-        f"({rows[chosen]['bytes_per_sequence'].get(key):,} B) among the arms whose MQAR-trained recall is within "
-        f"{tolerance_se:g} standard errors of the best at every length"
+        f"({rows[chosen]['bytes_per_sequence'].get(key):,} B) among the arms whose MQAR accuracy is not "
+        f"significantly below the best (more than {z:g} standard errors) in any test cell at any width"
     )
     if why:
-        reason += "; left out: " + "; ".join(f"{a} ({w})" for a, w in why.items() if a in out_of)
+        reason += "; left out: " + "; ".join(
+            f"{a} ({'; '.join(w[:2])}{'; ...' if len(w) > 2 else ''})" for a, w in why.items()
+        )
     return {"arm": chosen, "reason": reason}
 
 
@@ -203,22 +240,42 @@ def laplace_3b_bytes(context: int) -> dict:
     }
 
 
+def uninformative_columns(rows: dict, train_steps: int) -> dict[str, str]:
+    """The LM arms' recall columns that compare nothing: recall@N where no arm's recall suite is above
+    chance at N (probes' verdicts), ruler@N where every arm scored 0. {column: why}."""
+    out = {}
+    lengths = sorted({n for r in rows.values() for n in r["recall"]}, key=int)
+    for n in lengths:
+        verdicts = [r["recall_verdict"].get(n) for r in rows.values()]
+        if all(v is not None and "none above chance" in v for v in verdicts):
+            out[f"recall@{n}"] = f"no arm above chance after {train_steps} training steps"
+    for n in sorted({n for r in rows.values() for n in r.get("ruler", {})}, key=int):
+        if all((r.get("ruler", {}).get(n) or 0.0) == 0.0 for r in rows.values()):
+            out[f"ruler@{n}"] = f"every arm scored 0 after {train_steps} training steps"
+    return out
+
+
 def build_table(cfg: Config, paths: Paths) -> dict:
-    """compare/table.json: the table's rows, the headline, the overall pick and one per family."""
+    """compare/table.json: the table's rows, the MQAR protocol, the headline, the overall pick and one per
+    family, and the LM columns that are not informative at this training budget."""
+    from laplace.pipeline.compare import arm_config
+
     c = cfg.compare
     configs = check_arms(cfg)
-    rows = {arm: table_row(arm, arm_figures(paths, arm), c.table_contexts) for arm in configs}
+    protocol = read_protocol(paths)
+    rows = {arm: table_row(arm, arm_figures(paths, arm), c.table_contexts, protocol) for arm in configs}
     memory_context = 8192 if 8192 in c.memory_contexts else max(c.memory_contexts)
     families: dict[str, list[str]] = {}
     for arm, row in rows.items():
         families.setdefault(row["family"], []).append(arm)
+    steps = arm_config(cfg, next(iter(configs))).train.steps
     return {
         "arms": rows,
-        "headline": headline(rows, memory_context),
-        "pick": pick(rows, c.champion_recall_tolerance, memory_context),
-        "family_picks": {
-            f: pick(rows, c.champion_recall_tolerance, memory_context, arms) for f, arms in families.items()
-        },
+        "mqar": protocol,
+        "headline": headline(rows, protocol, memory_context),
+        "pick": pick(rows, protocol, memory_context),
+        "family_picks": {f: pick(rows, protocol, memory_context, arms) for f, arms in families.items()},
+        "not_informative": uninformative_columns(rows, steps),
         "memory_context": memory_context,
         "laplace_3b": laplace_3b_bytes(memory_context),
     }
@@ -231,25 +288,34 @@ def _fmt(v, spec: str, none: str = "-") -> str:
 def format_table(table: dict, table_contexts: list[int]) -> str:
     rows = table["arms"]
     lengths = sorted({n for r in rows.values() for n in r["recall"]}, key=int)
-    trained = sorted({n for r in rows.values() for n in r["recall_trained_mqar"]}, key=int)
     ruler = sorted({n for r in rows.values() for n in r.get("ruler", {})}, key=int)
     mem = str(table["memory_context"])
+    muted = table.get("not_informative") or {}
+    protocol = table["mqar"]
+    width = max(m["width"] for m in protocol["models"].values())
+    ref_ctx, ref_pairs = str(protocol["reference"]["context"]), str(protocol["reference"]["pairs"])
+    mqar_col = f"mqar {ref_pairs}p@{ref_ctx} w{width}"
+
+    def col(name: str) -> str:  # a column that compares nothing is marked, its line below says why
+        return f"({name})" if name in muted else name
+
     head = (
         ["arm", "family", "params", "val loss"]
-        + [f"recall@{n}" for n in lengths]
-        + [f"mqar@{n}" for n in trained]
-        + [f"ruler@{n}" for n in ruler]
+        + [col(f"recall@{n}") for n in lengths]
+        + [col(f"ruler@{n}") for n in ruler]
+        + [mqar_col]
         + [f"B/seq@{mem}"]
         + [f"ms/tok@{c}" for c in table_contexts]
         + ["tok/s", "compiles"]
     )
     body = []
     for r in rows.values():
+        e = next((m["accuracy"][ref_ctx][ref_pairs] for m in r["mqar"].values() if m["width"] == width), None)
         body.append(
             [r["arm"], r["family"], _fmt(r["parameters"], ","), _fmt(r["val_loss"], ".3f")]
             + [_fmt(r["recall"].get(n), ".2f") for n in lengths]
-            + [_fmt(r["recall_trained_mqar"].get(n), ".2f") for n in trained]
             + [_fmt(r.get("ruler", {}).get(n), ".2f") for n in ruler]
+            + [_shown(e) if e else "-"]
             + [_fmt(r["bytes_per_sequence"].get(mem), ",")]
             + [_fmt(r["decode_ms_per_token"].get(str(c)), ".2f") for c in table_contexts]
             + [_fmt(r["output_tokens_per_s"], ".0f"), _fmt(r["compiles_while_serving"], "d")]
@@ -257,6 +323,8 @@ def format_table(table: dict, table_contexts: list[int]) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    for name, why in muted.items():
+        lines.append(f"({name})  not informative at this training budget: {why}; shown, not compared")
     not_run: dict[str, tuple[list[str], str]] = {}  # task: (the arms, the first arm's reason), a line per task
     for r in rows.values():
         for task, why in (r.get("ruler_not_run") or {}).items():
@@ -269,6 +337,8 @@ def format_table(table: dict, table_contexts: list[int]) -> str:
             for name, v in big["presets"].items()
         )
         lines.append(f"3B formula  at {big['context']} tokens, bf16: {shown}")
+    lines.append("MQAR protocol (best learning rate per model, mean ± SE over seeds):")
+    lines += ["  " + line for line in format_protocol(protocol).splitlines()]
     p = table["pick"]
     lines.append(f"headline    {table['headline']}")
     lines.append(f"pick        {p['arm'] or 'none'}: {p['reason']}")
@@ -276,7 +346,8 @@ def format_table(table: dict, table_contexts: list[int]) -> str:
 
 
 def plot_rows(table: dict) -> dict[str, list[dict]]:
-    """DVC plot data (compare/plots/*.json), one line (`series`) per arm."""
+    """DVC plot data (compare/plots/*.json), one line (`series`) per arm (the protocol's plots are the
+    `mqar` stage's)."""
     rows = table["arms"]
 
     def series(key: str, y: str) -> list[dict]:
@@ -287,23 +358,10 @@ def plot_rows(table: dict) -> dict[str, list[dict]]:
             ]
         return sorted(out, key=lambda row: (row["order"], row["context"]))
 
-    mem = str(table["memory_context"])
-    frontier = [
-        {
-            "bytes_per_sequence": r["bytes_per_sequence"].get(mem),
-            "recall": _mean(r["recall_trained_mqar"].values()),
-            "series": arm,
-            "order": order,
-        }
-        for order, (arm, r) in enumerate(rows.items())
-        if r["bytes_per_sequence"].get(mem) is not None
-    ]
     return {
-        "recall_trained": series("recall_trained_mqar", "accuracy"),
         "recall": series("recall", "accuracy"),
         "bytes": series("bytes_per_sequence", "bytes"),
         "decode": series("decode_ms_per_token", "ms_per_token"),
-        "frontier": frontier,
     }
 
 

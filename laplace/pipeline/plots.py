@@ -219,9 +219,9 @@ def accuracy_plot(result: dict, path: Path) -> None:
 
 
 def comparison_plots(table: dict, out_dir: Path) -> None:
-    """The architecture comparison (laplace compare): recall per length per arm (MQAR-trained and the
-    exported model's suite), serving bytes per sequence and decode time against context, and recall
-    against bytes per sequence (the recall-per-byte frontier). One PNG each, a line or point per arm."""
+    """The architecture comparison (laplace compare): the exported models' recall suite per length, serving
+    bytes per sequence and decode time against context, a line per arm (the MQAR protocol's frontier is
+    the `mqar` stage's, `mqar_plots`)."""
     rows = table["arms"]
 
     def lines(key: str, title: str, ylabel: str, path: Path, logy: bool = False) -> None:
@@ -240,21 +240,44 @@ def comparison_plots(table: dict, out_dir: Path) -> None:
         ax.legend(fontsize=8)
         save_figure(fig, path)
 
-    lines("recall_trained_mqar", "MQAR recall of each architecture trained on MQAR", "accuracy", out_dir / "recall.png")
     lines("recall", "recall suite of the exported models", "accuracy", out_dir / "recall_exported.png")
     lines("bytes_per_sequence", "serving bytes per sequence (state + K/V)", "bytes", out_dir / "bytes.png", True)
     lines("decode_ms_per_token", "decode time per token after a prompt", "ms per token", out_dir / "decode.png", True)
-    mem = str(table["memory_context"])
+
+
+def mqar_plots(protocol: dict, out_dir: Path) -> None:
+    """The MQAR protocol (laplace mqar): the recall-versus-state frontier (accuracy ± se over seeds
+    against serving bytes per sequence, a panel per test cell, a marker per model, as the Based
+    paper draws it) and each model's score per learning rate (the grid behind its best rate)."""
+    points = protocol["frontier"]
+    cells = sorted({(p["context"], p["pairs"]) for p in points})
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.8), squeeze=False, sharey=True)
+    families = sorted({p["family"] for p in points})
+    colours = {f: f"C{i}" for i, f in enumerate(families)}
+    for ax, (ctx, pairs) in zip(axes[0], cells):
+        for p in (q for q in points if (q["context"], q["pairs"]) == (ctx, pairs)):
+            ax.errorbar(
+                p["bytes_per_sequence"], p["accuracy"], yerr=p["se"], fmt="o", color=colours[p["family"]], capsize=3
+            )
+            ax.annotate(p["model"], (p["bytes_per_sequence"], p["accuracy"]), xytext=(4, -10), **_small)
+        ax.set_xscale("log")
+        ax.set_title(f"{pairs} pairs, {ctx} tokens")
+        ax.set_xlabel("serving bytes per sequence")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("MQAR accuracy (best lr, mean ± se over seeds)")
+    axes[0][0].set_ylim(-0.05, 1.05)
+    save_figure(fig, out_dir / "mqar_frontier.png")
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for arm, r in rows.items():
-        recall = [v for v in r["recall_trained_mqar"].values() if v is not None]
-        if r["bytes_per_sequence"].get(mem) and recall:
-            x, y = r["bytes_per_sequence"][mem], sum(recall) / len(recall)
-            ax.scatter([x], [y], s=40)
-            ax.annotate(arm, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for model, s in protocol["models"].items():
+        rates = sorted((float(lr), r["score"]) for lr, r in s["lrs"].items())
+        ax.plot(*zip(*rates), marker="o", lw=1.2, label=f"{model} (best {s['best_lr']:g})")
     ax.set_xscale("log")
-    ax.set_xlabel(f"serving bytes per sequence at {mem} tokens")
-    ax.set_ylabel("MQAR-trained recall (mean over lengths)")
-    ax.set_title("recall against serving memory")
+    ax.set_xlabel("learning rate (Muon)")
+    ax.set_ylabel("MQAR accuracy, mean over test cells and seeds")
+    ax.set_title("the learning-rate grid of each model")
     ax.grid(alpha=0.3)
-    save_figure(fig, out_dir / "frontier.png")
+    ax.legend(fontsize=7)
+    save_figure(fig, out_dir / "mqar_lrs.png")
+
+
+_small = {"textcoords": "offset points", "fontsize": 7}

@@ -23,10 +23,15 @@ def arm_metrics(row: dict) -> dict[str, float]:
     for key in ("val_loss", "perplexity", "parameters", "output_tokens_per_s", "ttft_p99_s", "compiles_while_serving"):
         if row.get(key) is not None:
             out[key] = float(row[key])
-    for key in ("recall", "recall_trained_mqar", "ruler", "bytes_per_sequence", "decode_ms_per_token"):
+    for key in ("recall", "ruler", "bytes_per_sequence", "decode_ms_per_token"):
         for length, value in (row.get(key) or {}).items():
             if value is not None:
                 out[f"{key}_{length}"] = float(value)
+    for model in (row.get("mqar") or {}).values():  # the MQAR protocol: mqar_w64_16p_64 and its _se
+        for ctx, by_pairs in model["accuracy"].items():
+            for pairs, e in by_pairs.items():
+                out[f"mqar_w{model['width']}_{pairs}p_{ctx}"] = float(e["mean"])
+                out[f"mqar_w{model['width']}_{pairs}p_{ctx}_se"] = float(e["se"])
     for task, by_length in (row.get("ruler_tasks") or {}).items():
         for length, value in (by_length or {}).items():
             out[f"ruler_{task}_{length}"] = float(value)
@@ -57,6 +62,7 @@ def log_comparison(
                 "compare.arms": redact(json.dumps(cfg.compare.arms, sort_keys=True), secrets)[:6000],
                 "compare.overrides": redact(json.dumps(cfg.compare.overrides, sort_keys=True), secrets)[:6000],
                 "seed": cfg.seed,
+                **{f"mqar.{k}": json.dumps(v) for k, v in cfg.to_dict()["mqar"].items()},
             }
         )
         mlflow.log_metrics({f"{arm}.{k}": v for arm, row in rows.items() for k, v in arm_metrics(row).items()})
@@ -65,6 +71,8 @@ def log_comparison(
                 "headline": table["headline"][:5000],
                 "pick": table["pick"]["arm"] or "none",
                 "pick_reason": table["pick"]["reason"][:5000],
+                "mqar_gate": "passed" if table["mqar"]["gate"]["passed"] else "failed",
+                "mqar_gate_reason": table["mqar"]["gate"]["reason"][:5000] or "-",
             }
         )
         mlflow.log_dict(table, "compare.json")
