@@ -634,7 +634,11 @@ class MqarSection:
     adamw_lr_ratio: float = knob(1.0, _positive, doc="AdamW's learning rate (embeddings, gates, norms) over Muon's")
     contexts: list[int] = knob([64], doc="test sequence lengths")
     pairs: list[int] = knob([4, 8, 16], doc="test key-value pair counts (a cell per length and count that fits)")
-    test_queries: int = knob(1000, _positive, doc="at least this many test queries per (length, pairs) cell and seed")
+    test_queries: int = knob(
+        1000,
+        lambda v: None if v >= 1000 else f"must be >= 1000, got {v}: fewer cannot resolve a few points of accuracy",
+        doc="at least this many test queries per (length, pairs) cell and seed (1,000 or more)",
+    )
     test_seed: int = knob(1_000_003, doc="seeds the test sequences (the same for every model: paired comparisons)")
     reference_pairs: int = knob(
         16, _positive, doc="the gate's reference cell: this many pairs at seq_len, which all-attention must solve"

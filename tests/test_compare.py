@@ -208,7 +208,7 @@ E2E_MQAR = {
     "mqar.reference_pairs": 2,
     "mqar.steps": 10,
     "mqar.batch_size": 8,
-    "mqar.test_queries": 50,
+    "mqar.test_queries": 1000,
 }
 
 

@@ -222,6 +222,8 @@ def test_a_protocol_that_cannot_measure_what_it_claims_is_refused_before_trainin
         assert message in str(exc.value) and "\n" not in str(exc.value)
     with pytest.raises(ConfigError, match="mqar.seeds: needs at least 3 distinct seeds"):
         config_from_dict({"mqar": {"seeds": [0, 1]}})
+    with pytest.raises(ConfigError, match="mqar.test_queries: must be >= 1000, got 50"):
+        config_from_dict({"mqar": {"test_queries": 50}})
 
 
 def test_a_shallow_model_keeps_a_hybrid_a_hybrid_and_shares_identical_cells():

@@ -361,7 +361,6 @@ def train_mqar(probes: ProbesSection, seed: int, progress: bool = True, like: Mo
     )
     L, top = probes.mqar_train_seq_len, probes.mqar_train_pairs
     train_seconds = time.perf_counter() - start
-    model.eval()
     accuracy = mqar_grid(model, probes.mqar_contexts, probes.mqar_pairs, probes.mqar_samples, V, seed + 1)
     return {
         "accuracy": accuracy,

@@ -130,7 +130,7 @@ def train_cell(
         "queries": queries,
         "chance": mqar_chance(mqar.vocab),
         "final_loss": float(np.mean(losses[-20:])),
-        "losses": {str(i): round(v, 4) for i, v in enumerate(losses) if i % every == 0 or i == len(losses) - 1},
+        "losses": [[i, round(v, 4)] for i, v in enumerate(losses) if i % every == 0 or i == len(losses) - 1],
         "bytes_per_sequence": {str(c): sequence_bytes(cfg, c)["total_bytes"] for c in mqar.contexts},
         "train_seconds": round(train_seconds, 3),
         "eval_seconds": round(time.perf_counter() - start - train_seconds, 3),
