@@ -628,7 +628,12 @@ class MqarSection:
     vocab: int = knob(128, _positive, doc="MQAR vocabulary: 48 key ids, 64 value ids (chance 1/64)")
     seq_len: int = knob(64, _positive, doc="training sequence length (and the gate's reference context)")
     train_pairs: int = knob(16, _positive, doc="each training batch mixes 1..this many key-value pairs")
-    steps: int = knob(800, _positive, doc="training steps of every cell")
+    steps: int = knob(
+        500,
+        _positive,
+        "training steps of every cell (500: all-attention at width 64 solves 16 pairs at Muon 0.01 in 3 seeds of 3; "
+        "one cell ~15 s on 2 cores)",
+    )
     batch_size: int = knob(16, _positive, doc="sequences per training step")
     warmup_steps: int = knob(20, _non_negative, doc="linear learning-rate warmup, then cosine to zero")
     adamw_lr_ratio: float = knob(1.0, _positive, doc="AdamW's learning rate (embeddings, gates, norms) over Muon's")
