@@ -608,7 +608,10 @@ class MqarSection:
         "mqar.layers layers; every arm needs its recall for the pick)",
     )
     widths: list[int] = knob(
-        [32, 64], _distinct_positive, doc="model widths (d_model): every arm at each (the gate needs two for GLA)"
+        [16, 64],
+        _distinct_positive,
+        "model widths (d_model): every arm at each (the gate needs two for GLA; 16 and 64 hold 128 and 2,048 state "
+        "floats, far enough apart for 3 seeds to tell)",
     )
     lrs: list[float] = knob(
         [0.0025, 0.005, 0.01],
@@ -629,10 +632,10 @@ class MqarSection:
     seq_len: int = knob(64, _positive, doc="training sequence length (and the gate's reference context)")
     train_pairs: int = knob(16, _positive, doc="each training batch mixes 1..this many key-value pairs")
     steps: int = knob(
-        500,
+        650,
         _positive,
-        "training steps of every cell (500: all-attention at width 64 solves 16 pairs at Muon 0.01 in 3 seeds of 3; "
-        "one cell ~15 s on 2 cores)",
+        "training steps of every cell (at 500 a width-64 GLA was mid-jump in one seed of 3 and the gate could not "
+        "tell widths 32 and 64 apart; one cell is 10-30 s on 2 cores)",
     )
     batch_size: int = knob(16, _positive, doc="sequences per training step")
     warmup_steps: int = knob(20, _non_negative, doc="linear learning-rate warmup, then cosine to zero")
