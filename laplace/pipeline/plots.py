@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 from laplace.fileio import atomic_open, atomic_write_json  # noqa: E402
 from laplace.model.config import ModelConfig  # noqa: E402
@@ -255,17 +256,26 @@ def mqar_plots(protocol: dict, out_dir: Path) -> None:
     families = sorted({p["family"] for p in points})
     colours = {f: f"C{i}" for i, f in enumerate(families)}
     for ax, (ctx, pairs) in zip(axes[0], cells):
+        # models with the very same figures (two hybrids that are one model at this depth) share a point
+        same: dict[tuple, list[dict]] = {}
         for p in (q for q in points if (q["context"], q["pairs"]) == (ctx, pairs)):
-            ax.errorbar(
-                p["bytes_per_sequence"], p["accuracy"], yerr=p["se"], fmt="o", color=colours[p["family"]], capsize=3
-            )
-            ax.annotate(p["model"], (p["bytes_per_sequence"], p["accuracy"]), xytext=(4, -10), **_small)
+            same.setdefault((p["bytes_per_sequence"], p["accuracy"], p["se"]), []).append(p)
+        for i, ((x, y, se), group) in enumerate(sorted(same.items())):
+            family = group[0]["family"]
+            ax.errorbar(x, y, yerr=se, fmt="o", color=colours[family], capsize=3, label=family)
+            # labels stagger down, so points at the same height (every model at 1.00) stay readable
+            ax.annotate("\n".join(p["model"] for p in group), (x, y), xytext=(4, -10 - 9 * (i % 3)), **_small)
         ax.set_xscale("log")
+        ax.margins(x=0.3)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(f"{pairs} pairs, {ctx} tokens")
         ax.set_xlabel("serving bytes per sequence")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("MQAR accuracy (best lr, mean ± se over seeds)")
     axes[0][0].set_ylim(-0.05, 1.05)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    by_family = dict(zip(labels, handles))  # one entry per family
+    axes[0][0].legend(list(by_family.values()), list(by_family), fontsize=7, loc="upper left")
     save_figure(fig, out_dir / "mqar_frontier.png")
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for model, s in protocol["models"].items():
