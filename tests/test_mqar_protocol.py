@@ -91,9 +91,11 @@ def test_the_recorded_best_rate_is_the_one_with_the_highest_accuracy(protocol):
             scores[lr] = statistics.mean(values)
             assert model["lrs"][f"{lr:g}"]["score"] == pytest.approx(scores[lr])
         assert model["best_lr"] == max(scores, key=scores.get), (name, scores)
-    # the grid matters: attention at width 32 learns at 0.01 and not at 0.001
+        assert model["best_lr_at_grid_edge"] == (model["best_lr"] in (min(scores), max(scores)))
+    # the grid matters: attention at width 32 learns at 0.01 and not at 0.001; 0.01 is the grid's end, flagged
     soft = result["models"]["softmax-w32"]
-    assert soft["best_lr"] == 0.01
+    assert soft["best_lr"] == 0.01 and soft["best_lr_at_grid_edge"]
+    assert "* best rate at an end of mqar.lrs (" in compare_mqar.format_protocol(result)
     assert soft["lrs"]["0.01"]["score"] > soft["lrs"]["0.001"]["score"] + 0.3
 
 

@@ -246,6 +246,8 @@ def summarize(mqar: MqarSection, cells: list[dict]) -> dict:
             "family": first["family"],
             "attn_layers": first["attn_layers"],
             "best_lr": best,
+            # a best rate at an end of the grid may not be the model's optimum: the grid does not bracket it
+            "best_lr_at_grid_edge": len(mqar.lrs) > 1 and best in (min(mqar.lrs), max(mqar.lrs)),
             "lrs": per_rate,
             "accuracy": accuracy,
             "bytes_per_sequence": first["bytes_per_sequence"],

@@ -158,8 +158,9 @@ def format_protocol(result: dict) -> str:
     body = []
     for name, s in models.items():
         ctx = str(cells[-1][0])
+        edge = "*" if s.get("best_lr_at_grid_edge") else ""
         body.append(
-            [name, s["family"], f"{s['best_lr']:g}", f"{s['bytes_per_sequence'][ctx]:,}"]
+            [name, s["family"], f"{s['best_lr']:g}{edge}", f"{s['bytes_per_sequence'][ctx]:,}"]
             + [
                 f"{s['accuracy'][str(c)][str(p)]['mean']:.3f}±{s['accuracy'][str(c)][str(p)]['se']:.3f}"
                 for c, p in cells
@@ -168,6 +169,11 @@ def format_protocol(result: dict) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    if edges := [name for name, s in models.items() if s.get("best_lr_at_grid_edge")]:
+        lines.append(
+            f"* best rate at an end of mqar.lrs ({', '.join(edges)}): the grid does not bracket their optimum; "
+            "extend it there"
+        )
     gate = result["gate"]
     lines.append(f"gate        {'passed' if gate['passed'] else 'FAILED'}")
     lines += [f"  {'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}" for c in gate["checks"]]
