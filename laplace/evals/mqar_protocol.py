@@ -199,6 +199,19 @@ def differs(a: dict, b: dict, z: float) -> float:
     return (a["mean"] - b["mean"]) / spread if spread > 0 else math.copysign(math.inf, a["mean"] - b["mean"])
 
 
+def differs_paired(a: dict, b: dict) -> float:
+    """a minus b for the same models (seed by seed: one model tested on two cells), in units of the
+    standard error of the per-seed differences (never below the two cells' binomial errors combined):
+    the seed-to-seed spread that both share cancels, as a paired test's does."""
+    diffs = [x - y for x, y in zip(a["seeds"], b["seeds"], strict=True)]
+    k, mean = len(diffs), sum(diffs) / len(diffs)
+    binomial = math.hypot(
+        *(math.sqrt(max(e["mean"] * (1 - e["mean"]), 1.0 / (k * e["queries"])) / (k * e["queries"])) for e in (a, b))
+    )
+    spread = max(statistics.stdev(diffs) / math.sqrt(k) if k > 1 else math.inf, binomial)
+    return mean / spread
+
+
 def _grid_mean(cell: dict) -> float:
     values = [v for row in cell["accuracy"].values() for v in row.values()]
     return sum(values) / len(values)
@@ -267,7 +280,8 @@ def validity_gate(mqar: MqarSection, summary: dict) -> dict:
        widest width): accuracy >= mqar.attention_min (Zoology finds attention solving MQAR at every
        width it tried; a narrower model's figures are reported, not gated);
     2. a pure GLA falls as the pairs grow: at every width, accuracy at the most pairs is below the
-       fewest by more than mqar.significance_se standard errors, at the reference length;
+       fewest by more than mqar.significance_se standard errors of the per-seed differences (a paired
+       test: each seed's model is tested at both counts), at the reference length;
     3. a pure GLA rises with width: at the reference cell, its widest model beats its narrowest by
        more than that many standard errors."""
     z, ref_ctx, ref_pairs = mqar.significance_se, str(mqar.seq_len), str(mqar.reference_pairs)
@@ -299,12 +313,12 @@ def validity_gate(mqar: MqarSection, summary: dict) -> dict:
         check("GLA falls as the pairs grow", False, "no pure GLA model in mqar.models")
     for _, m in gla:
         few, many = cell(m, ref_ctx, str(pairs[0])), cell(m, ref_ctx, str(pairs[-1]))
-        score = differs(few, many, z)
+        score = differs_paired(few, many)
         check(
             "GLA falls as the pairs grow",
             len(pairs) > 1 and score > z,
             f"{m} at {ref_ctx} tokens: {pairs[0]} pairs {shown(few)}, {pairs[-1]} pairs {shown(many)} "
-            f"({score:.1f} standard errors apart, needs > {z:g})",
+            f"({score:.2f} standard errors of the per-seed differences, needs > {z:g})",
         )
     if len(gla) < 2:
         check("GLA rises with width", False, f"needs pure GLA at two widths in mqar.models, has {[m for _, m in gla]}")
@@ -316,7 +330,7 @@ def validity_gate(mqar: MqarSection, summary: dict) -> dict:
             "GLA rises with width",
             score > z,
             f"at {ref_ctx} tokens, {ref_pairs} pairs: {wide} {shown(a)} vs {narrow} {shown(b)} "
-            f"({score:.1f} standard errors apart, needs > {z:g})",
+            f"({score:.2f} standard errors apart, needs > {z:g})",
         )
     failed = [c for c in checks if not c["passed"]]
     reason = "; ".join(f"{c['check']}: failed, {c['detail']}" for c in failed)
