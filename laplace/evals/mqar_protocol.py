@@ -193,7 +193,7 @@ def estimate(values: list[float], queries: int) -> dict:
     }
 
 
-def differs(a: dict, b: dict, z: float) -> float:
+def differs(a: dict, b: dict) -> float:
     """a's mean minus b's, in units of their combined standard error (a z score)."""
     spread = math.hypot(a["se"], b["se"])
     return (a["mean"] - b["mean"]) / spread if spread > 0 else math.copysign(math.inf, a["mean"] - b["mean"])
@@ -325,7 +325,7 @@ def validity_gate(mqar: MqarSection, summary: dict) -> dict:
     else:
         (_, narrow), (_, wide) = gla[0], gla[-1]
         a, b = cell(wide, ref_ctx, ref_pairs), cell(narrow, ref_ctx, ref_pairs)
-        score = differs(a, b, z)
+        score = differs(a, b)
         check(
             "GLA rises with width",
             score > z,

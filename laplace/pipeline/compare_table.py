@@ -145,13 +145,13 @@ def headline(rows: dict, protocol: dict, memory_context: int) -> str:
     g, s = _cell(gla, width, ctx, pairs), _cell(soft, width, ctx, pairs)
 
     def versus(a: dict, b: dict, name: str) -> str:
-        score = differs(a, b, z)
+        score = differs(a, b)
         if abs(score) <= z:
             return f"indistinguishable from {name}"
         return f"{'above' if score > 0 else 'below'} {name} by {abs(a['mean'] - b['mean']):.2f} ({abs(score):.1f} SE)"
 
     key = str(memory_context)
-    gap = differs(s, g, z)
+    gap = differs(s, g)
     where = f"MQAR at width {width}, {pairs} pairs in {ctx} tokens (best learning rate each, mean ± SE over seeds)"
     parts = [f"{where}: {gla['arm']} {_shown(g)}, {soft['arm']} {_shown(s)} ({versus(s, g, gla['arm'])})"]
     for arm, row in rows.items():
@@ -190,13 +190,16 @@ def pick(rows: dict, protocol: dict, memory_context: int, candidates: list[str] 
             est = {a: _cell(rows[a], w, ctx, pairs) for a in names}
             best = max(names, key=lambda a: est[a]["mean"])
             for a in names:
-                score = differs(est[best], est[a], z)
+                score = differs(est[best], est[a])
                 if a != best and score > z:
                     why.setdefault(a, []).append(
                         f"{_shown(est[a])} vs {best}'s {_shown(est[best])} at width {w}, {pairs} pairs in {ctx} "
                         f"tokens ({score:.1f} SE, {est[a]['queries']:,} queries x {len(est[a]['seeds'])} seeds)"
                     )
     ok = [a for a in names if a not in why]
+    if not ok:  # each arm is significantly below another somewhere: no arm is as good as the best everywhere
+        shown = "; ".join(f"{a} ({w[0]})" for a, w in why.items())
+        return {"arm": None, "reason": f"every arm is significantly below another in some test cell: {shown}"}
     chosen = min(ok, key=lambda a: rows[a]["bytes_per_sequence"].get(key) or math.inf)
     reason = (
         f"the smallest serving bytes per sequence at {memory_context} "
