@@ -65,7 +65,7 @@ def protocol_model_config(mqar: MqarSection, arm_model: ModelConfig, width: int)
     )
 
 
-def test_cells(mqar: MqarSection) -> list[tuple[int, int]]:
+def scored_cells(mqar: MqarSection) -> list[tuple[int, int]]:
     """The (length, pairs) test cells that fit: 4 tokens per pair and distinct keys."""
     n_keys = len(mqar_ranges(mqar.vocab)[1])
     return [(c, p) for c in mqar.contexts for p in mqar.pairs if 4 * p <= c and p <= n_keys]
@@ -79,7 +79,7 @@ def check_protocol(mqar: MqarSection, arm_models: dict[str, ModelConfig]) -> Non
             f"mqar.train_pairs={mqar.train_pairs} does not fit mqar.seq_len={mqar.seq_len} (4 tokens per pair) "
             f"and mqar.vocab={mqar.vocab} ({n_keys} key ids)"
         )
-    if (mqar.seq_len, mqar.reference_pairs) not in test_cells(mqar):
+    if (mqar.seq_len, mqar.reference_pairs) not in scored_cells(mqar):
         raise ConfigError(
             f"mqar.reference_pairs={mqar.reference_pairs}: the gate's reference cell ({mqar.seq_len} tokens, "
             f"{mqar.reference_pairs} pairs) must be one of the test cells (mqar.contexts x mqar.pairs)"
@@ -101,7 +101,7 @@ def train_cell(
 ) -> dict:
     """Train one (model, learning rate, seed) cell on MQAR and test it: the cell's figures (JSON-ready).
 
-    `accuracy` and `queries` are {length: {pairs: value}} over `test_cells`; the test sequences come
+    `accuracy` and `queries` are {length: {pairs: value}} over `scored_cells`; the test sequences come
     from mqar.test_seed, the same for every cell, so models are compared on identical queries."""
     cfg = protocol_model_config(mqar, arm_model, width)
     how = training(mqar, lr)
@@ -110,7 +110,7 @@ def train_cell(
     train_seconds = time.perf_counter() - start
     accuracy: dict[str, dict[str, float]] = {}
     queries: dict[str, dict[str, int]] = {}
-    for ctx, pairs in test_cells(mqar):
+    for ctx, pairs in scored_cells(mqar):
         samples = math.ceil(mqar.test_queries / pairs)
         tokens, targets, mask = mqar_batch(
             samples, ctx, pairs, mqar.vocab, np.random.default_rng([mqar.test_seed, ctx, pairs])
@@ -176,11 +176,13 @@ def standard_error(values: list[float], queries: int) -> float:
     sqrt(seeds)), never below the binomial error of the pooled queries (so three seeds that all
     score 1.0 still carry the error their finite test set allows)."""
     k = len(values)
-    mean = sum(values) / k
     spread = statistics.stdev(values) / math.sqrt(k) if k > 1 else math.inf
-    pooled = k * queries
-    binomial = math.sqrt(max(mean * (1 - mean), 1.0 / pooled) / pooled)
-    return max(spread, binomial)
+    return max(spread, binomial_se(sum(values) / k, k * queries))
+
+
+def binomial_se(p: float, n: int) -> float:
+    """The standard error of an accuracy p over n queries, floored at 1/n's (p of 0 or 1 still has one)."""
+    return math.sqrt(max(p * (1 - p), 1.0 / n) / n)
 
 
 def estimate(values: list[float], queries: int) -> dict:
@@ -205,9 +207,7 @@ def differs_paired(a: dict, b: dict) -> float:
     the seed-to-seed spread that both share cancels, as a paired test's does."""
     diffs = [x - y for x, y in zip(a["seeds"], b["seeds"], strict=True)]
     k, mean = len(diffs), sum(diffs) / len(diffs)
-    binomial = math.hypot(
-        *(math.sqrt(max(e["mean"] * (1 - e["mean"]), 1.0 / (k * e["queries"])) / (k * e["queries"])) for e in (a, b))
-    )
+    binomial = math.hypot(*(binomial_se(e["mean"], k * e["queries"]) for e in (a, b)))
     spread = max(statistics.stdev(diffs) / math.sqrt(k) if k > 1 else math.inf, binomial)
     return mean / spread
 
