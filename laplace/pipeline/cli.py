@@ -476,8 +476,7 @@ def _compare(args, cfg, paths: Paths) -> int:
 def _mqar(args, cfg, paths: Paths) -> int:
     from laplace.pipeline import compare_mqar
 
-    compare_mqar.check_protocol(cfg.mqar, compare_mqar.arm_models(cfg))
-    if args.command == "mqar-cell":
+    if args.command == "mqar-cell":  # run_cell and run_protocol check the protocol before any work
         r = compare_mqar.run_cell(cfg, paths, args.arm, args.width, args.lr, args.seed)
         cells = ", ".join(f"{p} pairs@{c}: {v:.3f}" for c, row in r["accuracy"].items() for p, v in row.items())
         print(f"laplace mqar-cell: {r['model']} lr {args.lr:g} seed {args.seed}: {cells} ({r['train_seconds']:.0f} s)")

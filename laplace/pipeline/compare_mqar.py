@@ -72,12 +72,12 @@ def run_cell(cfg: Config, paths: Paths, arm: str, width: int, lr: float, seed: i
 
 def _computed_by_another_arm(cfg: Config, paths: Paths, arm: str, archs: dict, width: int, lr: float, seed: int):
     """Another arm's finished cell of the very same computation, relabelled as this arm's (or None)."""
-    for other in cfg.mqar.arms:
+    for other in (a for a in cfg.mqar.arms if a != arm):
         try:
             cell = json.loads(cell_file(paths, model_name(other, width), lr, seed).read_text())
         except (OSError, ValueError):
             continue
-        if other != arm and same_computation(cfg.mqar, archs[arm], width, lr, seed, cell):
+        if same_computation(cfg.mqar, archs[arm], width, lr, seed, cell):
             return {**cell, "model": model_name(arm, width), "arm": arm, "same_as": cell["model"]}
     return None
 
