@@ -4,7 +4,7 @@
 #   make test   install the dev set (the runtime, test oracles, pytest), then run the whole test suite (CI: with make lint)
 #   make test-fast  the unit tests only (no end-to-end runs of DVC, Prefect, MLflow servers, torchrun)
 #   make lint   ruff check and ruff format --check
-#   make params rewrite params.yaml's comments from the knobs' docs in laplace/config.py (values kept)
+#   make params rewrite params.yaml's comments from the knobs' docs in laplace/config/ (values kept)
 #   make stop   stop the servers started by make mlflow-ui / prefect-server / prefect-worker, and their flow runs
 PYTHON ?= python3
 VENV ?= .venv

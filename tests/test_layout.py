@@ -171,7 +171,8 @@ def test_the_deps_check_sees_function_level_imports():
 
 # --------------------------------------------------------------------------- declared params vs read params
 
-CONFIG_FILE = PACKAGE / "config.py"
+# the config module that validates a Config, reading every knob (its sections read none)
+CONFIG_FILE = PACKAGE / "config" / "build.py"
 
 
 def knob_keys() -> dict[str, set[str]]:
@@ -294,7 +295,7 @@ def stage_params_problems(dvc: dict) -> list[str]:
 def test_every_stage_declares_exactly_the_params_its_code_reads():
     """Walk each stage's import closure (as the deps check does) for the knobs it reads: a knob read
     and not declared would not rerun the stage when changed; one declared and not read reruns it
-    for nothing. config.py is left out: it reads every knob to validate it."""
+    for nothing. config/build.py is left out: it reads every knob to validate it."""
     problems = stage_params_problems(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
     assert problems == [], "\n".join(problems)
 
@@ -394,9 +395,11 @@ def test_the_circle_check_finds_a_circle():
 # layers; rooms that share a layer are independent (data, model and optim never import each
 # other: what two of them share is a base module, as laplace/sharding.py and
 # laplace/tokenizer_file.py are). "base" is every module directly under laplace/ (errors,
-# fileio, runtime, config, manifest, progress, processes, ...).
+# fileio, runtime, manifest, progress, processes, ...); "config" is laplace/config/, the knobs'
+# sections, which every room above reads and no base module needs.
 LAYERS = (
     ("base",),
+    ("config",),
     ("data", "model", "optim"),
     ("training",),
     ("serving",),
@@ -407,9 +410,9 @@ LAYERS = (
 # Imports the layers allow although they point up, each with why. The importer's target must
 # itself import nothing above the base (test_the_allowed_upward_imports_are_leaves).
 UPWARD_ALLOWED = {
-    # config.py's model: section is ModelConfig's fields (one knob, one place), and ModelConfig
-    # lives beside the model it configures
-    ("laplace.config", "laplace.model.config"),
+    # config/model.py's model: section is ModelConfig's fields (one knob, one place), and
+    # ModelConfig lives beside the model it configures
+    ("laplace.config.model", "laplace.model.config"),
 }
 
 

@@ -167,11 +167,11 @@ def write_params(path: Path, overrides: list[str] | dict) -> bool:
 # --------------------------------------------------------------------------- params.yaml from the code
 
 PARAMS_HEADER = """\
-Laplace pipeline parameters: every knob lives here (defaults in laplace/config.py mirror this file).
+Laplace pipeline parameters: every knob lives here (defaults in laplace/config/ mirror this file).
 Override on the command line: laplace <command> --set train.lr=0.01 --set model.preset=tiny
 Laid out as `dvc exp run --set-param` writes YAML (a list item a line, empty = null, '' quotes),
 so changing one value is a one-line diff (tests/test_pipeline_frame.py). The comments are the
-knobs' docs in laplace/config.py (model: ModelConfig's): after changing one, run `make params`."""
+knobs' docs in laplace/config/ (model: ModelConfig's): after changing one, run `make params`."""
 COMMENT_COLUMN = 29
 LINE_WIDTH = 120
 
