@@ -89,7 +89,21 @@ def _with_stage_description(parser: argparse.ArgumentParser, name: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="laplace", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    # in the order `laplace --help` lists the commands
+    for add_commands in (
+        _add_model_fact_commands,
+        _add_stage_commands,
+        _add_pipeline_commands,
+        _add_export_use_commands,
+        _add_compare_commands,
+        _add_serve_command,
+    ):
+        add_commands(sub)
+    return parser
 
+
+def _add_model_fact_commands(sub: argparse._SubParsersAction) -> None:
+    """info and plan: a model's figures on meta, nothing run."""
     p = sub.add_parser("info", help="parameter count, state bytes and KV-cache comparison of a preset")
     add_config_arguments(p)
     p.add_argument("--preset", default=None, help="tiny | small | laplace-3b (default: params.yaml's model)")
@@ -120,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+
+def _add_stage_commands(sub: argparse._SubParsersAction) -> None:
+    """`laplace <stage>` for every stage; train and export have options of their own."""
     for name, stage in stages.STAGES.items():
         p = sub.add_parser(name, help=f"stage: {stage.help}", formatter_class=argparse.RawDescriptionHelpFormatter)
         p.format_help = _with_stage_description(p, name)
@@ -140,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
             )
             p.add_argument("--out", default=None, help="--format hf: output directory (default: artifacts/export-hf)")
 
+
+def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
+    """import (a checkpoint in, to train from), run (the whole pipeline) and summary (its figures)."""
     p = sub.add_parser(
         "import",
         help="a GLA checkpoint in the HF / flash-linear-attention layout (a directory or a hub id) -> a Laplace export",
@@ -159,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("summary", help="headline figures of the last pipeline run")
     add_config_arguments(p)
 
+
+def _add_export_use_commands(sub: argparse._SubParsersAction) -> None:
+    """generate and eval: an exported model used in this process, through the decode engine."""
     p = sub.add_parser("generate", help="generate text from an exported model (through the decode engine)")
     add_config_arguments(p)
     p.add_argument("--model", default=None, help="export directory (default: artifacts/export)")
@@ -186,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="write the results as JSON to this file")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
+
+def _add_compare_commands(sub: argparse._SubParsersAction) -> None:
+    """The architecture comparison (compare/dvc.yaml): an arm, the table, an MQAR cell, the protocol."""
     p = sub.add_parser(
         "compare-arm",
         help="the architecture comparison, one arm (compare.arms): its stages, then its figures (compare/dvc.yaml)",
@@ -219,10 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(p)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
+    """serve: an export behind HTTP; its own options are laplace.pipeline.serve's."""
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions) until SIGTERM")
     add_config_arguments(p)
     serve.add_arguments(p)
-    return parser
 
 
 def _print_info(facts: dict, as_json: bool) -> None:
