@@ -37,124 +37,141 @@ def rows(info: dict, root: Path) -> list[tuple[str, list[str]]]:
 
     out: list[tuple[str, list[str]]] = []
     sources = (info.get("tracking") or {}).get("sources") or {}
-
-    def add(stage: str, topic: str, lines: list[str]) -> None:
-        if sources.get(stage) is not None:  # measured in an earlier run: say which
-            lines = lines + [source_text(sources[stage])]
-        out.append((topic, lines))
-
-    if tok := info.get("tokenize"):
-        add(
-            "tokenize",
-            "corpus",
-            [
-                f"{tok['documents_train'] + tok['documents_val']:,} documents, "
-                f"{tok['tokens_train']:,} train / {tok['tokens_val']:,} val tokens"
-            ],
-        )
-    if tr := info.get("train"):
-        add(
-            "train",
-            "training",
-            [
-                f"{tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f} "
-                f"(ppl {tr['val_ppl']:.1f}), {tr['tokens_per_s'] or 0:,.0f} tokens/s"
-            ],
-        )
-    if ex := info.get("export"):
-        add("export", "model", [f"{root / ex['export_dir']} ({ex['parameters']:,} parameters)"])
-    if wu := info.get("warmup"):
-        add(
-            "warmup",
-            "warmup",
-            [
-                f"{wu['graphs']} graphs compiled in {wu['compile_seconds_total']:.1f}s cold, "
-                f"{wu['warm_start_seconds_total']:.1f}s warm ({wu['warm_speedup']:.1f}x)"
-                + (
-                    f", warm start loaded from cache {wu['warm_loaded_from_cache']}/{wu['graphs']}"
-                    if wu.get("warm_loaded_from_cache") is not None
-                    else ""
-                )
-                + (  # process trees in CPU-seconds: the load-robust measure (runs before it had none)
-                    f"; {wu['warm_cpu_s']:.1f} of {wu['cold_cpu_s']:.1f} CPU-s ({wu['warm_cpu_fraction']:.1%})"
-                    if wu.get("warm_cpu_fraction") is not None
-                    else ""
-                )
-            ],
-        )
-    if sv := info.get("serve-check"):
-        exact, padded = sv["exact"], sv["padded"]
-        ratio_key = next(k for k in sv if k.startswith("decode_cost_ratio_"))
-        add(
-            "serve-check",
-            "serving",
-            [
-                f"{sv['headline_workload']}: padded {padded['output_tokens_per_s']:.0f} tokens/s, "
-                f"{padded['compile_events']} compiles, TTFT p99 {padded['ttft_p99_s']:.3f}s | exact "
-                f"{exact['output_tokens_per_s']:.0f} tokens/s, "
-                f"compiles {exact['compile_step_share']:.1%} of steps, "
-                f"{exact['compile_time_share']:.1%} of decode time",
-                f"{ratio_key} = {sv[ratio_key]:.3f}; gates {_verdict(sv['passed'])}",
-            ]
-            + _prefix_cache_line(sv)
-            + _live_line(sv),
-        )
-    if nm := info.get("numerics"):
-        figures = []
-        if f32 := nm.get("fp32"):
-            figures.append(
-                f"fp32 compiled vs fp64 rel RMS {f32['prefill']['rel_rms_compiled_vs_fp64']:.1e}, "
-                f"max |compiled-eager| {nm['max_abs_logit_diff_fp32']:.1e}"
-            )
-        if b16 := nm.get("bf16"):
-            figures.append(
-                f"bf16 compiled {b16['prefill']['rel_rms_compiled_vs_fp64']:.1e} vs eager "
-                f"{b16['prefill']['rel_rms_eager_vs_fp64']:.1e}"
-            )
-        add("numerics", "numerics", ["; ".join(figures) + f"; gates {_verdict(nm['passed'])}"])
-    if pr := info.get("probes"):
-        lines = []
-        if grid := pr.get("mqar_trained_accuracy") or {}:
-            ctx = sorted(grid, key=int)
-            easy, hard = grid[ctx[0]], grid[ctx[-1]]
-            lines.append(
-                f"MQAR-trained GLA: {max(easy.values()):.0%} at {ctx[0]} tokens, "
-                f"{min(hard.values()):.0%} at {ctx[-1]} "
-                "(a small GLA trained here on MQAR: what a model that learned the task scores)"
-            )
-        if "mqar_accuracy" in pr:
-            lines.append(
-                f"exported model: MQAR {max(pr['mqar_accuracy'].values()):.0%}, passkey "
-                f"{pr['passkey_accuracy_overall']:.0%} (reported, not gated: a model this small and briefly "
-                "trained does not retrieve yet)"
-            )
-        if pr.get("recall_summary"):
-            per_length = "; ".join(
-                f"{c}: {v.removeprefix('recall: ')}"  # the line already starts with "recall:"
-                for c, v in sorted(pr["recall_verdict"].items(), key=lambda kv: int(kv[0]))
-            )
-            lines.append(f"{pr['recall_summary']} ({per_length})")
-        if pr.get("kv_bytes_measured"):  # a hybrid or softmax model: its slots' K/V beside the state
-            lines.append(
-                f"held per sequence: state {pr['state_bytes_measured']:,} B + attention K/V "
-                f"{pr['kv_bytes_measured']:,} B (up to engine.max_context)"
-            )
-        lines.append(
-            f"state {pr['state_bytes_measured']:,} B/sequence vs KV@8192 {pr['kv_bytes_8192']:,} B; "
-            f"3B: {pr['laplace_3b_state_bytes'] / 1e6:.1f} MB vs {pr['laplace_3b_kv_bytes_8192'] / 1e9:.2f} GB "
-            f"({pr['laplace_3b_state_vs_kv_8192']:.1f}x); gates {_verdict(pr['passed'])} "
-            "(serving and eager paths agree, state as computed)"
-        )
-        add("probes", "probes", lines)
+    for stage, topic, lines_of in STAGE_ROWS:
+        if figures := info.get(stage):
+            lines = lines_of(figures, root)
+            if sources.get(stage) is not None:  # measured in an earlier run: say which
+                lines = lines + [source_text(sources[stage])]
+            out.append((topic, lines))
     if trk := info.get("tracking"):
-        lines = [f"run {trk['run_id']} in {trk['tracking_uri']}"]
-        if trk.get("model_version"):
-            alias = "champion" if trk.get("champion") else "candidate"
-            lines.append(f"registered {trk['model_name']} v{trk['model_version']} as {alias}")
-            if trk.get("registered_reason"):
-                lines[-1] += f": {trk['registered_reason']}"
-        out.append(("mlflow", lines))
+        out.append(("mlflow", _mlflow_lines(trk)))
     return out
+
+
+def _corpus_lines(tok: dict, root: Path) -> list[str]:
+    return [
+        f"{tok['documents_train'] + tok['documents_val']:,} documents, "
+        f"{tok['tokens_train']:,} train / {tok['tokens_val']:,} val tokens"
+    ]
+
+
+def _training_lines(tr: dict, root: Path) -> list[str]:
+    return [
+        f"{tr['steps']} steps, val loss {tr['val_loss_initial']:.3f} -> {tr['val_loss']:.3f} "
+        f"(ppl {tr['val_ppl']:.1f}), {tr['tokens_per_s'] or 0:,.0f} tokens/s"
+    ]
+
+
+def _model_lines(ex: dict, root: Path) -> list[str]:
+    return [f"{root / ex['export_dir']} ({ex['parameters']:,} parameters)"]
+
+
+def _warmup_lines(wu: dict, root: Path) -> list[str]:
+    return [
+        f"{wu['graphs']} graphs compiled in {wu['compile_seconds_total']:.1f}s cold, "
+        f"{wu['warm_start_seconds_total']:.1f}s warm ({wu['warm_speedup']:.1f}x)"
+        + (
+            f", warm start loaded from cache {wu['warm_loaded_from_cache']}/{wu['graphs']}"
+            if wu.get("warm_loaded_from_cache") is not None
+            else ""
+        )
+        + (  # process trees in CPU-seconds: the load-robust measure (runs before it had none)
+            f"; {wu['warm_cpu_s']:.1f} of {wu['cold_cpu_s']:.1f} CPU-s ({wu['warm_cpu_fraction']:.1%})"
+            if wu.get("warm_cpu_fraction") is not None
+            else ""
+        )
+    ]
+
+
+def _serving_lines(sv: dict, root: Path) -> list[str]:
+    exact, padded = sv["exact"], sv["padded"]
+    ratio_key = next(k for k in sv if k.startswith("decode_cost_ratio_"))
+    return (
+        [
+            f"{sv['headline_workload']}: padded {padded['output_tokens_per_s']:.0f} tokens/s, "
+            f"{padded['compile_events']} compiles, TTFT p99 {padded['ttft_p99_s']:.3f}s | exact "
+            f"{exact['output_tokens_per_s']:.0f} tokens/s, "
+            f"compiles {exact['compile_step_share']:.1%} of steps, "
+            f"{exact['compile_time_share']:.1%} of decode time",
+            f"{ratio_key} = {sv[ratio_key]:.3f}; gates {_verdict(sv['passed'])}",
+        ]
+        + _prefix_cache_line(sv)
+        + _live_line(sv)
+    )
+
+
+def _numerics_lines(nm: dict, root: Path) -> list[str]:
+    figures = []
+    if f32 := nm.get("fp32"):
+        figures.append(
+            f"fp32 compiled vs fp64 rel RMS {f32['prefill']['rel_rms_compiled_vs_fp64']:.1e}, "
+            f"max |compiled-eager| {nm['max_abs_logit_diff_fp32']:.1e}"
+        )
+    if b16 := nm.get("bf16"):
+        figures.append(
+            f"bf16 compiled {b16['prefill']['rel_rms_compiled_vs_fp64']:.1e} vs eager "
+            f"{b16['prefill']['rel_rms_eager_vs_fp64']:.1e}"
+        )
+    return ["; ".join(figures) + f"; gates {_verdict(nm['passed'])}"]
+
+
+def _probes_lines(pr: dict, root: Path) -> list[str]:
+    lines = []
+    if grid := pr.get("mqar_trained_accuracy") or {}:
+        ctx = sorted(grid, key=int)
+        easy, hard = grid[ctx[0]], grid[ctx[-1]]
+        lines.append(
+            f"MQAR-trained GLA: {max(easy.values()):.0%} at {ctx[0]} tokens, "
+            f"{min(hard.values()):.0%} at {ctx[-1]} "
+            "(a small GLA trained here on MQAR: what a model that learned the task scores)"
+        )
+    if "mqar_accuracy" in pr:
+        lines.append(
+            f"exported model: MQAR {max(pr['mqar_accuracy'].values()):.0%}, passkey "
+            f"{pr['passkey_accuracy_overall']:.0%} (reported, not gated: a model this small and briefly "
+            "trained does not retrieve yet)"
+        )
+    if pr.get("recall_summary"):
+        per_length = "; ".join(
+            f"{c}: {v.removeprefix('recall: ')}"  # the line already starts with "recall:"
+            for c, v in sorted(pr["recall_verdict"].items(), key=lambda kv: int(kv[0]))
+        )
+        lines.append(f"{pr['recall_summary']} ({per_length})")
+    if pr.get("kv_bytes_measured"):  # a hybrid or softmax model: its slots' K/V beside the state
+        lines.append(
+            f"held per sequence: state {pr['state_bytes_measured']:,} B + attention K/V "
+            f"{pr['kv_bytes_measured']:,} B (up to engine.max_context)"
+        )
+    lines.append(
+        f"state {pr['state_bytes_measured']:,} B/sequence vs KV@8192 {pr['kv_bytes_8192']:,} B; "
+        f"3B: {pr['laplace_3b_state_bytes'] / 1e6:.1f} MB vs {pr['laplace_3b_kv_bytes_8192'] / 1e9:.2f} GB "
+        f"({pr['laplace_3b_state_vs_kv_8192']:.1f}x); gates {_verdict(pr['passed'])} "
+        "(serving and eager paths agree, state as computed)"
+    )
+    return lines
+
+
+def _mlflow_lines(trk: dict) -> list[str]:
+    lines = [f"run {trk['run_id']} in {trk['tracking_uri']}"]
+    if trk.get("model_version"):
+        alias = "champion" if trk.get("champion") else "candidate"
+        lines.append(f"registered {trk['model_name']} v{trk['model_version']} as {alias}")
+        if trk.get("registered_reason"):
+            lines[-1] += f": {trk['registered_reason']}"
+    return lines
+
+
+# (a stage's metrics name, its topic in the summary, its lines from its figures and the project
+# root), in the order the summary shows them; the tracking record's row (mlflow) comes after them
+STAGE_ROWS = (
+    ("tokenize", "corpus", _corpus_lines),
+    ("train", "training", _training_lines),
+    ("export", "model", _model_lines),
+    ("warmup", "warmup", _warmup_lines),
+    ("serve-check", "serving", _serving_lines),
+    ("numerics", "numerics", _numerics_lines),
+    ("probes", "probes", _probes_lines),
+)
 
 
 def _prefix_cache_line(sv: dict) -> list[str]:
