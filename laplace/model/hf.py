@@ -28,6 +28,7 @@ import math
 import re
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -226,58 +227,77 @@ def fla_intermediate_size(hidden_size: int, hidden_ratio: float | None) -> int:
 def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, int | None, int | None]:
     """(ModelConfig, bos id, eos id) from an fla GLA config.json; one-line HFFormatError naming the
     first field (and value) Laplace does not support."""
-
-    def bad(field: str, why: str):
-        raise HFFormatError(f"{where}: {field}={json.dumps(hf.get(field))} {why}")
-
     hf, attn = _split_attention(hf, where)
+    _check_supported(hf, where)
+    cfg = _with_attention(_gla_model_config(hf, where), attn, where)
+    return cfg, _token_id(hf, "bos_token_id", where), _token_id(hf, "eos_token_id", where)
+
+
+def _refuse(hf: dict, where: str, field: str, why: str) -> NoReturn:
+    """The one-line refusal of a config.json field, with its value."""
+    raise HFFormatError(f"{where}: {field}={json.dumps(hf.get(field))} {why}")
+
+
+def _check_supported(hf: dict, where: str) -> None:
+    """Refuse, by name, the first field that is not a GLA's, that Laplace does not implement, that
+    fla 0.6 does not build as written, or that Laplace does not know; then the sizes (positive)."""
     if hf.get("model_type") != "gla":
-        bad("model_type", "is not a GLA checkpoint (expected model_type: gla)")
+        _refuse(hf, where, "model_type", "is not a GLA checkpoint (expected model_type: gla)")
     for field, allowed in REQUIRED_VALUES.items():
         if hf.get(field, allowed[0]) not in allowed:
-            bad(field, f"is not supported by Laplace (supported: {', '.join(json.dumps(a) for a in allowed)})")
+            why = f"is not supported by Laplace (supported: {', '.join(json.dumps(a) for a in allowed)})"
+            _refuse(hf, where, field, why)
     for field, fixed in FLA_FIXED.items():
         if hf.get(field, fixed) != fixed:
-            bad(field, f"is not what fla 0.6 builds (it reads no {field} and fixes it at {fixed}); Laplace refuses it")
+            why = f"is not what fla 0.6 builds (it reads no {field} and fixes it at {fixed}); Laplace refuses it"
+            _refuse(hf, where, field, why)
     unknown = sorted(set(hf) - known_keys())
     if unknown:
-        bad(unknown[0], "is a field Laplace does not know, so cannot promise to compute the same function")
+        _refuse(
+            hf, where, unknown[0], "is a field Laplace does not know, so cannot promise to compute the same function"
+        )
     norm_eps = hf.get("norm_eps", FLA_NORM_EPS)
     if "rms_norm_eps" in hf and not (
         isinstance(hf["rms_norm_eps"], (int, float)) and math.isclose(hf["rms_norm_eps"], norm_eps, rel_tol=1e-9)
     ):
-        bad(
-            "rms_norm_eps", f"disagrees with norm_eps={norm_eps}, the epsilon fla 0.6 computes with (it reads no other)"
-        )
+        why = f"disagrees with norm_eps={norm_eps}, the epsilon fla 0.6 computes with (it reads no other)"
+        _refuse(hf, where, "rms_norm_eps", why)
     if hf.get("use_short_conv") and hf.get("share_conv_kernel"):
-        bad(
-            "share_conv_kernel",
-            "is a short convolution shared by q/k/v (earlier fla); fla 0.6 and Laplace have one each",
-        )
+        why = "is a short convolution shared by q/k/v (earlier fla); fla 0.6 and Laplace have one each"
+        _refuse(hf, where, "share_conv_kernel", why)
     for field in ("hidden_size", "num_hidden_layers", "num_heads", "vocab_size"):
         if not isinstance(hf.get(field), int) or hf[field] <= 0:
-            bad(field, "must be a positive integer")
+            _refuse(hf, where, field, "must be a positive integer")
     heads = hf["num_heads"]
     if hf.get("num_kv_heads") not in (None, heads):
-        bad("num_kv_heads", f"is not supported by Laplace (grouped key/value heads; only null or {heads})")
-    d = hf["hidden_size"]
+        _refuse(
+            hf, where, "num_kv_heads", f"is not supported by Laplace (grouped key/value heads; only null or {heads})"
+        )
+
+
+def _gla_model_config(hf: dict, where: str) -> ModelConfig:
+    """The GLA layers' ModelConfig from the supported fields (_check_supported), as fla 0.6 computes
+    with them: head dims that divide, its intermediate size, dtype and gate clamp, its fixed gate."""
+    d, heads = hf["hidden_size"], hf["num_heads"]
     expand_k, expand_v = float(hf.get("expand_k", 0.5)), float(hf.get("expand_v", 1.0))
     for field, expand in (("expand_k", expand_k), ("expand_v", expand_v)):
         if not math.isclose(d * expand, round(d * expand)) or round(d * expand) % heads:
-            bad(field, f"gives hidden_size*{field}={d * expand}, not an integer divisible by num_heads={heads}")
+            why = f"gives hidden_size*{field}={d * expand}, not an integer divisible by num_heads={heads}"
+            _refuse(hf, where, field, why)
     if int(d * expand_k) != round(d * expand_k) or int(d * expand_v) != round(d * expand_v):
-        bad("expand_k", "rounds differently in Laplace and fla")
+        _refuse(hf, where, "expand_k", "rounds differently in Laplace and fla")
     intermediate = hf.get("intermediate_size")
     if intermediate is None:
         intermediate = fla_intermediate_size(d, hf.get("hidden_ratio"))
     dtype = hf.get("dtype", hf.get("torch_dtype")) or "float32"
     if dtype not in DTYPE_NAMES:
-        bad("dtype" if "dtype" in hf else "torch_dtype", f"is not a dtype Laplace serves in ({', '.join(DTYPE_NAMES)})")
+        field = "dtype" if "dtype" in hf else "torch_dtype"
+        _refuse(hf, where, field, f"is not a dtype Laplace serves in ({', '.join(DTYPE_NAMES)})")
     clamp = hf.get("clamp_min")
     if clamp is not None and not isinstance(clamp, (int, float)):
-        bad("clamp_min", "must be a number or null")
+        _refuse(hf, where, "clamp_min", "must be a number or null")
     try:
-        cfg = validate_model_config(
+        return validate_model_config(
             ModelConfig(
                 vocab_size=hf["vocab_size"],
                 d_model=d,
@@ -291,7 +311,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, i
                 gate_clamp_min=None if clamp is None else float(clamp),
                 use_short_conv=bool(hf.get("use_short_conv", False)),
                 conv_size=int(hf.get("conv_size", 4)),
-                norm_eps=float(norm_eps),
+                norm_eps=float(hf.get("norm_eps", FLA_NORM_EPS)),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 init_std=float(hf.get("initializer_range", 0.02)),
                 dtype=DTYPE_NAMES[dtype],
@@ -302,8 +322,6 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, i
         raise
     except (TypeError, ValueError) as exc:
         raise HFFormatError(f"{where}: {one_line(exc)}") from exc
-    cfg = _with_attention(cfg, attn, where)
-    return cfg, _token_id(hf, "bos_token_id", where), _token_id(hf, "eos_token_id", where)
 
 
 def known_keys() -> set[str]:
