@@ -156,12 +156,65 @@ def log_pipeline_run(
     TrackingUnavailable having logged nothing. Param and tag values go through `redact`.
     `tags` should hold the COMPARABLE_TAGS of this run's validation loss; `track_started`
     (epoch seconds) is when the track stage began."""
+    model_name, register = cfg.tracking.model_name, cfg.tracking.register
+    track_started = time.time() if track_started is None else track_started
+    secrets = secret_values()
+    client, uri, artifacts, retrying = _connect(root, cfg.tracking.retry_seconds)
+    experiment_id = retrying(lambda: ensure_experiment(client, cfg, artifacts, secrets))
+    sources = retrying(lambda: measurement_sources(client, experiment_id, metrics_by_stage))
+    champion = retrying(lambda: current_champion(client, model_name)) if register else None
+    gate_results = gates(metrics_by_stage)
+    all_tags = run_tags(cfg, tags, metrics_by_stage, sources, gate_results, secrets)
+    started = pipeline_started(metrics_by_stage, sources, fallback=track_started)
+    contents = {  # what _log_run_contents logs besides the params
+        "metrics_by_stage": metrics_by_stage,
+        "step_series": step_series,
+        "plots_dir": plots_dir,
+        "metrics_dir": metrics_dir,
+        "tokenizer_path": tokenizer_path,
+        "export_dir": export_dir,
+        "dataset_path": dataset_path,
+        "dataset_digest": dataset_digest,
+    }
+    run_id, version, decision = _log_run(
+        client,
+        cfg,
+        uri,
+        experiment_id,
+        run_name=run_name,
+        started=started,
+        all_tags=all_tags,
+        secrets=secrets,
+        contents=contents,
+        champion=champion,
+        gate_results=gate_results,
+        tags=tags,
+    )
+    if version is not None:
+        log.info("%s v%s: %s (%s)", model_name, version, "champion" if decision[0] else "candidate", decision[1])
+    return {
+        "tracking_uri": redact(uri, secrets),
+        "experiment_id": experiment_id,
+        "ui_url": ui_url(redact(uri, secrets), experiment_id),
+        "run_id": run_id,
+        "run_name": redact(run_name, secrets),
+        "started": datetime.fromtimestamp(started, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "model_name": model_name if register else None,
+        "model_version": int(version) if version is not None else None,
+        "champion": decision[0] and version is not None,
+        "registered_reason": decision[1],
+        "gates": {k: v for k, v in gate_results.items()},
+        "sources": sources,
+    }
+
+
+def _connect(root: Path, retry_seconds: float):
+    """(client, URI, artifact location, retrying) of the project's tracking store, once its server
+    answers: TrackingUnavailable, with nothing logged, if it does not within retry_seconds;
+    `retrying(call)` retries a call on it, with backoff, until the same deadline."""
     import mlflow
     from mlflow import MlflowClient
 
-    model_name, register, retry_seconds = cfg.tracking.model_name, cfg.tracking.register, cfg.tracking.retry_seconds
-    track_started = time.time() if track_started is None else track_started
-    secrets = secret_values()
     uri, artifacts = tracking_store(root)
     deadline = wait_for_tracking(uri, retry_seconds)
     mlflow.set_tracking_uri(uri)
@@ -170,12 +223,28 @@ def log_pipeline_run(
     def retrying(call):
         return _retrying(call, uri, deadline, retry_seconds)
 
-    experiment_id = retrying(lambda: ensure_experiment(client, cfg, artifacts, secrets))
-    sources = retrying(lambda: measurement_sources(client, experiment_id, metrics_by_stage))
-    champion = retrying(lambda: current_champion(client, model_name)) if register else None
-    gate_results = gates(metrics_by_stage)
-    all_tags = run_tags(cfg, tags, metrics_by_stage, sources, gate_results, secrets)
-    started = pipeline_started(metrics_by_stage, sources, fallback=track_started)
+    return client, uri, artifacts, retrying
+
+
+def _log_run(
+    client,
+    cfg: Config,
+    uri: str,
+    experiment_id: str,
+    *,
+    run_name: str,
+    started: float,
+    all_tags: dict[str, str],
+    secrets: list[str],
+    contents: dict,
+    champion: dict | None,
+    gate_results: dict,
+    tags: dict[str, str],
+) -> tuple[str | None, int | str | None, tuple[bool, str]]:
+    """Create the run (started when the pipeline run did, with `all_tags`), log its `contents` and
+    register its model by the champion rule: (run id, model version, the rule's decision). A
+    server lost on the way is one TrackingUnavailable line naming the run left incomplete."""
+    import mlflow
 
     run_id, version, decision = None, None, (False, "not registered")
     # MLflow prints "View run ... at: <tracking URI>/#/..." to stdout, credentials included: with
@@ -194,23 +263,20 @@ def log_pipeline_run(
                     run_id,
                     cfg,
                     secrets=secrets,
-                    metrics_by_stage=metrics_by_stage,
-                    step_series=step_series,
-                    plots_dir=plots_dir,
-                    metrics_dir=metrics_dir,
-                    tokenizer_path=tokenizer_path,
-                    export_dir=export_dir,
-                    dataset_path=dataset_path,
-                    dataset_digest=dataset_digest,
-                    model_name=model_name,
-                    register=register,
+                    model_name=cfg.tracking.model_name,
+                    register=cfg.tracking.register,
+                    **contents,
                 )
-                decision = _register(client, cfg, run_id, version, champion, metrics_by_stage, gate_results, tags)
-    except Exception as exc:  # the server went away mid-run: the same one line as above
+                decision = _register(
+                    client, cfg, run_id, version, champion, contents["metrics_by_stage"], gate_results, tags
+                )
+    except Exception as exc:  # the server went away mid-run: the same one line as when it is down at first
         if isinstance(exc, TrackingUnavailable) or not _connection_lost(exc):
             raise
         during = f" while logging run {run_id} (left incomplete)" if run_id else ""
-        raise TrackingUnavailable(unavailable_message(uri, _short_reason(exc), retry_seconds, during)) from exc
+        raise TrackingUnavailable(
+            unavailable_message(uri, _short_reason(exc), cfg.tracking.retry_seconds, during)
+        ) from exc
     if hide_url:
         log.info(
             "MLflow run %s: %s/#/experiments/%s/runs/%s",
@@ -219,22 +285,7 @@ def log_pipeline_run(
             experiment_id,
             run_id,
         )
-    if version is not None:
-        log.info("%s v%s: %s (%s)", model_name, version, "champion" if decision[0] else "candidate", decision[1])
-    return {
-        "tracking_uri": redact(uri, secrets),
-        "experiment_id": experiment_id,
-        "ui_url": ui_url(redact(uri, secrets), experiment_id),
-        "run_id": run_id,
-        "run_name": redact(run_name, secrets),
-        "started": datetime.fromtimestamp(started, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "model_name": model_name if register else None,
-        "model_version": int(version) if version is not None else None,
-        "champion": decision[0] and version is not None,
-        "registered_reason": decision[1],
-        "gates": {k: v for k, v in gate_results.items()},
-        "sources": sources,
-    }
+    return run_id, version, decision
 
 
 def ensure_experiment(client, cfg: Config, artifacts: str | None, secrets: list[str]) -> str:
