@@ -187,100 +187,21 @@ def plan(
     """Per-rank bytes (every rank's: max and mean) and per-step Muon traffic of training
     `model_cfg` on `world` ranks with micro-batches of `micro_batch` x `seq_len` tokens,
     and the activations of each activation-checkpointing mode."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    from laplace.training.distributed import shard_model
-
-    if dist.is_initialized():
-        raise RuntimeError("plan() runs its own fake process group; call it outside a distributed job")
-    dist.init_process_group("fake", rank=0, world_size=world)  # torch registers the backend and its store
-    try:
-        with torch.device("meta"):
-            model = LaplaceLM(model_cfg)
-        shard_model(model, init_device_mesh("cpu", (world,)), precision)
-        routes = route_parameters(model)
-
-        def local(p) -> int:
-            return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-
-        muon = [p for _, p in routes["muon"]]
-        adamw = [p for r in ("adamw_decay", "adamw_no_decay") for _, p in routes[r]]
-        rank0_values = sum(local(p) for p in muon + adamw)
-        assert all(isinstance(p, DTensor) for p in muon + adamw), "FSDP2 left a parameter unsharded"
-    finally:
-        dist.destroy_process_group()
-
+    model, muon, adamw = _sharded_on_fake_ranks(model_cfg, world, precision)
     shapes = [tuple(p.shape) for p in muon]
     exchange = ExchangePlan(shapes, world)
-    ex_item = EXCHANGE_BYTES
-    param_item = 2 if precision == "bf16" else 4
-    values = _local_values([tuple(p.shape) for p in muon + adamw], world)
-    assert values[0] == rank0_values, "the shard arithmetic disagrees with FSDP2's rank 0"
-    adamw_values = _local_values([tuple(p.shape) for p in adamw], world)
-    muon_values = _local_values(shapes, world)
-    workspace = [
-        max((_newton_schulz_workspace(*s.shape, world, ex_item) for s in exchange.owned_by(r)), default=0)
-        for r in range(world)
-    ]
     n_params = model.num_parameters()
     by_mode = step_traffic(model, world, precision)
-    # owner_reduce (fp32): every Muon matrix whole on every rank, its gradient whole on every rank
-    # until the reduce, its momentum whole on its owner; against alltoall's row shards of all three
-    owned_bytes = [0] * world
-    for slot in exchange.slots:
-        owned_bytes[slot.owner] += 4 * math.prod(slot.shape)
-    muon_whole = 4 * sum(math.prod(s) for s in shapes)
-    owner_memory = {
-        "muon_parameters": [muon_whole] * world,
-        "muon_gradients_until_reduced": [muon_whole] * world,
-        "muon_momentum": owned_bytes,
-        "newton_schulz_workspace": [
-            max((_newton_schulz_workspace(*s.shape, 1, ex_item) for s in exchange.owned_by(r)), default=0)
-            for r in range(world)
-        ],
-    }
-    sharded_memory = {
-        "muon_parameters": [4 * v for v in muon_values],
-        "muon_gradients_until_reduced": [4 * v for v in muon_values],
-        "muon_momentum": [4 * v for v in muon_values],
-        "newton_schulz_workspace": workspace,
-    }
-    ranks = {
-        "parameters": [4 * v for v in values],
-        "gradients": [4 * v for v in values],
-        "adamw_moments": [2 * 4 * v for v in adamw_values],
-        "muon_momentum": [4 * v for v in muon_values],
-        # send, received, back, returned: [W, segment] each
-        # one rank exchanges nothing: it holds only the orthogonalised updates (ShardedMuon.step)
-        "muon_exchange_buffers": [(4 * world if world > 1 else 1) * exchange.segment * ex_item] * world,
-        "newton_schulz_workspace": workspace,
-        "fsdp_transient_peak": [_fsdp_transient(model, param_item)] * world,
-        # grad_accum_steps > 1: FSDP2 reduce-scatters on the last micro-batch only, so until then every
-        # parameter's gradient is held unsharded, in the reduce dtype (fp32)
-        "unsharded_gradient_accumulators": [4 * n_params if grad_accum_steps > 1 else 0] * world,
-    }
+    ranks = _rank_bytes(model, muon, adamw, exchange, world, precision, grad_accum_steps)
     totals = [sum(column) for column in zip(*ranks.values())]
     busiest = max(range(world), key=totals.__getitem__)
     per_rank = {k: v[0] for k, v in ranks.items()}
     hbm = int(hbm_gib * GIB)
-    traffic = muon_traffic(shapes, world, ex_item)
+    traffic = muon_traffic(shapes, world, EXCHANGE_BYTES)
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    one = activation_bytes(model_cfg, 1, seq_len, dtype)  # every figure is linear in the micro-batch
     static = max(totals)
-    modes = {}
-    for mode in MODES:
-        per_sequence = one["peak_bytes"][mode] + one["logits_gradient_bytes"]
-        acts = micro_batch * per_sequence
-        modes[mode] = {
-            "activation_bytes_per_sequence": per_sequence,
-            "activation_bytes": acts,
-            "total_bytes": static + acts,
-            "fits": static + acts <= hbm,
-            "max_micro_batch": max(0, (hbm - static) // per_sequence),
-        }
+    one, modes = _activation_modes(model_cfg, seq_len, micro_batch, dtype, static, hbm)
     growth = activation_growth(model_cfg, seq_len, dtype, activation_checkpoint, one)
     # the least recompute that fits: none, then selective (recomputes the cheap ops), then full
     needs = next((m for m in ("none", "selective", "full") if modes[m]["fits"]), None)
@@ -309,16 +230,126 @@ def plan(
         "needs_activation_checkpoint": needs,
         "fits": modes[activation_checkpoint]["fits"],
         "muon_traffic": traffic,
-        "step_traffic": {
-            mode: {kind: {"max": max(v), "mean": sum(v) / world} for kind, v in kinds.items()}
-            for mode, kinds in by_mode.items()
-        },
-        "muon_memory": {
-            mode: {kind: {"max": max(v), "mean": sum(v) / world} for kind, v in kinds.items()}
-            for mode, kinds in (("alltoall", sharded_memory), ("owner_reduce", owner_memory))
-        },
+        "step_traffic": {mode: _max_and_mean(kinds, world) for mode, kinds in by_mode.items()},
+        "muon_memory": {mode: _max_and_mean(kinds, world) for mode, kinds in _muon_memory(exchange, world).items()},
         "article": ARTICLE if world == ARTICLE["world_size"] else None,
     }
+
+
+def _max_and_mean(kinds: dict[str, list[int]], world: int) -> dict[str, dict[str, float]]:
+    return {kind: {"max": max(v), "mean": sum(v) / world} for kind, v in kinds.items()}
+
+
+def _sharded_on_fake_ranks(model_cfg: ModelConfig, world: int, precision: str) -> tuple:
+    """The model on the meta device, sharded by the trainer's shard_model over torch's fake process
+    group of `world` ranks (this process is rank 0), and its Muon and AdamW parameters; every
+    rank's shard arithmetic checked against FSDP2's rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from laplace.training.distributed import shard_model
+
+    if dist.is_initialized():
+        raise RuntimeError("plan() runs its own fake process group; call it outside a distributed job")
+    dist.init_process_group("fake", rank=0, world_size=world)  # torch registers the backend and its store
+    try:
+        with torch.device("meta"):
+            model = LaplaceLM(model_cfg)
+        shard_model(model, init_device_mesh("cpu", (world,)), precision)
+        routes = route_parameters(model)
+
+        def local(p) -> int:
+            return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+        muon = [p for _, p in routes["muon"]]
+        adamw = [p for r in ("adamw_decay", "adamw_no_decay") for _, p in routes[r]]
+        rank0_values = sum(local(p) for p in muon + adamw)
+        assert all(isinstance(p, DTensor) for p in muon + adamw), "FSDP2 left a parameter unsharded"
+    finally:
+        dist.destroy_process_group()
+    values = _local_values([tuple(p.shape) for p in muon + adamw], world)
+    assert values[0] == rank0_values, "the shard arithmetic disagrees with FSDP2's rank 0"
+    return model, muon, adamw
+
+
+def _workspace_per_rank(exchange: ExchangePlan, world: int, stacked_from: int) -> list[int]:
+    """Every rank's Newton-Schulz workspace: that of the largest matrix it owns, stacked from
+    `stacked_from` shards (the world's under alltoall; 1, the matrix whole, under owner_reduce)."""
+    return [
+        max((_newton_schulz_workspace(*s.shape, stacked_from, EXCHANGE_BYTES) for s in exchange.owned_by(r)), default=0)
+        for r in range(world)
+    ]
+
+
+def _rank_bytes(
+    model, muon: list, adamw: list, exchange: ExchangePlan, world: int, precision: str, grad_accum_steps: int
+) -> dict[str, list[int]]:
+    """Every rank's bytes before activations, by memory part (the parts as_text names)."""
+    values = _local_values([tuple(p.shape) for p in muon + adamw], world)
+    adamw_values = _local_values([tuple(p.shape) for p in adamw], world)
+    muon_values = _local_values([tuple(p.shape) for p in muon], world)
+    param_item = 2 if precision == "bf16" else 4
+    return {
+        "parameters": [4 * v for v in values],
+        "gradients": [4 * v for v in values],
+        "adamw_moments": [2 * 4 * v for v in adamw_values],
+        "muon_momentum": [4 * v for v in muon_values],
+        # send, received, back, returned: [W, segment] each
+        # one rank exchanges nothing: it holds only the orthogonalised updates (ShardedMuon.step)
+        "muon_exchange_buffers": [(4 * world if world > 1 else 1) * exchange.segment * EXCHANGE_BYTES] * world,
+        "newton_schulz_workspace": _workspace_per_rank(exchange, world, world),
+        "fsdp_transient_peak": [_fsdp_transient(model, param_item)] * world,
+        # grad_accum_steps > 1: FSDP2 reduce-scatters on the last micro-batch only, so until then every
+        # parameter's gradient is held unsharded, in the reduce dtype (fp32)
+        "unsharded_gradient_accumulators": [4 * model.num_parameters() if grad_accum_steps > 1 else 0] * world,
+    }
+
+
+def _muon_memory(exchange: ExchangePlan, world: int) -> dict[str, dict[str, list[int]]]:
+    """Every rank's Muon state by muon.comm: alltoall's row shards of the matrices, their gradients
+    and momentum, against owner_reduce's (fp32): every Muon matrix whole on every rank, its
+    gradient whole on every rank until the reduce, its momentum whole on its owner."""
+    shapes = exchange.shapes
+    muon_values = _local_values(shapes, world)
+    owned_bytes = [0] * world
+    for slot in exchange.slots:
+        owned_bytes[slot.owner] += 4 * math.prod(slot.shape)
+    muon_whole = 4 * sum(math.prod(s) for s in shapes)
+    return {
+        "alltoall": {
+            "muon_parameters": [4 * v for v in muon_values],
+            "muon_gradients_until_reduced": [4 * v for v in muon_values],
+            "muon_momentum": [4 * v for v in muon_values],
+            "newton_schulz_workspace": _workspace_per_rank(exchange, world, world),
+        },
+        "owner_reduce": {
+            "muon_parameters": [muon_whole] * world,
+            "muon_gradients_until_reduced": [muon_whole] * world,
+            "muon_momentum": owned_bytes,
+            "newton_schulz_workspace": _workspace_per_rank(exchange, world, 1),
+        },
+    }
+
+
+def _activation_modes(
+    model_cfg: ModelConfig, seq_len: int, micro_batch: int, dtype: torch.dtype, static: int, hbm: int
+) -> tuple[dict, dict[str, dict]]:
+    """One sequence's activations at seq_len, and per activation-checkpointing mode a micro-batch's,
+    the total beside the `static` bytes, whether it fits `hbm` and the largest micro-batch that does."""
+    one = activation_bytes(model_cfg, 1, seq_len, dtype)  # every figure is linear in the micro-batch
+    modes = {}
+    for mode in MODES:
+        per_sequence = one["peak_bytes"][mode] + one["logits_gradient_bytes"]
+        acts = micro_batch * per_sequence
+        modes[mode] = {
+            "activation_bytes_per_sequence": per_sequence,
+            "activation_bytes": acts,
+            "total_bytes": static + acts,
+            "fits": static + acts <= hbm,
+            "max_micro_batch": max(0, (hbm - static) // per_sequence),
+        }
+    return one, modes
 
 
 def activation_growth(
