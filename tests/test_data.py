@@ -441,7 +441,7 @@ def test_unreachable_vocabulary_is_an_error_naming_the_reached_size(tmp_path):
 
 
 def test_tokenizer_sample_is_bounded_and_seeded(tmp_path):
-    from laplace.data.tokenize import _bounded_sample
+    from laplace.data.survey import _bounded_sample
 
     texts = distinct_documents(200)
     sample = _bounded_sample(iter(texts), seed=1, budget=5000)

@@ -11,8 +11,11 @@ import random
 import pytest
 
 from laplace.config import DataSection
-from laplace.data import long_records, readers
-from laplace.data.readers import SliceStats, Unit, _string_lines, slice_documents, unit_texts
+from laplace.data import long_records, record_files
+from laplace.data.readers import slice_documents, unit_texts
+from laplace.data.text_files import _string_lines
+from laplace.data.units import SliceStats, Unit
+from laplace.errors import DataError
 
 SAMPLES = [
     'plain ascii text with "quotes" and \\ backslashes\n and lines\n\n',
@@ -55,7 +58,7 @@ def test_lines_from_pieces_are_the_lines_of_the_whole(max_chars):
 
 
 def documents(path, monkeypatch, stream_over: int, **kw) -> tuple[list, SliceStats]:
-    monkeypatch.setattr(readers, "_STREAM_RECORD_BYTES", stream_over)
+    monkeypatch.setattr(record_files, "_STREAM_RECORD_BYTES", stream_over)
     monkeypatch.setattr(long_records, "_PIECE_BYTES", 101)
     data = DataSection(source="files", path=str(path), min_chars=1, max_document_chars=300, **kw)
     stats = SliceStats()
@@ -88,7 +91,7 @@ def test_a_streamed_record_gives_the_documents_and_verdicts_of_a_whole_parse(tmp
 def test_a_missing_text_field_is_the_same_error_streamed(tmp_path, monkeypatch):
     path = tmp_path / "records.jsonl"
     path.write_text('{"body": "' + "x" * 100 + '"}\n')
-    with pytest.raises(readers.DataError, match=r"records.jsonl:1: no field 'text' .*fields: body"):
+    with pytest.raises(DataError, match=r"records.jsonl:1: no field 'text' .*fields: body"):
         documents(path, monkeypatch, 8)
 
 

@@ -44,13 +44,13 @@ spec = json.loads(sys.argv[1])
 if spec.get("address_space"):
     resource.setrlimit(resource.RLIMIT_AS, (spec["address_space"], spec["address_space"]))
 from laplace.config import DataSection, TokenizerSection
-from laplace.data import tokenize
+from laplace.data import assembly, tokenize
 from laplace.errors import Failure, InputError
 if spec.get("kill_at"):
     def step(name):
         if name == spec["kill_at"]:
             os.kill(os.getpid(), signal.SIGKILL)
-    tokenize._assembly_step = step
+    assembly.assembly_step = step
 try:
     metrics = tokenize.tokenize_corpus(DataSection(**spec["data"]), TokenizerSection(**spec["tok"]), spec["out"], 0)
 except InputError as exc:

@@ -20,19 +20,12 @@ from pathlib import Path
 import pytest
 
 from laplace.config import DataSection, TokenizerSection
-from laplace.data.readers import (
-    HubUnreachable,
-    SliceStats,
-    _raise_if_network,
-    corpus_units,
-    iter_documents,
-    plan_slices,
-    record_pieces,
-    slice_documents,
-    unit_fingerprint,
-)
+from laplace.data.hub import HubUnreachable, _raise_if_network
+from laplace.data.readers import corpus_units, iter_documents, plan_slices, slice_documents, unit_fingerprint
+from laplace.data.text_files import record_pieces
 from laplace.data.tokenize import tokenize_corpus
 from laplace.data.tokenizer import train_tokenizer
+from laplace.data.units import SliceStats
 from laplace.errors import DataError, Failure
 
 TEXT = "The quick brown fox jumps over the lazy dog, again and again, in a sentence long enough. "

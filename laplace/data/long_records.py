@@ -159,7 +159,7 @@ def string_pieces(raw, start: int, end: int) -> Iterator[str]:
 
 
 def string_lines(pieces: Iterator[str], max_chars: int) -> Iterator[str]:
-    """readers._string_lines over a text given in pieces: the same lines, holding at most about
+    """text_files._string_lines over a text given in pieces: the same lines, holding at most about
     max_chars plus a piece (a decision at a position needs max_chars characters after it)."""
     buf, pos, done = "", 0, False
     while True:

@@ -3,35 +3,34 @@ in parallel, resumable.
 
     survey   each slice (a worker per slice) hashes its input and keeps its share of a seeded
              sample for the tokenizer (the train documents with the smallest keyed hash, at most
-             tokenizer.sample_bytes in all)
+             tokenizer.sample_bytes in all): laplace.data.survey
     train    the byte-level BPE on that sample (or tokenizer.from), reused when the sample is unchanged
     encode   each slice is streamed through the tokenizer into shards of data.shard_tokens tokens,
              <split>/<slice>-<part>/{tokens.bin, manifest.json}; a shard is finished when its
-             manifest is written, and records where in the slice it ends
+             manifest is written, and records where in the slice it ends: laplace.data.encode
     assemble the new output directory is built beside the old one (unchanged shards hard-linked,
-             never rewritten), the manifest written last, and swapped in
+             never rewritten), the manifest written last, and swapped in: laplace.data.assembly
 
-Work goes to `.<out>.partial/` beside the output: a killed run resumes from the shards it
-finished there; a failed one leaves the previous output untouched. The worker pool is in
-laplace.data.pool, the shard writer in laplace.data.shards.
+This module plans the slices, trains the tokenizer, runs the phases on the workers and writes the
+stage's figures. Work goes to `.<out>.partial/` beside the output: a killed run resumes from the
+shards it finished there; a failed one leaves the previous output untouched. The worker pool is
+in laplace.data.pool, the shard writer in laplace.data.shards.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import hashlib
-import heapq
 import json
 import logging
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,18 +38,12 @@ import numpy as np
 
 from laplace import manifest
 from laplace.config import DataSection, TokenizerSection
+from laplace.data import assembly  # through the module: the crash tests replace assembly.assembly_step
+from laplace.data.encode import LISTED_BAD, EncodeJob, encode_slice
 from laplace.data.pool import Workers, process_pool, runs_repeated, sigterm_unwinds
-from laplace.data.readers import (
-    SliceStats,
-    Unit,
-    corpus_units,
-    plan_slices,
-    slice_documents,
-    stable_hash,
-    unit_fingerprint,
-    write_python_docs,
-)
-from laplace.data.shards import KIND, SPLITS, TOKENS, ShardWriter
+from laplace.data.readers import corpus_units, plan_slices, write_python_docs
+from laplace.data.shards import KIND, SPLITS, TOKENS
+from laplace.data.survey import Survey, SurveyJob, merged_sample, sample_digest, survey_slice
 from laplace.data.tokenizer import (
     EOS_TOKEN,
     TOKENIZER_NAME,
@@ -59,8 +52,9 @@ from laplace.data.tokenizer import (
     given_tokenizer_file,
     train_reaching,
 )
+from laplace.data.units import Unit
 from laplace.errors import DataError, Failure, InputError, one_line
-from laplace.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, fsync_file
+from laplace.fileio import atomic_write_bytes
 from laplace.progress import progress_bar
 from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
@@ -70,19 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT = 3  # bump when the bytes a slice produces change for the same input and settings
-_ENCODE_BATCH_CHARS = 1 << 18  # documents are encoded in batches of about this much text (memory: ~300 B per char)
-# The encoder holds ~300 bytes per character of one input while it pre-tokenizes it: a longer
-# document is encoded as pieces of at most this many characters (cut where the byte-level
-# pre-tokenizer cuts anyway, so the ids are the same) and its ids joined.
-_ENCODE_PIECE_CHARS = 1 << 18
-_LISTED_BAD = 100  # bad files named in the manifest (all are logged)
-
-
-def _val_score(text: str, seed: int) -> float:
-    """A uniform number in [0, 1) fixed by (seed, document text): duplicates land in the same split."""
-    key = str(seed).encode()[:64]
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=key).digest()
-    return int.from_bytes(digest, "little") / 2.0**64
 
 
 class DiskFull(Failure):
@@ -105,254 +86,6 @@ def _quota(total: int, slot: int, slots: int) -> int:
     if not total:
         return 0
     return max(1, total // slots + (slot < total % slots))
-
-
-# --------------------------------------------------------------------------- survey: fingerprints and the sample
-
-
-@dataclass
-class _SurveyJob:
-    slice: int
-    units: list[Unit]
-    data: DataSection
-    seed: int
-    quota: int
-    sample_bytes: int  # the slice's quota of tokenizer.sample_bytes, on disk; 0: no sample (tokenizer.from)
-    sample_file: str = ""  # where the slice's sample goes, sorted by keyed hash (JSON lines [hash, text])
-    result_file: str = ""  # where the survey's result is persisted before it is returned
-    run: str = ""  # this stage run: a result persisted by the same run is returned as it is
-
-
-@dataclass
-class _Survey:
-    slice: int
-    fingerprints: dict[str, str]
-    problems: dict[str, str]
-    sample_file: str = ""  # the slice's share of the sample (see _SurveyJob), read back streaming
-
-
-def _sample_line(key: int, text: str) -> bytes:
-    """A sample document as the slice's sample file holds it (its bytes count against the quota)."""
-    return (json.dumps([key, text], ensure_ascii=False) + "\n").encode("utf-8")
-
-
-def _bounded_sample(texts: Iterator[str], seed: int, budget: int) -> list[tuple[int, str]]:
-    """The texts with the smallest keyed hashes whose sample lines add up to at most `budget` bytes
-    (so the slice's file, and what this worker holds, stay within its quota)."""
-    heap: list[tuple[int, int, str]] = []  # max-heap on the hash (negated), with each line's size
-    size = 0
-    for text in texts:
-        key = stable_hash("sample", str(seed), text)
-        if heap and size >= budget and key > -heap[0][0]:
-            continue
-        line = len(_sample_line(key, text))
-        if line > budget:
-            continue
-        heapq.heappush(heap, (-key, line, text))
-        size += line
-        while size > budget and heap:
-            _, dropped, _ = heapq.heappop(heap)
-            size -= dropped
-    return sorted((-k, t) for k, _, t in heap)
-
-
-def _persisted_survey(job: _SurveyJob) -> _Survey | None:
-    """The survey this stage run already finished for the slice (a job run again after its worker
-    died, or resubmitted), when its result and sample are still there."""
-    try:
-        saved = json.loads(Path(job.result_file).read_text())
-        if saved.pop("run") != job.run or (saved["sample_file"] and not Path(saved["sample_file"]).is_file()):
-            return None
-        return _Survey(**saved)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _survey(job: _SurveyJob) -> _Survey:
-    """One slice's survey; its result persisted (job.result_file) before it is returned."""
-    if job.result_file and (done := _persisted_survey(job)) is not None:
-        return done
-    data = job.data
-    found = {u.name: unit_fingerprint(u, data) for u in job.units}
-    problems = {name: problem for name, (_, problem) in found.items() if problem}
-    if problems and data.on_bad_file == "error":
-        name = sorted(problems)[0]
-        where = next(u.location for u in job.units if u.name == name)
-        raise DataError(f"{where}: {problems[name]} (data.on_bad_file: error; set it to skip to leave such input out)")
-    survey = _Survey(job.slice, {name: digest for name, (digest, _) in found.items()}, problems)
-    if job.sample_bytes:
-        docs = slice_documents(job.units, problems, data, job.quota, SliceStats())
-        train = (t for t in docs if _val_score(t, job.seed) >= data.val_fraction)
-        # held here, in the worker, bounded by the budget; the stage only ever streams the files
-        sample = _bounded_sample(train, job.seed, job.sample_bytes)
-        path = Path(job.sample_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(f"{path}.tmp", "wb") as f:
-            for key, text in sample:
-                f.write(_sample_line(key, text))
-        os.replace(f"{path}.tmp", path)
-        survey.sample_file = str(path)
-    if job.result_file:
-        Path(job.result_file).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(Path(job.result_file), {**asdict(survey), "run": job.run})
-    return survey
-
-
-# --------------------------------------------------------------------------- encode: one slice into shards
-
-
-@dataclass
-class _EncodeJob:
-    slice: int
-    units: list[Unit]
-    problems: dict[str, str]
-    data: DataSection
-    seed: int
-    quota_documents: int
-    quota_tokens: int
-    tokenizer_json: str
-    eos_id: int
-    start_ids: list[int]  # what each document starts with (the tokenizer's BOS convention)
-    dtype: str
-    key: str
-    staging: str
-
-
-def _encoder_pieces(text: str, limit: int) -> Iterator[str]:
-    """text in pieces of at most `limit` characters (about), each cut just before a space that
-    follows a non-space and precedes one: a byte-level (GPT-2) pre-tokenizer starts a new
-    pre-token there, so encoding the pieces gives the ids of the whole. Without such a space
-    within the window (no spaces at all), at the limit."""
-    pos, n = 0, len(text)
-    while n - pos > limit:
-        end = pos + limit
-        cut = text.rfind(" ", pos + limit // 2, end)
-        while cut > pos and (text[cut - 1].isspace() or cut + 1 >= n or text[cut + 1].isspace()):
-            cut = text.rfind(" ", pos + limit // 2, cut)
-        end = cut if cut > pos else end
-        yield text[pos:end]
-        pos = end
-    yield text[pos:]
-
-
-def _finished_record(path: Path, staging: Path, key: str) -> dict | None:
-    """A slice's record from an interrupted run, when it was made with `key` and every shard it
-    lists is there with its size (else None: the slice is encoded again, adopting what is valid)."""
-    try:
-        record = json.loads(path.read_text())
-        if record.get("key") != key:
-            return None
-        for shards in record["shards"].values():
-            for shard in shards:
-                tokens = staging / shard["path"] / TOKENS
-                if tokens.stat().st_size != shard["bytes"] or not (tokens.parent / manifest.MANIFEST).is_file():
-                    return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return record
-
-
-_TOKENIZER: dict[str, object] = {}  # this worker's tokenizer, by its JSON (one entry)
-
-
-def _worker_tokenizer(tokenizer_json: str):
-    """One Tokenizer per worker process, reused by every slice it encodes: the tokenizers library
-    does not give a dropped Tokenizer's memory back (a probe that built one per batch took a
-    worker from 144 MB to 1.9 GB), so a tokenizer per slice would grow a worker with the slices."""
-    from tokenizers import Tokenizer
-
-    if tokenizer_json not in _TOKENIZER:
-        _TOKENIZER.clear()
-        tokenizer = Tokenizer.from_str(tokenizer_json)
-        tokenizer.encode_special_tokens = True
-        _TOKENIZER[tokenizer_json] = tokenizer
-    return _TOKENIZER[tokenizer_json]
-
-
-def _encoded(tokenizer, pieces: list[str]) -> Iterator:
-    """The encodings of the pieces, in order, the encoder given at most about _ENCODE_BATCH_CHARS
-    characters per call: it holds ~300 bytes per character of what it is given (a 1M-character
-    document at once took ~300 MB), so a long document's pieces go a few at a time."""
-    group: list[str] = []
-    size = 0
-    for piece in pieces:
-        if group and size + len(piece) > _ENCODE_BATCH_CHARS:
-            yield from tokenizer.encode_batch_fast(group, add_special_tokens=False)
-            group, size = [], 0
-        group.append(piece)
-        size += len(piece)
-    if group:
-        yield from tokenizer.encode_batch_fast(group, add_special_tokens=False)
-
-
-def encode_slice(job: _EncodeJob) -> tuple[dict, int]:
-    """Encode one slice: its record (what the manifest keeps) and how many of its shards were
-    adopted from an interrupted run (a figure of this run, not of the slice)."""
-
-    data = job.data
-    record_path = Path(job.staging) / "slices" / f"{job.slice:05d}.json"
-    record = _finished_record(record_path, Path(job.staging), job.key)
-    if record is not None:  # the slice finished in an interrupted run: all of it is kept
-        return record, sum(len(shards) for shards in record["shards"].values())
-    tokenizer = _worker_tokenizer(job.tokenizer_json)
-    dtype = np.dtype(job.dtype)
-    writers = {s: ShardWriter(Path(job.staging), s, job.slice, job.key, data.shard_tokens, dtype) for s in SPLITS}
-    resumed = sum(len(w.finished) for w in writers.values())  # adopted from an interrupted run
-    stats = SliceStats()
-    counts = {s: 0 for s in SPLITS}
-    cut = 0
-    batch: list[tuple[str, int, int, str]] = []  # (split, doc index, tokens to skip, text)
-
-    def flush() -> None:
-        pieces = [list(_encoder_pieces(text, _ENCODE_PIECE_CHARS)) for *_, text in batch]
-        encodings = _encoded(tokenizer, [p for ps in pieces for p in ps])
-        for (split, index, skip, _), parts in zip(batch, pieces):
-            done = [next(encodings).ids for _ in parts]
-            count = len(job.start_ids) + sum(map(len, done)) + 1
-            ids = np.fromiter((*job.start_ids, *(i for d in done for i in d), job.eos_id), dtype=dtype, count=count)
-            writers[split].write(ids, index, skip)
-        batch.clear()
-
-    chars = 0
-    for text in slice_documents(job.units, job.problems, data, job.quota_documents, stats):
-        split = "val" if _val_score(text, job.seed) < data.val_fraction else "train"
-        writer = writers[split]
-        index = counts[split]
-        skip = writer.skip(index)
-        if split == "train" and job.quota_tokens and skip == 0:  # a document not yet started
-            if any(s == "train" for s, *_ in batch):
-                flush()  # the cap needs the exact token count so far
-                chars = 0
-            if writer.tokens >= job.quota_tokens:
-                cut += 1
-                continue
-        counts[split] += 1
-        if skip is None:
-            continue
-        batch.append((split, index, skip, text))
-        chars += len(text)
-        if chars >= _ENCODE_BATCH_CHARS:
-            flush()
-            chars = 0
-    if batch:
-        flush()
-    for split, writer in writers.items():
-        writer.finish(counts[split])
-    stats.bad = stats.bad[:_LISTED_BAD]  # all are counted (undecodable); the first are named
-    record = {
-        "key": job.key,
-        "slice": job.slice,
-        "stats": asdict(stats),
-        "documents": counts,
-        "cut_by_max_tokens": cut,
-        "shards": {s: w.finished for s, w in writers.items()},
-    }
-    record_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(record_path, record)
-    return record, resumed
-
-
-# --------------------------------------------------------------------------- the stage
 
 
 @contextlib.contextmanager
@@ -431,32 +164,6 @@ def _describe_source(data: DataSection, units: list[Unit]) -> str:
     return f"files: {data.path} ({len(units)} files)"
 
 
-def _read_sample(path: str) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            key, text = json.loads(line)
-            yield key, text
-
-
-def _sample(sample_files: list[str]) -> Iterator[tuple[int, str]]:
-    """The global sample, streamed: the slices' sorted files merged by keyed hash (a k-way merge:
-    one document per slice in memory, never the sample). Each slice kept at most its quota of
-    tokenizer.sample_bytes, so the whole is within it, on disk as in memory: no merged copy is
-    written (the training reads the slices' files through this merge too)."""
-    return heapq.merge(*(_read_sample(path) for path in sample_files))
-
-
-def _sample_digest(sample_files: list[str]) -> tuple[str, int, int]:
-    """(sha256 of the sample, documents, bytes of text). On a Dask worker under executor: dask."""
-    digest = hashlib.sha256()
-    count = size = 0
-    for key, text in _sample(sample_files):
-        digest.update(_sample_line(key, text))
-        size += len(text.encode("utf-8"))
-        count += 1
-    return digest.hexdigest(), count, size
-
-
 @dataclass
 class _TrainJob:
     sample_files: list[str]
@@ -467,14 +174,14 @@ class _TrainJob:
 
 def _train(job: _TrainJob) -> str:
     """In a child process of its own (SIGTERM stops it at once): the BPE trained on the sample."""
-    texts = (text for _, text in _sample(job.sample_files))
+    texts = (text for _, text in merged_sample(job.sample_files))
     return train_reaching(texts, job.vocab_size, job.min_frequency, job.note).to_str(pretty=True)
 
 
 def _tokenizer_bytes(
     tok_cfg: TokenizerSection,
     given: Path | None,
-    surveys: list[_Survey],
+    surveys: list[Survey],
     settings: dict,
     previous: dict,
     out_dir: Path,
@@ -487,7 +194,7 @@ def _tokenizer_bytes(
         raw = given.read_bytes()
         return raw, hashlib.sha256(raw).hexdigest()
     sample_files = [s.sample_file for s in surveys if s.sample_file]
-    sample_sha, count, size = workers.small(_sample_digest, sample_files, "tokenizer sample (digest)")
+    sample_sha, count, size = workers.small(sample_digest, sample_files, "tokenizer sample (digest)")
     key = _digest([settings["tokenizer"], settings["seed"], sample_sha])
     if previous.get("tokenizer_key") == key and (out_dir / TOKENIZER_NAME).is_file():
         return (out_dir / TOKENIZER_NAME).read_bytes(), key
@@ -540,7 +247,7 @@ def tokenize_corpus(
     """
     out_dir = Path(out_dir)
     staging = staging_dir(out_dir)
-    _recover(out_dir)
+    assembly.recover(out_dir)
     staging.mkdir(parents=True, exist_ok=True)
     try:
         with sigterm_unwinds(), _datasets_cache_in(staging / "hf-cache"):
@@ -571,8 +278,8 @@ def tokenize_corpus(
         for name in _PER_RUN:  # the sample, the surveys' results, the run ledger, the workers' tags
             shutil.rmtree(staging / name, ignore_errors=True)
         _remove_temporaries(staging)
-        shutil.rmtree(_next_dir(out_dir), ignore_errors=True)  # never the live output (see _swap)
-    _assembly_step("removing the staging directory")
+        shutil.rmtree(assembly.next_dir(out_dir), ignore_errors=True)  # never the live output (see assembly._swap)
+    assembly.assembly_step("removing the staging directory")
     shutil.rmtree(staging, ignore_errors=True)
     return metrics
 
@@ -637,26 +344,26 @@ def _plan(data: DataSection, tok_cfg: TokenizerSection, staging: Path, seed: int
     )  # fmt: skip
 
 
-def _surveys(plan: _Plan, tok_cfg: TokenizerSection, pool) -> list[_Survey]:
+def _surveys(plan: _Plan, tok_cfg: TokenizerSection, pool) -> list[Survey]:
     """Survey every slice (its fingerprints, problems and share of the tokenizer sample), in slice order."""
     # each slice's quota of the sample (an even share, like max_documents): the whole sample is
     # within tokenizer.sample_bytes on disk, and a survey worker holds at most its slice's quota
     busy, staging = plan.busy, plan.staging
     sample_quota = {i: 0 if tok_cfg.from_ else _quota(tok_cfg.sample_bytes, k, len(busy)) for k, i in enumerate(busy)}
     jobs = [
-        _SurveyJob(
+        SurveyJob(
             i, plan.slices[i], plan.data, plan.seed, plan.docs_quota[i], sample_quota[i],
             str(staging / f"samples/{i:05d}.jsonl"), str(staging / f"surveys/{i:05d}.json"), plan.run,
         )
         for i in busy
     ]  # fmt: skip
-    survey_of = pool.map_unordered(_survey, jobs, lambda j: f"slice {j.slice:05d} (survey)")
+    survey_of = pool.map_unordered(survey_slice, jobs, lambda j: f"slice {j.slice:05d} (survey)")
     surveys = list(progress_bar(survey_of, total=len(jobs), desc="survey slices", unit="slice"))
     return sorted(surveys, key=lambda s: s.slice)
 
 
 def _tokenizer_used(
-    plan: _Plan, tok_cfg: TokenizerSection, surveys: list[_Survey], previous: dict, out_dir: Path, pool
+    plan: _Plan, tok_cfg: TokenizerSection, surveys: list[Survey], previous: dict, out_dir: Path, pool
 ) -> _TokenizerUsed:
     """tokenizer.from, or the BPE trained on the surveys' sample (reused when that is unchanged)."""
     given = given_tokenizer_file(tok_cfg.from_) if tok_cfg.from_ else None
@@ -671,8 +378,8 @@ def _tokenizer_used(
 
 
 def _encode_jobs(
-    plan: _Plan, surveys: list[_Survey], tok: _TokenizerUsed, previous: dict, out_dir: Path
-) -> tuple[dict[int, dict], list[_EncodeJob]]:
+    plan: _Plan, surveys: list[Survey], tok: _TokenizerUsed, previous: dict, out_dir: Path
+) -> tuple[dict[int, dict], list[EncodeJob]]:
     """The previous output's records of the slices whose key is unchanged, and a job for each other one."""
     records: dict[int, dict] = {}
     jobs = []
@@ -693,7 +400,7 @@ def _encode_jobs(
             records[i] = record
             continue
         jobs.append(
-            _EncodeJob(
+            EncodeJob(
                 i, plan.slices[i], survey.problems, plan.data, plan.seed, plan.docs_quota[i], plan.tokens_quota[i],
                 tok.json, tok.eos_id, tok.start_ids, tok.dtype.name, key, str(plan.staging),
             )
@@ -701,7 +408,7 @@ def _encode_jobs(
     return records, jobs
 
 
-def _encode(plan: _Plan, jobs: list[_EncodeJob], records: dict[int, dict], pool, map_slices, started: float) -> int:
+def _encode(plan: _Plan, jobs: list[EncodeJob], records: dict[int, dict], pool, map_slices, started: float) -> int:
     """Run the encode jobs (the pool, or map_slices), adding each slice's record; returns the shards resumed."""
     progress = progress_bar(total=len(plan.busy), initial=len(records), desc="tokenize slices", unit="slice")
     tokens_done = shards_resumed = 0
@@ -775,7 +482,7 @@ def _manifest_fields(plan: _Plan, tok: _TokenizerUsed, totals: _Totals) -> dict:
         "settings": plan.settings,
         "documents": {**totals.documents, "total_read": totals.documents_read},
         "skipped": {k: totals.stats[k] for k in _SKIPPED},
-        "bad_input": totals.bad[:_LISTED_BAD],
+        "bad_input": totals.bad[:LISTED_BAD],
         "tokens": totals.tokens,
     }
 
@@ -839,7 +546,7 @@ def _tokenize(
     for name, n in repeated.items():
         log.info("%s ran %d more time(s) (its worker was lost)", name, n)
     totals = _totals(plan, records)
-    _assemble(out_dir, staging, records, reused, plan.busy, tok.raw, _manifest_fields(plan, tok, totals))
+    assembly.assemble(out_dir, staging, records, reused, plan.busy, tok.raw, _manifest_fields(plan, tok, totals))
     run_facts = {
         "seconds": time.perf_counter() - started,
         "slices_reused": len(reused),
@@ -865,108 +572,3 @@ def _tokenizer_from(raw: bytes, where: str):
             "names its end-of-sequence token"
         )
     return tokenizer
-
-
-def _assembly_step(name: str) -> None:
-    """Called at each step of the assembly (a no-op): the crash tests kill the stage here."""
-
-
-def _next_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f".{out_dir.name}.next"
-
-
-def _old_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f".{out_dir.name}.old"
-
-
-def _recover(out_dir: Path) -> None:
-    """Undo what a run killed during the assembly left: a half-built (or swapped-out) `.next`, and
-    the previous output parked as `.old` when the swap is two renames (see _swap)."""
-    old = _old_dir(out_dir)
-    if old.is_dir() and not out_dir.exists():
-        os.replace(old, out_dir)  # killed between the two renames: the previous output comes back
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(_next_dir(out_dir), ignore_errors=True)
-
-
-_RENAME_EXCHANGE = 2
-
-
-def _swap(nxt: Path, out_dir: Path) -> None:
-    """Put `nxt` in place of `out_dir` in one step: renameat2(RENAME_EXCHANGE) swaps the two names
-    atomically (Linux 3.15+, most local filesystems), so a kill leaves either output. Elsewhere two
-    renames, with the previous output parked as `.old` for _recover to put back."""
-    for p in nxt.rglob("*"):
-        if p.is_file():
-            fsync_file(p)
-    fsync_dir(nxt)
-    if out_dir.exists() and sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        at_fdcwd = -100
-        if libc.renameat2(at_fdcwd, os.fsencode(nxt), at_fdcwd, os.fsencode(out_dir), _RENAME_EXCHANGE) == 0:
-            fsync_dir(out_dir.parent)
-            _assembly_step("swapped")
-            shutil.rmtree(nxt, ignore_errors=True)  # now the previous output
-            return
-    if out_dir.exists():
-        os.replace(out_dir, _old_dir(out_dir))
-        _assembly_step("parked")
-    os.replace(nxt, out_dir)
-    fsync_dir(out_dir.parent)
-    _assembly_step("swapped")
-    shutil.rmtree(_old_dir(out_dir), ignore_errors=True)
-
-
-def _assemble(
-    out_dir: Path,
-    staging: Path,
-    records: dict[int, dict],
-    reused: set[int],
-    busy: list[int],
-    raw_tokenizer: bytes,
-    fields: dict,
-) -> None:
-    """Build the new output beside the old one and swap it in; the manifest is written last.
-
-    Every shard is a hard link: to the old output's file for a reused slice (the same inode:
-    neither rewritten nor rehashed by DVC), to the staged file for a new one. Nothing is moved out
-    of the staging directory until the new output is in place, so a kill at any step leaves the old
-    output or the new one, and the staging directory to resume from (tests kill at each step).
-    """
-    nxt = _next_dir(out_dir)
-    shutil.rmtree(nxt, ignore_errors=True)
-    nxt.mkdir(parents=True)
-    _assembly_step("started")
-    known: dict[str, dict] = {}
-    names: list[str] = []
-    order: dict[str, list[dict]] = {s: [] for s in SPLITS}
-    for i in busy:
-        for split in SPLITS:
-            for shard in records[i]["shards"][split]:
-                source = (out_dir if i in reused else staging) / shard["path"]
-                target = nxt / shard["path"]
-                target.mkdir(parents=True)
-                for name in (TOKENS, manifest.MANIFEST):
-                    os.link(source / name, target / name)
-                _assembly_step("linked a shard")
-                names += [f"{shard['path']}/{TOKENS}", f"{shard['path']}/{manifest.MANIFEST}"]
-                known[f"{shard['path']}/{TOKENS}"] = {"bytes": shard["bytes"], "sha256": shard["sha256"]}
-                order[split].append({"path": shard["path"], "tokens": shard["tokens"]})
-    old_tokenizer = out_dir / TOKENIZER_NAME
-    if old_tokenizer.is_file() and old_tokenizer.read_bytes() == raw_tokenizer:
-        os.link(old_tokenizer, nxt / TOKENIZER_NAME)
-    else:
-        atomic_write_bytes(nxt / TOKENIZER_NAME, raw_tokenizer)
-    names.append(TOKENIZER_NAME)
-    _assembly_step("wrote the tokenizer")
-    manifest.write_manifest(
-        nxt,
-        KIND,
-        names,
-        known=known,
-        shards=order,
-        slices={f"{i:05d}": records[i] for i in busy},
-        **fields,
-    )
-    _assembly_step("wrote the manifest")
-    _swap(nxt, out_dir)
