@@ -98,6 +98,16 @@ def test_digest_changes_with_any_knob():
     assert a.digest() != b.digest() and a.digest() == load_config(ROOT / "params.yaml").digest()
 
 
+def test_flat_and_digest_leave_out_the_sections_and_keys_named():
+    a = load_config(ROOT / "params.yaml")
+    b = load_config(ROOT / "params.yaml", ["server.port=8123", "pipeline.retries=3"])
+    without = ("server.port", "pipeline")
+    flat = a.flat(without=without)
+    assert set(a.flat()) - set(flat) == {"server.port"} | {k for k in a.flat() if k.startswith("pipeline.")}
+    assert "server.host" in flat and "pipeline.retries" in a.flat()
+    assert a.digest() != b.digest() and a.digest(without=without) == b.digest(without=without)
+
+
 def test_cli_reports_one_line_and_exit_code_2(capsys):
     assert main(["info", "--params", str(ROOT / "params.yaml"), "--set", "train.lrr=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -9,6 +9,7 @@ import functools
 import typing
 from pathlib import Path
 
+import pytest
 import yaml
 
 from laplace.pipeline.stages import STAGES
@@ -208,7 +209,8 @@ def params_read(path: Path, sections: dict[str, set[str]], only: set[str] | None
             continue
         name, up = node.attr, parents.get(node)
         if name in ("flat", "digest"):
-            found |= everything
+            left_out = _without(up, path)
+            found |= {k for k in everything if k not in left_out and k.split(".")[0] not in left_out}
         elif name == "model_config":
             found |= {f"model.{k}" for k in sections["model"]}
             if isinstance(up, ast.Call) and not (up.args or up.keywords):
@@ -221,6 +223,27 @@ def params_read(path: Path, sections: dict[str, set[str]], only: set[str] | None
             elif not (isinstance(up, ast.Attribute) and up.value is node):
                 found |= {f"{name}.{k}" for k in sections[name]}
     return found
+
+
+def _without(call: ast.AST, path: Path) -> set[str]:
+    """The knobs `cfg.flat(without=NAME)` / `cfg.digest(without=NAME)` leave out: NAME is a module-level
+    tuple of strings in the same file (a literal tuple works too). Anything else: an error, so that
+    the check never guesses."""
+    if not isinstance(call, ast.Call):
+        return set()
+    given = next((k.value for k in call.keywords if k.arg == "without"), call.args[0] if call.args else None)
+    if given is None:
+        return set()
+    if isinstance(given, ast.Name):
+        bound = [
+            n.value
+            for n in source_tree(path).body
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == given.id for t in n.targets)
+        ]
+        given = bound[0] if len(bound) == 1 else given
+    if isinstance(given, ast.Tuple) and all(isinstance(e, ast.Constant) for e in given.elts):
+        return {e.value for e in given.elts}
+    raise AssertionError(f"{path}: flat/digest's `without` must be a module-level tuple of strings")
 
 
 def _is_definition(node: ast.AST) -> bool:
@@ -511,6 +534,7 @@ def test_the_layer_check_finds_planted_violations(tmp_path):
 WHOLE_HOUSE_SUITES = {
     "layout",  # this file: the import graph, dvc.yaml deps and params
     "readme",  # every README command runs
+    "sizes",  # no class, function or module in laplace/ over its size
     "security",  # secrets, pickles, bound addresses, paths
     "faults",  # kills and full disks across training processes
     "load",  # the engine and the server under overload
@@ -534,3 +558,20 @@ def test_a_modules_tests_are_found_from_its_name():
         if p.stem.removeprefix("test_") not in names | WHOLE_HOUSE_SUITES
     ]
     assert strays == []
+
+
+def test_the_params_check_reads_what_flat_and_digest_leave_out(tmp_path):
+    sections = knob_keys()
+    path = tmp_path / "track.py"
+    path.write_text(
+        'NOT_THE_RUN = ("server.port", "pipeline")\n'
+        "def log(cfg):\n"
+        "    return cfg.flat(without=NOT_THE_RUN), cfg.digest(without=NOT_THE_RUN)\n"
+    )
+    read = params_read(path, sections)
+    assert "server.port" not in read and "server.host" in read and "seed" in read
+    assert not any(k.startswith("pipeline.") for k in read) and "probes.seed" in read
+    guessed = tmp_path / "guess.py"  # another file: source_tree caches by path
+    guessed.write_text("def log(cfg, keys):\n    return cfg.flat(without=keys)\n")
+    with pytest.raises(AssertionError, match="module-level tuple of strings"):
+        params_read(guessed, sections)

@@ -239,6 +239,30 @@ def test_bytecode_beside_the_code_deps_reruns_nothing(repo, first_run):
             stray.parent.rmdir()
 
 
+def test_the_live_servers_and_prefects_knobs_rerun_no_stage(repo, first_run):
+    """Moving the live server (host, port, its compile policy), Prefect's retries or the comparison's
+    knobs changes no model, data or metric: `dvc status` lists no stage (track logs only the run's
+    knobs, laplace.tracking.runs.NOT_THE_RUN), while a knob MLflow logs marks track changed."""
+    from laplace.tracking.runs import NOT_THE_RUN
+
+    from project import set_params
+
+    params = repo / "params.yaml"
+    original = params.read_text()
+    moved = {"server.host": "localhost", "server.port": 8123, "server.policy": "eager", "pipeline.retries": 3}
+    moved |= {"compare.decode_timing_steps": 5, "mqar.steps": 7}
+    assert {k if k.split(".")[0] not in NOT_THE_RUN else k.split(".")[0] for k in moved} <= set(NOT_THE_RUN)
+    try:
+        set_params(params, moved)
+        assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
+        set_params(params, {"tracking.champion_tolerance": 0.5})
+        status = run(DVC + ["status", "--json"], repo).stdout
+        assert set(json.loads(status)) == {"track"}, status
+    finally:
+        params.write_text(original)
+    assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
+
+
 def test_params_change_reruns_only_downstream_and_experiments_compare(repo, first_run):
     commit_all(repo, "baseline pipeline run")
     # a lower learning rate, trained by 2 ranks under torchrun (sharded Muon)

@@ -330,7 +330,7 @@ DVC = ["python", "-m", "dvc"]
 def knob_file_problems(dvc: dict) -> list[str]:
     sections, problems = knob_keys(), []
     for name, stage in STAGES.items():
-        if name == "track":  # logs every knob's value (cfg.flat()) to MLflow, reads none of their files
+        if name == "track":  # logs the run's knobs' values (cfg.flat) to MLflow, reads none of their files
             continue
         entry = {stage.module.__name__, "laplace.pipeline.params"}
         files = closure(entry) - {CONFIG_FILE}

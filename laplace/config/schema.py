@@ -54,11 +54,14 @@ class Config:
 
         return plain(self)
 
-    def flat(self) -> dict[str, Any]:
-        """Every effective knob as `section.key: value` (for tracking)."""
+    def flat(self, without: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Every effective knob as `section.key: value` (for tracking), less the sections and
+        `section.key`s named in `without`."""
         out: dict[str, Any] = {}
 
         def walk(prefix, value):
+            if prefix in without:
+                return
             if isinstance(value, dict):
                 for k, v in value.items():
                     walk(f"{prefix}.{k}" if prefix else k, v)
@@ -68,9 +71,9 @@ class Config:
         walk("", self.to_dict())
         return out
 
-    def digest(self) -> str:
-        """A stable hash of every effective knob."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+    def digest(self, without: tuple[str, ...] = ()) -> str:
+        """A stable hash of every effective knob (less those named in `without`, as flat)."""
+        blob = json.dumps(self.flat(without), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -118,10 +118,16 @@ def _int_or_none(value) -> int | None:
 # --------------------------------------------------------------------------- logging a run
 
 
+# Knobs that are not the run: where the live server listens and how it compiles (no stage reads
+# them), Prefect's task settings, and the comparison's own project (compare/, its own MLflow runs).
+# Not logged, so the track stage does not depend on them (dvc.yaml): a new port is no new run.
+NOT_THE_RUN = ("server.host", "server.port", "server.policy", "pipeline", "compare", "mqar")
+
+
 def resolved_params(cfg: Config) -> dict:
-    """Every effective knob as `section.key`, with `model.*` as the model that was built (the
-    preset's values where params.yaml leaves a key null), not `None`."""
-    params = cfg.flat()
+    """Every effective knob of the run (not NOT_THE_RUN) as `section.key`, with `model.*` as the
+    model that was built (the preset's values where params.yaml leaves a key null), not `None`."""
+    params = cfg.flat(without=NOT_THE_RUN)
     model = cfg.model_config().to_dict()
     for key in list(params):
         section, _, name = key.partition(".")
@@ -322,7 +328,7 @@ def run_tags(
     run-context tags (user, source, git) as mlflow.start_run would add them."""
     all_tags = {
         **tags,
-        "params_hash": cfg.digest(),
+        "params_hash": cfg.digest(without=NOT_THE_RUN),
         "gates": ", ".join(
             f"{GATE_NAMES[k]} {({True: 'passed', False: 'failed', None: 'missing'})[v]}"
             for k, v in gate_results.items()
