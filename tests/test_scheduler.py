@@ -78,3 +78,27 @@ def test_the_decode_width_is_the_smallest_ladder_width_or_the_live_count():
     exact, _ = scheduler(max_slots=5, widths=(1, 2, 4, 8), exact=True)
     assert [padded.width_for(n) for n in range(1, 6)] == [1, 2, 4, 4, 8]
     assert [exact.width_for(n) for n in range(1, 6)] == [1, 2, 3, 4, 5]
+
+
+def test_counts_cancel_all_and_taking_some_requests_finished():
+    """What the engine loop reads and does between steps (counts, a drain's and a stop's cancels)
+    and what `complete` takes (its own requests' completions, the others' left)."""
+    s, pool = scheduler(max_slots=2, max_queue=4)
+    for i in range(4):
+        s.submit(Request(i, [1], 5))
+    step(s, pool)  # 0 and 1 running, 2 and 3 waiting
+    assert s.counts() == (2, 2)
+    s.cancel_all("draining", waiting_only=True)
+    assert s.counts() == (0, 2) and pool.free == 0
+    assert [(c.request_id, c.status, c.reason) for c in s.take_finished({3, 2})] == [
+        (2, "cancelled", "draining"),
+        (3, "cancelled", "draining"),
+    ]
+    s.submit(Request(4, [1], 5))
+    s.cancel_all("stopped")
+    assert s.counts() == (0, 0) and pool.free == 2 and not s.has_work()
+    assert [(c.request_id, c.reason, len(c.output_ids)) for c in s.take_finished()] == [
+        (4, "stopped", 0),
+        (0, "stopped", 2),
+        (1, "stopped", 2),
+    ]

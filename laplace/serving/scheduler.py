@@ -5,7 +5,9 @@ As vLLM v1's scheduler decides what runs each step and updates the requests from
 outputs, this knows requests and widths but no tensors: the engine (serving/engine.py) asks it
 for the next admission while a slot is free (`next_admission`), for the rows of the decode step
 (`decode_plan`), and hands it each produced token (`emit`); a finished request's slot goes back
-through the `release` callback at once, so the next admission reuses it.
+through the `release` callback at once, so the next admission reuses it. The request level is
+here: a replay or the server's engine loop submits, cancels and drains finished requests and step
+records (`take_finished`, `take_steps`) on `engine.scheduler` between the engine's steps.
 
 Time is a virtual clock advanced by the measured duration of each step (`record`): a replayed
 workload then gets the latencies a real server would, without sleeping through the gaps between
@@ -252,12 +254,28 @@ class Scheduler:
                 return row.completion
         return None
 
+    def cancel_all(self, reason: str, waiting_only: bool = False) -> None:
+        """Cancel every waiting request and, unless `waiting_only`, every running one (a server
+        stopping, or draining: a request still waiting will not get a slot before the end)."""
+        ids = [req.id for req in self.queue] + ([] if waiting_only else [row.request.id for row in self.live])
+        for request_id in ids:
+            self.cancel(request_id, reason)
+
     def has_work(self) -> bool:
         return bool(self.queue or self.live)
 
-    def take_finished(self) -> list[Completion]:
-        """The completions finished since the last call (a live server drains them every step)."""
-        done, self.finished = self.finished, []
+    def counts(self) -> tuple[int, int]:
+        """(waiting, running) requests: vLLM's get_request_counts."""
+        return len(self.queue), len(self.live)
+
+    def take_finished(self, ids: set[int] | None = None) -> list[Completion]:
+        """The completions finished since the last call (a live server drains them every step);
+        with `ids`, only those requests' (the others stay for their own caller)."""
+        if ids is None:
+            done, self.finished = self.finished, []
+            return done
+        done = [c for c in self.finished if c.request_id in ids]
+        self.finished = [c for c in self.finished if c.request_id not in ids]
         return done
 
     def take_steps(self) -> list[StepRecord]:
