@@ -14,8 +14,10 @@ slots, the model runner's buffers and the prefix cache carry it without a change
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import deque
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -150,6 +152,19 @@ class CacheManager:
 
     def release(self, slot: int) -> None:
         self.pool.release(slot)
+
+    @contextlib.contextmanager
+    def leased(self, owners: Iterable[int]) -> Iterator[list[int]]:
+        """One admitted slot per owner for the block (slots by hand: the probes, the numerics check,
+        the lm-eval harness); all released after it, whatever happens."""
+        slots: list[int] = []
+        try:
+            for owner in owners:
+                slots.append(self.admit(owner))
+            yield slots
+        finally:
+            for slot in slots:
+                self.release(slot)
 
     def check_room(self, slot: int, tokens: int) -> None:
         """Raise InputError unless `slot`'s K/V cache has room for `tokens` more (attention models)."""
