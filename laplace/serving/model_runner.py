@@ -5,13 +5,18 @@ execution of a scheduled batch, this owns the two computations the engine runs, 
 and a prefill piece, at the static shapes (serving/shapes.py): one graph per decode width and
 per prefill bucket, all compiled ahead by `warmup()`. It reads and writes the cache manager's
 state rows in place (they are its module buffers) and knows nothing of requests.
+
+Over slots: `prefill` (a prompt of any length, in bucket pieces), `prefill_cached` (through the
+cache manager's prefix cache), `decode_rows` (one greedy step of given slots at a decode width)
+and `prompt_logprobs`. The engine's step runs them for requests; the probes, the numerics check
+and the lm-eval harness run them by hand on slots leased from the cache manager.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,8 +28,9 @@ from laplace.model.lm import LaplaceLM, State
 from laplace.runtime import compile_cache_counts, compile_static, compiled_graph_count, synchronize
 from laplace.serving import aot
 from laplace.serving.cache_manager import CacheManager, state_tensors
-from laplace.serving.sampling import apply_penalties, sample_next
-from laplace.serving.shapes import prefill_pieces
+from laplace.serving.sampling import apply_penalties, logprobs_of, sample_next
+from laplace.serving.scheduler import TokenLogprobs
+from laplace.serving.shapes import fit, prefill_pieces
 
 
 @dataclass
@@ -242,14 +248,18 @@ class ModelRunner:
             return packaged(tokens, slots, lengths)
         return self._prefill_graph(tokens, slots, lengths)
 
+    # -- slots' sequences (the engine's step; by hand: the probes, numerics, the lm-eval harness) ----
+
     @torch.inference_mode()
     def prefill(self, slot: int, prompt_ids) -> Tensor:
         """Run a prompt of any length into `slot`, continuing its state, through the bucket graphs
         only (see prefill_pieces; each piece continues the state and padding is an exact no-op, so
-        the result equals one prefill of the whole prompt). Returns the last token's logits [1, V]."""
+        the result equals one prefill of the whole prompt). Returns the last token's logits [1, V].
+        Raises InputError where the slot's K/V cache has no room for it (CacheManager.check_room)."""
         ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).flatten()
         if ids.numel() == 0:
             raise ValueError("prompt is empty: at least one token is needed")
+        self.cache.check_room(slot, ids.numel())
         slots = torch.tensor([slot], device=self.device)
         logits, start = None, 0
         for n, bucket in prefill_pieces(ids.numel(), self.buckets):
@@ -262,6 +272,62 @@ class ModelRunner:
     def padded_tokens(self, n: int) -> int:
         """Tokens the bucket graphs compute for an n-token prefill (its pieces, padded)."""
         return sum(b for _, b in prefill_pieces(n, self.buckets))
+
+    @torch.inference_mode()
+    def prefill_cached(self, slot: int, prompt_ids) -> tuple[Tensor, int]:
+        """`prefill` of a request's prompt into its freshly admitted (zeroed) slot through the prefix
+        cache: the state of the longest cached prefix is copied into the slot and only the rest is
+        prefilled; the state at the split point the cache asks for and after the whole prompt is
+        stored (serving/prefix_cache.py says which). Returns (the last token's logits [1, V], the
+        padded tokens computed)."""
+        ids = np.asarray(prompt_ids, dtype=np.int64).ravel()
+        prefix_cache = self.cache.prefix_cache
+        if not prefix_cache.enabled:
+            return self.prefill(slot, ids), self.padded_tokens(len(ids))
+        plan = prefix_cache.plan(ids, self.padded_tokens)
+        if plan.state is not None:
+            self.cache.write_slot(slot, plan.state)
+        if plan.logits is not None:  # an exact repeat: the state and the last logits are cached
+            return plan.logits.clone(), 0
+        start, computed = plan.start, 0
+        if plan.split is not None:
+            logits = self.prefill(slot, ids[start : plan.split])
+            computed += self.padded_tokens(plan.split - start)
+            prefix_cache.put(ids[: plan.split], self.cache.read_slot(slot), logits.clone())
+            start = plan.split
+        logits = self.prefill(slot, ids[start:])
+        prefix_cache.put(ids, self.cache.read_slot(slot), logits.clone())
+        return logits, computed + self.padded_tokens(len(ids) - start)
+
+    @torch.inference_mode()
+    def decode_rows(self, slots: Sequence[int], tokens, width: int | None = None) -> Tensor:
+        """One greedy decode step of the sequences in `slots`, each fed its token, at `width` rows
+        (default: the smallest decode width that holds them). The pad rows take pad tokens and the
+        dummy slot, so they never touch a live sequence. Returns the real rows' logits
+        [len(slots), V] (a copy)."""
+        n = len(slots)
+        width = fit(n, self.widths) if width is None else width
+        if width < n or width not in self.widths:
+            raise ValueError(f"cannot decode {n} rows at width {width} (decode widths {self.widths})")
+        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten().to(self.device)
+        pad = width - n
+        if pad:
+            tokens = torch.cat([tokens, torch.full((pad,), self.pad_id, dtype=torch.long, device=self.device)])
+        rows = torch.tensor(list(slots) + [self.cache.dummy] * pad, device=self.device)
+        return self.decode_step(DecodeBatch.greedy(tokens, rows))[1].clone()[:n]
+
+    def prompt_logprobs(self, prompt_ids: list[int], top_n: int) -> list[TokenLogprobs | None]:
+        """The log-prob of each prompt token given the ones before it, and the top N there (None for
+        the first token, which nothing predicts), from the model's parallel forward over the whole
+        prompt, eagerly (`force_eager`: no graph is compiled for this, whatever the serving stance;
+        the same forward lm-eval's `--model laplace` numbers are checked against in
+        tests/test_harness.py). No slot is used."""
+        if len(prompt_ids) < 2:
+            return [None] * len(prompt_ids)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        with torch.compiler.set_stance("force_eager"), torch.inference_mode():
+            logits = self.model(ids)[0, :-1]
+        return [None] + token_logprobs(logits, prompt_ids[1:], [top_n] * (len(prompt_ids) - 1))
 
     def timed(self, fn):
         """(fn(), its seconds), the device synchronised before the clock stops."""
@@ -369,3 +435,11 @@ class ModelRunner:
             outcome = ("compiled ahead of time", "compiled")
         self._loaded[(kind, size)] = aot.load(self.graphs, path)
         return outcome
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:
+    """Each row's raw log-probs (serving/sampling.py logprobs_of): the chosen token's and the top N,
+    read back to the host."""
+    chosen, top, ids = logprobs_of(logits, torch.tensor(tokens, device=logits.device), max(top_n))
+    chosen, top, ids = chosen.tolist(), top.tolist(), ids.tolist()
+    return [(chosen[i], list(zip(ids[i][:n], top[i][:n]))) for i, n in enumerate(top_n)]
