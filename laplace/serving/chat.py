@@ -16,11 +16,14 @@ test oracle (tests/test_chat.py checks the rendered prompt equals `apply_chat_te
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime
 from functools import lru_cache
 
-from laplace.serving.completions import CompletionParams, CompletionsService, _Answer, _Choice, log
+from laplace.serving.completions import Choice, CompletionFormat, CompletionParams, CompletionsService
 from laplace.serving.protocol import ApiError, ChatCompletionRequest, bad, ignored_fields_note, parse_request
+
+log = logging.getLogger("laplace.serving.server")
 
 # For a model without a template of its own: plain "Role: text" turns, one blank line between
 # them, and "Assistant:" to answer after. Plain text because a Laplace-trained model has no chat
@@ -181,16 +184,11 @@ class ChatService:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def prepare(self, raw: bytes) -> CompletionParams:
-        svc = self.completions
-        req, ignored = parse_request(raw, ChatCompletionRequest)
-        if ignored:
-            log.info(ignored_fields_note(ignored))
-        svc.check_model(req)
-        if req.echo:
-            raise bad("echo", "echo is not supported for chat completions")
+    def render(self, req) -> str:
+        """The prompt text of a request's messages (a chat completion, or /tokenize given messages),
+        or a 400 when the template cannot render them."""
         try:
-            text = render_chat(
+            return render_chat(
                 self.template,
                 message_dicts(req),
                 add_generation_prompt=req.add_generation_prompt,
@@ -202,7 +200,17 @@ class ChatService:
             raise
         except Exception as exc:  # the template's own raise_exception, or a message it cannot render
             raise bad("messages", f"the chat template cannot render these messages: {exc}") from None
-        limit = svc.loop.engine.max_prompt_tokens
+
+    def prepare(self, raw: bytes) -> CompletionParams:
+        svc = self.completions
+        req, ignored = parse_request(raw, ChatCompletionRequest)
+        if ignored:
+            log.info(ignored_fields_note(ignored))
+        svc.check_model(req)
+        if req.echo:
+            raise bad("echo", "echo is not supported for chat completions")
+        text = self.render(req)
+        limit = svc.limits.max_prompt_tokens
         if len(text) > limit * svc.max_chars_per_token:
             raise ApiError(
                 400,
@@ -225,11 +233,11 @@ class ChatService:
         return svc.params_for(req, [ids], [text], max_tokens, field)
 
     async def create(self, http_request):
-        return await self.completions.create(http_request, prepare=self.prepare, answer_kind=_ChatAnswer)
+        return await self.completions.create(http_request, prepare=self.prepare, shapes=ChatFormat)
 
 
-class _ChatAnswer(_Answer):
-    """The chat shapes: `message` / `delta` instead of `text`, the role first in a stream."""
+class ChatFormat(CompletionFormat):
+    """OpenAI's chat shapes: `message` / `delta` instead of `text`, the role first in a stream."""
 
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
@@ -249,7 +257,7 @@ class _ChatAnswer(_Answer):
             ]
         }
 
-    def final_choice(self, i: int, text: str, ch: _Choice) -> dict:
+    def final_choice(self, i: int, text: str, ch: Choice) -> dict:
         logprobs = self.logprobs_object(*self.token_entries(i, ch)) if self.params.logprobs is not None else None
         choice = {
             "index": i,
@@ -279,4 +287,4 @@ class _ChatAnswer(_Answer):
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(len(self.choices))
         ]
-        return [self._chunk(first)]
+        return [self.chunk(first)]

@@ -14,15 +14,16 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from laplace.serving.detokenizer import IncrementalText
-from laplace.serving.engine import Completion, Rejected, Request
 from laplace.serving.engine_loop import Draining, EngineLoop, QueueFull, Ticket
 from laplace.serving.metrics import ServerMetrics
 from laplace.serving.protocol import ApiError, CompletionRequest, bad, ignored_fields_note, parse_request
+from laplace.serving.scheduler import Completion, Rejected, Request
 
 log = logging.getLogger("laplace.serving.server")
 
@@ -31,9 +32,14 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class Limits:
+    """What one HTTP request may ask for: the server's limits and the engine's, read once at startup
+    (the HTTP side never reaches into the engine, which its own thread owns)."""
+
     max_tokens: int  # server.max_new_tokens
     max_request_bytes: int
     max_stop_chars: int
+    max_prompt_tokens: int  # engine.max_prompt_tokens
+    max_queue: int  # engine.max_queue: the engine requests (prompts x n) one HTTP request may hold
 
 
 @dataclass
@@ -70,9 +76,13 @@ class CompletionsService:
         model_name: str,
         limits: Limits,
         metrics: ServerMetrics,
+        check_request: Callable[[Request], None],
     ):
+        """check_request: raises Rejected for a request the engine would refuse (Scheduler.check,
+        which reads only the engine's fixed limits: safe on a worker thread)."""
         self.loop, self.tokenizer, self.eos_id = loop, tokenizer, eos_id
         self.model_name, self.limits, self.metrics = model_name, limits, metrics
+        self.check_request = check_request
         self.created = int(time.time())
         self.in_flight = 0  # HTTP requests holding engine requests (the drain waits for 0)
         # parsing and tokenizing off the event loop; two threads, so one large body does not queue the rest
@@ -101,7 +111,7 @@ class CompletionsService:
         if ignored:
             log.info(ignored_fields_note(ignored))
         self.check_model(req)
-        prompts, texts = self._prompts(req, self.loop.engine)
+        prompts, texts = self._prompts(req)
         return self.params_for(req, prompts, texts, req.max_tokens, "max_tokens")
 
     def check_model(self, req) -> None:
@@ -110,7 +120,6 @@ class CompletionsService:
 
     def params_for(self, req, prompts, texts, max_tokens: int | None, max_tokens_field: str) -> CompletionParams:
         """The checks both kinds of request share, once the prompts are token ids."""
-        engine = self.loop.engine
         max_tokens = max_tokens if max_tokens is not None else min(16, self.limits.max_tokens)
         if max_tokens > self.limits.max_tokens:
             raise bad(max_tokens_field, f"must be in [1, {self.limits.max_tokens}], got {max_tokens}")
@@ -120,8 +129,10 @@ class CompletionsService:
             if not 0 <= t < self.vocab_size:
                 raise bad("stop_token_ids", f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
             stop_ids.append(t)
-        if len(prompts) * req.n > engine.max_queue:
-            raise bad("n", f"{len(prompts)} prompt(s) x n={req.n} choices in one request, at most {engine.max_queue}")
+        if len(prompts) * req.n > self.limits.max_queue:
+            raise bad(
+                "n", f"{len(prompts)} prompt(s) x n={req.n} choices in one request, at most {self.limits.max_queue}"
+            )
         _refuse_unwired(req)
         if req.min_tokens > max_tokens:
             raise bad("min_tokens", f"must be at most {max_tokens_field} ({max_tokens}), got {req.min_tokens}")
@@ -147,7 +158,7 @@ class CompletionsService:
     def check_prompt(self, ids: list[int], where: str) -> None:
         """A prompt of token ids the engine will serve, or a 400 naming it."""
         try:
-            self.loop.engine.check(Request(0, ids, 1))
+            self.check_request(Request(0, ids, 1))
         except Rejected as exc:
             reason = "prompt_too_long" if "the limit is" in str(exc) else "invalid_request"
             raise ApiError(400, f"{where}: {exc}", "prompt", reason=reason) from None
@@ -163,16 +174,16 @@ class CompletionsService:
             raise bad("stop", f"a stop string of {longest} characters, the limit is {self.limits.max_stop_chars}")
         return list(stops)
 
-    def _prompts(self, req: CompletionRequest, engine) -> tuple[list[list[int]], list[str | None]]:
+    def _prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
         """Text, token ids, or a list of either: (ids per prompt, text per prompt)."""
         prompt = req.prompt
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not isinstance(prompt, list) or not prompt:
             raise bad("prompt", "required: a string, a list of token ids, or a non-empty list of either")
-        if len(prompt) > engine.max_queue:
-            raise bad("prompt", f"{len(prompt)} prompts in one request, at most {engine.max_queue}")
-        limit, keep = engine.max_prompt_tokens, req.truncate_prompt_tokens
+        if len(prompt) > self.limits.max_queue:
+            raise bad("prompt", f"{len(prompt)} prompts in one request, at most {self.limits.max_queue}")
+        limit, keep = self.limits.max_prompt_tokens, req.truncate_prompt_tokens
         where = ["prompt" if len(prompt) == 1 else f"prompt[{i}]" for i in range(len(prompt))]
         texts: list[str | None] = []
         for i, p in enumerate(prompt):
@@ -243,48 +254,42 @@ class CompletionsService:
 
     # -- the HTTP request, on the event loop ---------------------------------------------------------
 
-    async def create(self, http_request, prepare=None, answer_kind=None):
+    async def create(self, http_request, prepare=None, shapes: type[CompletionFormat] | None = None):
         """Answer one HTTP request: `prepare` (raw body -> CompletionParams, on a worker thread;
-        default: a completions request) and `answer_kind` (the _Answer class that shapes the JSON)."""
-        from fastapi.responses import JSONResponse, StreamingResponse
+        default: a completions request) and `shapes` (the CompletionFormat of its JSON; chat's
+        ChatFormat)."""
+        from fastapi.responses import JSONResponse
 
         try:
-            raw = await read_body(http_request, self.limits.max_request_bytes)
-            params = await asyncio.get_running_loop().run_in_executor(self.executor, prepare or self.prepare, raw)
-            if self.loop.fatal:
-                raise ApiError(503, f"server unavailable: {self.loop.fatal}", reason="unavailable")
-            if not self.loop.ready.is_set():
-                raise ApiError(503, "warming up: retry once GET /health answers 200", reason="warming_up")
-            tickets, events = self.tickets(params)
-            try:
-                self.loop.submit(tickets)
-            except QueueFull as exc:
-                raise ApiError(429, f"{exc}: retry later", None, {"Retry-After": str(exc.retry_after_s)}) from None
-            except Draining:
-                raise ApiError(503, "server shutting down: not admitting new requests", reason="draining") from None
+            params, tickets, events = await self._submit(http_request, prepare or self.prepare)
         except ApiError as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-        answer = (answer_kind or _Answer)(self, params, tickets, events)
-        self.in_flight += 1
+        answer = Answer(self, params, tickets, events, shapes or CompletionFormat)
         if params.request.stream:
-
-            class EventStream(StreamingResponse):
-                async def __call__(self, scope, receive, send):
-                    try:
-                        await super().__call__(scope, receive, send)
-                    finally:  # also when the stream never started (the client left before the headers)
-                        answer.close()
-
-            return EventStream(
-                answer.events(),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return event_stream(answer)
         try:
             return await answer.whole(http_request)
         finally:
             answer.close()
+
+    async def _submit(self, http_request, prepare) -> tuple[CompletionParams, list[Ticket], asyncio.Queue]:
+        """The body read, prepared on a worker thread, and its engine requests queued on the engine
+        loop; an ApiError when any of it is refused (warming up, failed, full, draining)."""
+        raw = await read_body(http_request, self.limits.max_request_bytes)
+        params = await asyncio.get_running_loop().run_in_executor(self.executor, prepare, raw)
+        if self.loop.fatal:
+            raise ApiError(503, f"server unavailable: {self.loop.fatal}", reason="unavailable")
+        if not self.loop.ready.is_set():
+            raise ApiError(503, "warming up: retry once GET /health answers 200", reason="warming_up")
+        tickets, events = self.tickets(params)
+        try:
+            self.loop.submit(tickets)
+        except QueueFull as exc:
+            raise ApiError(429, f"{exc}: retry later", None, {"Retry-After": str(exc.retry_after_s)}) from None
+        except Draining:
+            raise ApiError(503, "server shutting down: not admitting new requests", reason="draining") from None
+        return params, tickets, events
 
 
 async def read_body(http_request, limit: int) -> bytes:
@@ -311,7 +316,25 @@ async def wait_for_disconnect(http_request) -> None:
         pass
 
 
-class _Choice:
+def event_stream(answer: Answer):
+    """The answer as server-sent events; closed when the response ends, however it ends."""
+    from fastapi.responses import StreamingResponse
+
+    class EventStream(StreamingResponse):
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:  # also when the stream never started (the client left before the headers)
+                answer.close()
+
+    return EventStream(
+        answer.events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+class Choice:
     """The text of one choice as tokens arrive, and its finish reason."""
 
     def __init__(self, service: CompletionsService, params: CompletionParams, ticket: Ticket):
@@ -376,22 +399,20 @@ class Delta:
     error: str | None = None
 
 
-class _Answer:
-    """The answer to one completions request: the whole body, or its event stream, both from the
-    one event loop `deltas`. The chat answer (serving/chat.py) changes only the shapes:
-    `final_choice`, `body`, `chunk_choice`, `prelude`, `logprobs_object`."""
+class Answer:
+    """The answer to one completions or chat request: its choices' lifecycle (each cancelled once,
+    whatever ends it; counted in flight from opening to `close`), the engine's events routed to
+    its choices (`deltas`), and their transport, one JSON body (`whole`) or server-sent events
+    (`events`). The response shapes are its `format`'s (a CompletionFormat, or chat's)."""
 
-    OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl"
-
-    def __init__(self, service: CompletionsService, params: CompletionParams, tickets, events):
+    def __init__(self, service: CompletionsService, params: CompletionParams, tickets, events, shapes):
         self.service, self.params, self.tickets, self.events_queue = service, params, tickets, events
-        self.choices = [_Choice(service, params, t) for t in tickets]
-        self.id = f"{self.ID_PREFIX}-{secrets.token_hex(12)}"
-        self.created = int(time.time())
+        self.choices = [Choice(service, params, t) for t in tickets]
+        self.format: CompletionFormat = shapes(service, params, self.choices)
         self._cancelled: set[int] = set()
-        self._closed = False
-        self._offsets: dict[int, int] = {}  # text offset of each streamed choice's next log-prob token
         self._early: list = []  # events that arrived while the prompt log-probs were awaited
+        self._closed = False
+        service.in_flight += 1  # down again in close(), once: the drain waits for none in flight
 
     def close(self) -> None:
         """The answer is over (sent, failed, or its client left): cancel what still runs, once."""
@@ -410,33 +431,10 @@ class _Answer:
             if not ch.ended and ch.finish_reason is None:
                 self._cancel(ch.ticket.index, reason)
 
-    def usage(self) -> dict:
-        """Prompt tokens (once per choice, as vLLM counts them) and the generated tokens each choice used."""
-        prompt = sum(len(self.params.prompts[self.params.prompt_of(ch.ticket.index)]) for ch in self.choices)
-        completion = sum(len(ch.token_ids) for ch in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
     def _open(self) -> int:
         return sum(1 for ch in self.choices if not ch.ended and ch.finish_reason is None)
 
-    async def whole(self, http_request):
-        from fastapi.responses import JSONResponse
-
-        collecting = asyncio.ensure_future(self._collect())
-        gone = asyncio.ensure_future(wait_for_disconnect(http_request))
-        try:
-            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            collecting.cancel()
-            self._cancel_unfinished("request cancelled")
-            raise
-        finally:
-            gone.cancel()
-        if not collecting.done():  # the client went away: free its slots at the next step
-            collecting.cancel()
-            self._cancel_unfinished("client disconnected")
-            return JSONResponse({}, status_code=499)
-        return collecting.result()
+    # -- the engine's events ---------------------------------------------------------------------
 
     async def _next_event(self):
         return self._early.pop(0) if self._early else await self.events_queue.get()
@@ -476,10 +474,31 @@ class _Answer:
                 text = ch.end(value)
                 yield Delta(index, text, ch.finish_reason, [], ch.error)
 
+    # -- the transport -----------------------------------------------------------------------------
+
+    async def whole(self, http_request):
+        from fastapi.responses import JSONResponse
+
+        collecting = asyncio.ensure_future(self._collect())
+        gone = asyncio.ensure_future(wait_for_disconnect(http_request))
+        try:
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            collecting.cancel()
+            self._cancel_unfinished("request cancelled")
+            raise
+        finally:
+            gone.cancel()
+        if not collecting.done():  # the client went away: free its slots at the next step
+            collecting.cancel()
+            self._cancel_unfinished("client disconnected")
+            return JSONResponse({}, status_code=499)
+        return collecting.result()
+
     async def _collect(self):
         from fastapi.responses import JSONResponse
 
-        params, choices = self.params, self.choices
+        params, choices, shapes = self.params, self.choices, self.format
         echo = getattr(params.request, "echo", False)
         texts = [self.service.prompt_text(params, i) if echo else "" for i in range(len(choices))]
         async for delta in self.deltas():
@@ -488,11 +507,50 @@ class _Answer:
         if failed:
             status = max(ch.status for ch in failed)
             return JSONResponse(ApiError(status, f"generation failed: {failed[0].error}").body(), status_code=status)
-        return self.body([self.final_choice(i, texts[i], ch) for i, ch in enumerate(choices)])
+        return shapes.body([shapes.final_choice(i, texts[i], ch) for i, ch in enumerate(choices)])
 
-    # -- the shapes ------------------------------------------------------------------------------
+    async def events(self):
+        params, choices, shapes = self.params, self.choices, self.format
+        try:
+            if params.prompt_logprobs is not None:  # echo with log-probs: the prompt's come first
+                await self.prompt_logprobs()
+            for chunk in shapes.prelude():
+                yield chunk
+            async for d in self.deltas():
+                if d.error is None:
+                    yield shapes.chunk([shapes.delta_choice(d.index, d.text, d.finish_reason, d.token_ids)])
+                    continue
+                if d.text:
+                    yield shapes.chunk([shapes.delta_choice(d.index, d.text)])
+                status = choices[d.index].status
+                yield f"data: {json.dumps(ApiError(status, f'generation failed: {d.error}').body())}\n\n"
+            if params.include_usage:
+                yield shapes.chunk([], usage=shapes.usage())
+            yield "data: [DONE]\n\n"
+        finally:  # a client that went away (or any exit before the end): free the slots at the next step
+            self.close()
 
-    def token_entries(self, i: int, ch: _Choice) -> tuple[list[int], list]:
+
+class CompletionFormat:
+    """OpenAI's completions shapes of one answer: the JSON body, the stream's chunks, the log-probs,
+    the usage. The chat shapes (serving/chat.py ChatFormat) change `final_choice`, `body`,
+    `chunk_choice`, `prelude` and `logprobs_object`."""
+
+    OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl"
+
+    def __init__(self, service: CompletionsService, params: CompletionParams, choices: list[Choice]):
+        self.service, self.params, self.choices = service, params, choices
+        self.id = f"{self.ID_PREFIX}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self._offsets: dict[int, int] = {}  # text offset of each streamed choice's next log-prob token
+
+    def usage(self) -> dict:
+        """Prompt tokens (once per choice, as vLLM counts them) and the generated tokens each choice used."""
+        prompt = sum(len(self.params.prompts[self.params.prompt_of(ch.ticket.index)]) for ch in self.choices)
+        completion = sum(len(ch.token_ids) for ch in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def token_entries(self, i: int, ch: Choice) -> tuple[list[int], list]:
         """(token ids, their TokenLogprobs or None) of a choice's log-probs: the prompt's first with
         echo, then the generated tokens up to the one that ended the choice."""
         ids = list(ch.token_ids)
@@ -526,7 +584,9 @@ class _Answer:
             out["top_logprobs"].append(tops)
         return out
 
-    def final_choice(self, i: int, text: str, ch: _Choice) -> dict:
+    # -- the JSON body ---------------------------------------------------------------------------
+
+    def final_choice(self, i: int, text: str, ch: Choice) -> dict:
         logprobs = self.logprobs_object(*self.token_entries(i, ch)) if self.params.logprobs is not None else None
         choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason}
         if self.params.request.return_token_ids:
@@ -544,14 +604,18 @@ class _Answer:
             "usage": self.usage(),
         }
 
-    def _chunk(self, choices: list[dict], **extra) -> str:
+    # -- the event stream ------------------------------------------------------------------------
+
+    def chunk(self, choices: list[dict], **extra) -> str:
+        """One server-sent event of these choices."""
         body = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.service.model_name}
         body.update(choices=choices, **extra)
         if self.params.continuous_usage and choices:
             body["usage"] = self.usage()
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def _choice(self, i: int, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict:
+    def delta_choice(self, i: int, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict:
+        """A chunk's choice for what one event added: its text and, when asked for, its log-probs."""
         out = self.chunk_choice(i, text, finish, ids)
         if self.params.logprobs is not None and ids:
             # the log-probs event of a token arrives just before it
@@ -581,28 +645,7 @@ class _Answer:
             if ch.prompt_logprobs is not None:
                 choice["logprobs"] = self.chunk_logprobs(i, params.prompts[params.prompt_of(i)], ch.prompt_logprobs)
             choices.append(choice)
-        return [self._chunk(choices)]
-
-    async def events(self):
-        params, choices = self.params, self.choices
-        try:
-            if params.prompt_logprobs is not None:  # echo with log-probs: the prompt's come first
-                await self.prompt_logprobs()
-            for chunk in self.prelude():
-                yield chunk
-            async for d in self.deltas():
-                if d.error is None:
-                    yield self._chunk([self._choice(d.index, d.text, d.finish_reason, d.token_ids)])
-                    continue
-                if d.text:
-                    yield self._chunk([self._choice(d.index, d.text)])
-                status = choices[d.index].status
-                yield f"data: {json.dumps(ApiError(status, f'generation failed: {d.error}').body())}\n\n"
-            if params.include_usage:
-                yield self._chunk([], usage=self.usage())
-            yield "data: [DONE]\n\n"
-        finally:  # a client that went away (or any exit before the end): free the slots at the next step
-            self.close()
+        return [self.chunk(choices)]
 
 
 def _refuse_unwired(req) -> None:

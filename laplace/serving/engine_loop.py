@@ -1,9 +1,12 @@
 """The engine thread of `laplace serve`: warmup, then admit / cancel / step until stopped.
 
-The engine is touched by this thread only. The HTTP side hands it requests (`submit`) and
+The engine is touched by this thread only: the model runner warms up, the scheduler takes the
+requests and cancellations, the engine steps, and the scheduler's finished requests and step
+records are drained after each step. The HTTP side hands this loop requests (`submit`) and
 cancellations (`cancel`, at the next step: a client that went away frees its slot there) under
-one condition variable, and gets back, on the event loop, the tokens and completions of each
-step on the requests' own asyncio queues (`call_soon_threadsafe`)."""
+one condition variable, reads the request counts the loop publishes after each step (`waiting`,
+`pending`), and gets back, on the event loop, the tokens and completions of each step on the
+requests' own asyncio queues (`call_soon_threadsafe`)."""
 
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from laplace.errors import one_line
-from laplace.serving.engine import Completion, DecodeEngine, Request, StepRecord
+from laplace.serving.engine import DecodeEngine
 from laplace.serving.metrics import ServerMetrics
+from laplace.serving.scheduler import Completion, Request, StepRecord
 
 log = logging.getLogger("laplace.serving.server")
 
@@ -53,7 +57,8 @@ class Ticket:
 class _Shared:
     inbox: deque = field(default_factory=deque)
     cancels: list = field(default_factory=list)
-    queued: int = 0  # the engine queue's length after the last step
+    queued: int = 0  # requests waiting in the scheduler's queue after the last step
+    running: int = 0  # requests holding a slot after the last step
 
 
 class EngineLoop:
@@ -68,6 +73,7 @@ class EngineLoop:
         stance: str | None = "fail_on_recompile",
     ):
         self.engine = engine
+        self.max_queue = engine.scheduler.max_queue  # read once here: the HTTP side never touches the engine
         self.metrics = metrics
         self.warmup_widths = warmup_widths
         self.stance = stance
@@ -119,8 +125,14 @@ class EngineLoop:
             self.drain_deadline = time.perf_counter() + grace_s
 
     def waiting(self) -> int:
+        """Requests not yet in a slot: in this loop's inbox or the scheduler's queue."""
         with self._cv:
             return len(self._shared.inbox) + self._shared.queued
+
+    def pending(self) -> int:
+        """Requests not finished: waiting, or running in a slot (the drain waits for 0)."""
+        with self._cv:
+            return len(self._shared.inbox) + self._shared.queued + self._shared.running
 
     def submit(self, tickets: list[Ticket]) -> None:
         """Queue the requests of one HTTP request, all or none: raises Draining or QueueFull."""
@@ -128,7 +140,7 @@ class EngineLoop:
             if self.draining or self._stop:
                 raise Draining()
             waiting = len(self._shared.inbox) + self._shared.queued
-            if waiting + len(tickets) > self.engine.max_queue:
+            if waiting + len(tickets) > self.max_queue:
                 self._refused += len(tickets)
                 raise QueueFull(waiting, self._retry_after(waiting + self._refused))
             self._refused = 0
@@ -151,50 +163,28 @@ class EngineLoop:
         rate = 1.0
         if len(self._done_rate) >= 2 and self._done_rate[-1] > self._done_rate[0]:
             rate = (len(self._done_rate) - 1) / (self._done_rate[-1] - self._done_rate[0])
-        return max(1, min(60, math.ceil(max(1, ahead - self.engine.max_queue + 1) / rate)))
+        return max(1, min(60, math.ceil(max(1, ahead - self.max_queue + 1) / rate)))
 
     # -- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
         from laplace.runtime import compiled_graph_count
 
-        try:
-            started = time.perf_counter()
-            seconds = self.engine.warmup(widths=self.warmup_widths, log=log.info)
-            self.warmup_s = time.perf_counter() - started
-            graphs = len(seconds["decode"]) + len(seconds["prefill"])
-            # how the engine got each graph: its own package or cache, or a compile (ModelRunner.warmup)
-            loaded, compiled = (self.engine.warmup_report[k] for k in ("loaded_from_cache", "compiled"))
-            self.metrics.warmup_seconds.set(self.warmup_s)
-            self.metrics.warmup_graphs.set(graphs)
-            self.metrics.warmup_from_cache.set(loaded)
-            self.metrics.warmup_compiled.set(compiled)
-            self.warmup_summary = (
-                f"warmup {self.warmup_s:.1f}s, {loaded}/{graphs} graphs loaded from the compile cache, "
-                f"{compiled} compiled"
-                if self.engine.compiled
-                else f"warmup {self.warmup_s:.1f}s (eager)"
-            )
-        except Exception as exc:  # a broken model or compiler: the server cannot serve
-            if self.draining:  # stopped by a signal during warmup: its compilers were killed, not a failure
-                log.info("warmup stopped: shutting down")
-                return
-            self.fatal = f"warmup failed: {one_line(exc)}"
-            log.error(self.fatal)
-            if self.on_fatal:
-                self.on_fatal()
+        if not self._warm_up():
             return
         self._graphs_after_warmup = compiled_graph_count()
-        self.engine.on_token = self._on_token
+        engine = self.engine
+        engine.scheduler.on_token = self._on_token
         self._emitted: list[tuple[Completion, int]] = []
         self.ready.set()
         self.metrics.ready.set(1)
+        compiled = engine.runner.compiled
         log.info(
             "ready: %d slots, decode widths %s, prefill buckets %s, %s; %s",
-            self.engine.max_slots,
-            self.engine.ladder if not self.engine.exact_widths else "exact",
-            self.engine.buckets,
-            f"serving under the {self.stance} stance" if self.stance and self.engine.compiled else "eager",
+            engine.cache.max_slots,
+            engine.scheduler.ladder if not engine.scheduler.exact_widths else "exact",
+            engine.runner.buckets,
+            f"serving under the {self.stance} stance" if self.stance and compiled else "eager",
             self.warmup_summary,
         )
         stance = torch.compiler.set_stance(self.stance) if self.stance else contextlib.nullcontext()
@@ -211,76 +201,113 @@ class EngineLoop:
                 self.on_fatal()
         self.metrics.ready.set(0)
 
+    def _warm_up(self) -> bool:
+        """Every graph of the model runner, compiled or loaded; False when the loop cannot serve
+        (warmup failed: `fatal` says why, or a signal stopped it)."""
+        runner = self.engine.runner
+        try:
+            started = time.perf_counter()
+            seconds = runner.warmup(widths=self.warmup_widths, log=log.info)
+            self.warmup_s = time.perf_counter() - started
+            graphs = len(seconds["decode"]) + len(seconds["prefill"])
+            # how the runner got each graph: its own package or cache, or a compile (ModelRunner.warmup)
+            loaded, compiled = (runner.warmup_report[k] for k in ("loaded_from_cache", "compiled"))
+            self.metrics.warmup_seconds.set(self.warmup_s)
+            self.metrics.warmup_graphs.set(graphs)
+            self.metrics.warmup_from_cache.set(loaded)
+            self.metrics.warmup_compiled.set(compiled)
+            self.warmup_summary = (
+                f"warmup {self.warmup_s:.1f}s, {loaded}/{graphs} graphs loaded from the compile cache, "
+                f"{compiled} compiled"
+                if runner.compiled
+                else f"warmup {self.warmup_s:.1f}s (eager)"
+            )
+            return True
+        except Exception as exc:  # a broken model or compiler: the server cannot serve
+            if self.draining:  # stopped by a signal during warmup: its compilers were killed, not a failure
+                log.info("warmup stopped: shutting down")
+                return False
+            self.fatal = f"warmup failed: {one_line(exc)}"
+            log.error(self.fatal)
+            if self.on_fatal:
+                self.on_fatal()
+            return False
+
     def _iterate(self) -> bool:
+        """One turn of the loop: take the inbox and cancellations, step, publish. False once stopped."""
         from laplace.runtime import compiled_graph_count
 
-        engine = self.engine
+        scheduler = self.engine.scheduler
         with self._cv:
-            while not (self._shared.inbox or self._shared.cancels or engine.has_work() or self._stop):
+            while not (self._shared.inbox or self._shared.cancels or scheduler.has_work() or self._stop):
                 self._cv.wait(timeout=0.25)
             if self._stop:
                 self._cancel_everything("server stopped")
                 return False
             inbox, self._shared.inbox = self._shared.inbox, deque()
-            self._shared.queued += len(inbox)  # still waiting, now in the engine's queue
+            self._shared.queued += len(inbox)  # still waiting, now in the scheduler's queue
             cancels, self._shared.cancels = self._shared.cancels, []
-        engine.now = self.clock()
-        scored = []
-        for t in inbox:
-            self._tickets[t.request.id] = t
-            if t.prompt_logprobs is not None:
-                scored.append(
-                    (t, (t.index, "prompt", prompt_logprobs(engine.model, t.request.prompt_ids, t.prompt_logprobs)))
-                )
-            engine.submit(t.request)  # checked on the HTTP side already; a rejection ends it below
-        if scored and self._aio is not None:
-            self._aio.call_soon_threadsafe(_deliver, scored)
-        for rid, reason in cancels:
-            engine.cancel(rid, reason)
-        if self.drain_deadline is not None and time.perf_counter() >= self.drain_deadline and engine.has_work():
+        scheduler.now = self.clock()
+        self._admit(inbox, cancels)
+        if self.drain_deadline is not None and time.perf_counter() >= self.drain_deadline and scheduler.has_work():
             self._cancel_everything("server shutting down: cancelled at the end of the grace period")
-        if engine.has_work():
-            try:
-                engine.step()
-            except Exception as exc:  # the requests of that step are finished as failed (500); serving goes on
-                kind = "unwarmed_shape" if "recompile" in str(exc).lower() else type(exc).__name__
-                self.metrics.engine_errors.labels(kind).inc()
-                failed = [c.request_id for c in engine.finished if c.status == "failed"]
-                hint = (
-                    " (a shape warmup did not compile: the server never compiles while serving)"
-                    if kind == "unwarmed_shape"
-                    else ""
-                )
-                log.error(
-                    "engine step failed%s; %d request(s) answered with 500: %s",
-                    hint,
-                    len(failed),
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
-                )
-        if self.drain_deadline is not None and engine.queue:
+        if scheduler.has_work():
+            self._step()
+        if self.drain_deadline is not None:
             # SIGTERM: a request still waiting for a slot will not get one before the end; 503 now, not
             # a cancellation with 0 tokens at the end of the grace period
-            for req in list(engine.queue):
-                engine.cancel(req.id, "server shutting down: the request was still waiting for a slot")
+            scheduler.cancel_all("server shutting down: the request was still waiting for a slot", waiting_only=True)
         compiled = compiled_graph_count() - self._graphs_after_warmup
         if compiled > 0:
             self.metrics.compile_events.inc(compiled)
             self._graphs_after_warmup += compiled
             log.error("%d graph(s) compiled while serving", compiled)
-        self._publish(engine.take_steps(), engine.take_finished())
+        self._publish(scheduler.take_steps(), scheduler.take_finished())
         with self._cv:
-            self._shared.queued = len(engine.queue)
-        self.metrics.occupancy(engine.pool.busy, self.waiting())
-        if callable(stats := getattr(engine, "prefix_cache_stats", None)):
-            self.metrics.prefix_cache.snapshot = dict(stats())
+            self._shared.queued, self._shared.running = scheduler.counts()
+        self.metrics.occupancy(self.engine.cache.pool.busy, self.waiting())
+        self.metrics.prefix_cache.snapshot = dict(self.engine.cache.stats())
         return True
 
+    def _admit(self, inbox: deque[Ticket], cancels: list[tuple[int, str]]) -> None:
+        """Hand the new requests (their prompt log-probs first, where asked) and the cancellations
+        to the scheduler."""
+        scheduler, runner = self.engine.scheduler, self.engine.runner
+        scored = []
+        for t in inbox:
+            self._tickets[t.request.id] = t
+            if t.prompt_logprobs is not None:
+                scored.append((t, (t.index, "prompt", runner.prompt_logprobs(t.request.prompt_ids, t.prompt_logprobs))))
+            scheduler.submit(t.request)  # checked on the HTTP side already; a rejection ends it below
+        if scored and self._aio is not None:
+            self._aio.call_soon_threadsafe(_deliver, scored)
+        for rid, reason in cancels:
+            scheduler.cancel(rid, reason)
+
+    def _step(self) -> None:
+        """One engine step; one that raises fails its requests (500) and serving goes on."""
+        try:
+            self.engine.step()
+        except Exception as exc:
+            kind = "unwarmed_shape" if "recompile" in str(exc).lower() else type(exc).__name__
+            self.metrics.engine_errors.labels(kind).inc()
+            failed = [c.request_id for c in self.engine.scheduler.finished if c.status == "failed"]
+            hint = (
+                " (a shape warmup did not compile: the server never compiles while serving)"
+                if kind == "unwarmed_shape"
+                else ""
+            )
+            log.error(
+                "engine step failed%s; %d request(s) answered with 500: %s",
+                hint,
+                len(failed),
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            )
+
     def _cancel_everything(self, reason: str) -> None:
-        for req in list(self.engine.queue):
-            self.engine.cancel(req.id, reason)
-        for row in list(self.engine.live):
-            self.engine.cancel(row.request.id, reason)
-        self._publish([], self.engine.take_finished())
+        scheduler = self.engine.scheduler
+        scheduler.cancel_all(reason)
+        self._publish([], scheduler.take_finished())
 
     def _on_token(self, completion: Completion, token: int) -> None:
         # the token's log-probs, when asked for, were appended just before it was emitted
@@ -312,21 +339,6 @@ class EngineLoop:
                 events.append((t, (t.index, "end", c)))
         if events and self._aio is not None:
             self._aio.call_soon_threadsafe(_deliver, events)
-
-
-def prompt_logprobs(model, prompt_ids: list[int], top_n: int) -> list:
-    """The log-prob of each prompt token given the ones before it, and the top N there (None for the
-    first token, which nothing predicts), from the model's parallel forward over the whole prompt,
-    eagerly (`force_eager`: no graph is compiled for this, whatever the serving stance; the same
-    forward lm-eval's `--model laplace` numbers are checked against in tests/test_harness.py)."""
-    from laplace.serving.engine import _logprobs
-
-    if len(prompt_ids) < 2:
-        return [None] * len(prompt_ids)
-    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
-    with torch.compiler.set_stance("force_eager"), torch.inference_mode():
-        logits = model(ids)[0, :-1]
-    return [None] + _logprobs(logits, prompt_ids[1:], [top_n] * (len(prompt_ids) - 1))
 
 
 def _deliver(events) -> None:

@@ -46,8 +46,8 @@ class _TokenRate:
 
 
 class _PrefixCacheCollector(Collector):
-    """The engine's prefix-cache counters (`DecodeEngine.prefix_cache_stats()`, where the engine has
-    one), from the snapshot the engine thread takes after each step: scraping never touches the engine."""
+    """The engine's prefix-cache counters (`CacheManager.stats()`), from the snapshot the engine
+    thread takes after each step: scraping never touches the engine."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name

@@ -1,7 +1,8 @@
-"""`laplace serve`: an OpenAI-compatible HTTP server in front of one DecodeEngine (the routes
-and the process, as vLLM's entrypoints/openai/api_server.py).
+"""`laplace serve`: an OpenAI-compatible HTTP server in front of one DecodeEngine (the
+application and the process, as vLLM's entrypoints/openai/api_server.py).
 
 The parts, one job each:
+- `routes.py`: the endpoints, one router per family (operations, OpenAI, tokenizer);
 - `protocol.py`: the request as pydantic models (vLLM's extra fields accepted), the error shape;
 - `completions.py`: POST /v1/completions: body limit, parsing and tokenizing off the event loop,
   engine requests per prompt and choice, the JSON answer or the event stream, disconnects;
@@ -19,10 +20,13 @@ The parts, one job each:
 - The listening socket is bound before anything is loaded (`listen.bind_socket`, called first by
   laplace.pipeline.serve): a busy port fails at once, not after warmup.
 - Overload is shed at once: a request arriving while `engine.max_queue` wait gets 429 with Retry-After.
+- The HTTP side never touches the engine: its limits (`completions.Limits`) and the request check
+  (`Scheduler.check`) are handed to it here, at startup; the engine loop publishes its request
+  counts after each step.
 - SIGTERM (or Ctrl-C) drains: the listening socket closes (new connections are refused), requests
   on open connections get 503, in-flight requests get `server.shutdown_grace_s` to finish, what is
   left is cancelled (a stream ends with an error event), and the process exits 0. A second signal
-  stops at once.
+  stops at once (`DrainingServer`, `drain_then_exit`).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
 POST /detokenize, GET /version, GET|POST /ping, GET /health, GET /metrics (Prometheus). An unknown
@@ -40,15 +44,16 @@ import sys
 import threading
 import time
 
-from fastapi import Request  # at module level: FastAPI resolves the route's annotation here
+import uvicorn
 
-from laplace.serving.chat import ChatService, render_chat
-from laplace.serving.completions import CompletionsService, Limits, read_body
+from laplace.serving.chat import ChatService
+from laplace.serving.completions import CompletionsService, Limits
 from laplace.serving.engine import DecodeEngine
 from laplace.serving.engine_loop import EngineLoop
 from laplace.serving.listen import bind_socket
 from laplace.serving.metrics import ServerMetrics
-from laplace.serving.protocol import ApiError, DetokenizeRequest, TokenizeRequest, bad, parse_model
+from laplace.serving.protocol import ApiError
+from laplace.serving.routes import openai_router, ops_router, tokenizer_router
 
 log = logging.getLogger("laplace.serving.server")
 warmup_interrupted = threading.Event()  # a signal arrived during warmup (the process leaves at once)
@@ -69,24 +74,28 @@ def stop_compilers(wait_s: float = 0.0) -> None:
         psutil.wait_procs(children, timeout=wait_s)
 
 
-def max_model_len(service: CompletionsService) -> int:
-    """vLLM's max_model_len, what clients size requests by: every request whose prompt + max_tokens
-    is within it is served. Prompts are bounded by engine.max_prompt_tokens and max_tokens by
-    server.max_new_tokens separately (a recurrent model's state does not grow with either), so it
-    is the smaller of the two plus one (with at least one token on each side)."""
-    return min(service.loop.engine.max_prompt_tokens, service.limits.max_tokens) + 1
-
-
 def build_app(service: CompletionsService, metrics: ServerMetrics, on_started=None, chat: ChatService | None = None):
-    """The FastAPI application (the engine loop is started and stopped by its lifespan)."""
+    """The FastAPI application: the lifespan (starts and stops the engine loop), OpenAI-shaped
+    errors, and the routers (serving/routes.py)."""
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response
-    from starlette.exceptions import HTTPException
 
+    app = FastAPI(
+        title="laplace", lifespan=lifespan(service, on_started), docs_url=None, redoc_url=None, openapi_url=None
+    )
+    add_error_handlers(app)
+    app.include_router(ops_router(service.loop, metrics))
+    app.include_router(openai_router(service, chat))
+    app.include_router(tokenizer_router(service, chat, metrics))
+    return app
+
+
+def lifespan(service: CompletionsService, on_started=None):
+    """The application's lifespan: the engine loop started (and `on_started()` run as a task), then
+    stopped at the end; a warmup a signal interrupted is not waited for."""
     loop = service.loop
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def run(app):
         loop.start(asyncio.get_running_loop())
         tasks = [asyncio.ensure_future(on_started())] if on_started else []
         try:
@@ -102,141 +111,86 @@ def build_app(service: CompletionsService, metrics: ServerMetrics, on_started=No
                 stop_compilers(wait_s=0.5)  # any the abandoned warmup started since the signal, and gone
             service.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="laplace", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    return run
+
+
+def add_error_handlers(app) -> None:
+    """Starlette's own 404 / 405 (no such route, wrong method) in OpenAI's shape, not {"detail"}."""
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        """Starlette's own 404 / 405 (no such route, wrong method) in OpenAI's shape, not {"detail"}."""
+    async def http_error(request, exc: HTTPException):
         what = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
         err = ApiError(exc.status_code, f"{what}: {request.method} {request.url.path}")
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    def api_errors(handler):
-        """A route whose ApiError becomes the OpenAI-shaped answer."""
 
-        async def route(request: Request):
-            try:
-                return await handler(request)
-            except ApiError as exc:
-                metrics.rejections.labels(exc.reason).inc()
-                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+def build_services(
+    engine: DecodeEngine,
+    tokenizer,
+    eos_id: int | None,
+    model_name: str,
+    limits: Limits,
+    warmup_widths: list[int] | None = None,
+    chat_template: str | None = None,
+    special_tokens: dict[str, str] | None = None,
+) -> tuple[CompletionsService, ChatService]:
+    """The metrics, the engine loop and the completions and chat services over one engine. The
+    services get the engine's limits (in `limits`) and its request check (Scheduler.check), never
+    the engine: only the engine loop's thread touches it."""
+    metrics = ServerMetrics(engine.cache.max_slots, model_name)
+    held = engine.cache.allocation()
+    metrics.slot_state_bytes.set(held["state_bytes"])
+    metrics.slot_kv_bytes.set(held["kv_bytes"])
+    loop = EngineLoop(engine, metrics, warmup_widths=warmup_widths)
+    service = CompletionsService(loop, tokenizer, eos_id, model_name, limits, metrics, engine.scheduler.check)
+    chat = ChatService(service, chat_template, special_tokens or {})
+    log.info("chat template: %s", "the model's own" if chat_template else "the default (the model has none)")
+    return service, chat
 
-        return route
 
-    async def off_loop(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(service.executor, fn, *args)
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM / SIGINT drains (drain_then_exit ends it) instead of
+    stopping: during warmup it stops at once, compilers included; a second signal stops at once."""
 
-    @app.get("/health")
-    async def health():
-        if loop.fatal:
-            return JSONResponse({"status": "failed", "reason": loop.fatal}, status_code=503)
-        if loop.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not loop.ready.is_set():
-            return JSONResponse({"status": "warming up"}, status_code=503)
-        return {"status": "ok"}
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop, shutdown_grace_s: float):
+        super().__init__(config)
+        self.engine_loop, self.shutdown_grace_s = loop, shutdown_grace_s
 
-    @app.get("/metrics")
-    async def prometheus():
-        body, content_type = metrics.exposition()
-        return Response(body, media_type=content_type)
+    def handle_exit(self, sig, frame):
+        loop = self.engine_loop
+        if not loop.ready.is_set() and not loop.fatal:  # during warmup: stop now, compilers included
+            if not loop.draining:
+                log.info("%s during warmup: stopping (the compile is abandoned)", signal.Signals(sig).name)
+            warmup_interrupted.set()
+            loop.begin_drain(0.0)
+            stop_compilers()
+            return super().handle_exit(sig, frame)
+        if loop.draining:  # a second signal: stop now
+            loop.begin_drain(0.0)
+            return super().handle_exit(sig, frame)
+        self._captured_signals.append(sig)  # re-raised once uvicorn is done (see serve)
+        log.info(
+            "%s: draining (no new requests; in-flight ones get %.0fs to finish)",
+            signal.Signals(sig).name,
+            self.shutdown_grace_s,
+        )
+        loop.begin_drain(self.shutdown_grace_s)  # drain_then_exit stops listening and ends the server
 
-    @app.get("/v1/models")
-    async def models():
-        engine = loop.engine
-        card = {
-            "id": service.model_name,
-            "object": "model",
-            "created": service.created,
-            "owned_by": "laplace",
-            "root": service.model_name,  # vLLM's field; `vllm bench serve` reads data[0].root
-            "parent": None,
-            "max_model_len": max_model_len(service),
-            "max_prompt_tokens": engine.max_prompt_tokens,
-            "max_completion_tokens": service.limits.max_tokens,
-        }
-        return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await service.create(request)
-
-    if chat is not None:
-
-        @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request):
-            return await chat.create(request)
-
-    def tokenize(raw: bytes) -> dict:
-        req = parse_model(raw, TokenizeRequest)
-        if req.model is not None:
-            service.check_model(req)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad(None, "give exactly one of prompt or messages")
-        limit = service.loop.engine.max_prompt_tokens
-        if req.messages is not None:
-            if chat is None:
-                raise bad("messages", "this server has no chat template")
-            from laplace.serving.chat import message_dicts
-
-            try:
-                text = render_chat(
-                    chat.template,
-                    message_dicts(req),
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
-                    special_tokens=chat.special_tokens,
-                    **(req.chat_template_kwargs or {}),
-                )
-            except ApiError:
-                raise
-            except Exception as exc:
-                raise bad("messages", f"the chat template cannot render these messages: {exc}") from None
-            special = bool(req.add_special_tokens)
-        else:
-            text, special = req.prompt, req.add_special_tokens is not False
-        if len(text) > 4 * limit * service.max_chars_per_token:  # bounded work: far more than any prompt served
-            raise ApiError(400, f"{len(text):,} characters: far over the {limit}-token prompt limit", "prompt")
-        if req.messages is not None:
-            ids = chat.encode(text, special)  # as chat completions tokenize it
-        else:
-            ids = service.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
-        out = {"count": len(ids), "max_model_len": max_model_len(service), "tokens": ids, "token_strs": None}
-        if req.return_token_strs:
-            out["token_strs"] = [service.tokenizer.id_to_token(i) for i in ids]
-        return out
-
-    def detokenize(raw: bytes) -> dict:
-        req = parse_model(raw, DetokenizeRequest)
-        if req.model is not None:
-            service.check_model(req)
-        for i, t in enumerate(req.tokens):
-            if not 0 <= t < service.vocab_size:
-                raise bad("tokens", f"token id {t} at position {i} is outside the vocabulary [0, {service.vocab_size})")
-        return {"prompt": service.tokenizer.decode(req.tokens, skip_special_tokens=False)}
-
-    @app.post("/tokenize")
-    @api_errors
-    async def tokenize_route(request: Request):
-        return await off_loop(tokenize, await read_body(request, service.limits.max_request_bytes))
-
-    @app.post("/detokenize")
-    @api_errors
-    async def detokenize_route(request: Request):
-        return await off_loop(detokenize, await read_body(request, service.limits.max_request_bytes))
-
-    @app.get("/version")
-    async def version():
-        from importlib.metadata import version as installed
-
-        return {"version": installed("laplace")}
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping():
-        """SageMaker's / vLLM's liveness route: /health's answer."""
-        return await health()
-
-    return app
+async def drain_then_exit(server: DrainingServer, service: CompletionsService) -> None:
+    """On SIGTERM: close the listening socket, answer 503 on open connections until the in-flight
+    requests are done (or the engine cancelled them at the grace period), then let uvicorn stop."""
+    loop = service.loop
+    while not loop.draining:
+        await asyncio.sleep(0.05)
+    for listener in server.servers:
+        listener.close()
+    deadline = time.perf_counter() + server.shutdown_grace_s + 5.0  # the engine cancels at the grace period
+    while (service.in_flight or loop.pending()) and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+    server.should_exit = True
 
 
 def serve(
@@ -259,53 +213,13 @@ def serve(
 ) -> int:
     """Serve until SIGTERM / SIGINT (a graceful drain) and return the exit status: 0, or 1 when
     warmup failed. `sock`: the listening socket from bind_socket (bound here if None)."""
-    import uvicorn
-
     sock = sock or bind_socket(host, port)
-    metrics = ServerMetrics(engine.max_slots, model_name)
-    held = engine.cache.allocation()
-    metrics.slot_state_bytes.set(held["state_bytes"])
-    metrics.slot_kv_bytes.set(held["kv_bytes"])
-    loop = EngineLoop(engine, metrics, warmup_widths=warmup_widths)
-    service = CompletionsService(
-        loop, tokenizer, eos_id, model_name, Limits(max_tokens_limit, max_request_bytes, max_stop_chars), metrics
+    s = engine.scheduler
+    limits = Limits(max_tokens_limit, max_request_bytes, max_stop_chars, s.max_prompt_tokens, s.max_queue)
+    service, chat = build_services(
+        engine, tokenizer, eos_id, model_name, limits, warmup_widths, chat_template, special_tokens
     )
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            if not loop.ready.is_set() and not loop.fatal:  # during warmup: stop now, compilers included
-                if not loop.draining:
-                    log.info("%s during warmup: stopping (the compile is abandoned)", signal.Signals(sig).name)
-                warmup_interrupted.set()
-                loop.begin_drain(0.0)
-                stop_compilers()
-                return super().handle_exit(sig, frame)
-            if loop.draining:  # a second signal: stop now
-                loop.begin_drain(0.0)
-                return super().handle_exit(sig, frame)
-            self._captured_signals.append(sig)  # re-raised once uvicorn is done (see below)
-            log.info(
-                "%s: draining (no new requests; in-flight ones get %.0fs to finish)",
-                signal.Signals(sig).name,
-                shutdown_grace_s,
-            )
-            loop.begin_drain(shutdown_grace_s)  # `drained` below stops listening and ends the server
-
-    async def drained():
-        """On SIGTERM: close the listening socket, answer 503 on open connections until the in-flight
-        requests are done (or the engine cancelled them at the grace period), then let uvicorn stop."""
-        while not loop.draining:
-            await asyncio.sleep(0.05)
-        for listener in server.servers:
-            listener.close()
-        deadline = time.perf_counter() + shutdown_grace_s + 5.0  # the engine cancels at the grace period
-        while (service.in_flight or loop.waiting() or loop.engine.has_work()) and time.perf_counter() < deadline:
-            await asyncio.sleep(0.05)
-        server.should_exit = True
-
-    chat = ChatService(service, chat_template, special_tokens or {})
-    log.info("chat template: %s", "the model's own" if chat_template else "the default (the model has none)")
-    app = build_app(service, metrics, on_started=drained, chat=chat)
+    app = build_app(service, service.metrics, on_started=lambda: drain_then_exit(server, service), chat=chat)
     config = uvicorn.Config(
         app,
         log_level="info",
@@ -314,8 +228,8 @@ def serve(
         timeout_graceful_shutdown=shutdown_grace_s + 5.0,
         timeout_keep_alive=30,  # longer than clients keep idle connections (httpx: 5 s), so they close first
     )
-    server = Server(config)
-    loop.on_fatal = lambda: setattr(server, "should_exit", True)
+    server = DrainingServer(config, service.loop, shutdown_grace_s)
+    service.loop.on_fatal = lambda: setattr(server, "should_exit", True)
     # The engine thread and the event loop share the GIL; Python hands it over every 5 ms by default,
     # which a decode step of a few ms then waits on. A shorter interval keeps both moving.
     sys.setswitchinterval(0.0005)
@@ -329,4 +243,4 @@ def serve(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sock.close()
-    return 1 if loop.fatal else 0
+    return 1 if service.loop.fatal else 0
