@@ -58,26 +58,21 @@ def bytes_per_sequence(cfg: Config, export_dir: Path, contexts: list[int], devic
 
 
 def decode_time(cfg: Config, export_dir: Path, contexts: list[int], steps: int, text, device) -> dict:
-    """Milliseconds per decoded token after a prompt of each context length (one engine each): the
-    fastest of the timed steps, as timeit reports, because on a shared machine preemption only ever
-    adds time (a median of 12 steps at load 3 on 2 cores swung the softmax ratio from 1.0x to 3.4x)."""
+    """Milliseconds per decoded token after a prompt of each context length (one engine each, timed
+    in alternation by generation.decode_step_times): the fastest of the timed steps, as timeit
+    reports, because on a shared machine preemption only ever adds time (a median of 12 steps at
+    load 3 on 2 cores swung the softmax ratio from 1.0x to 3.4x)."""
     import contextlib
 
-    tokens, times, slots = {}, {c: [] for c in contexts}, {}
-    with contextlib.ExitStack() as leases, torch.inference_mode():
+    from laplace.serving.generation import decode_step_times
+
+    with contextlib.ExitStack() as leases:
         engines = {c: _engine(export_dir, cfg, c + steps + 8, compiled=False, device=device) for c in contexts}
+        sequences = {}
         for context, engine in engines.items():
-            (slots[context],) = leases.enter_context(engine.leased([-1]))
-            prompt = np.resize(np.asarray(text, dtype=np.int64), context)
-            tokens[context] = engine.prefill(slots[context], prompt).argmax(-1)
-        for i in range(steps + 4):
-            # the order flips every round: on a loaded machine the second of two back-to-back steps
-            # is the one more often preempted, which must not bias any length
-            for context in contexts if i % 2 == 0 else contexts[::-1]:
-                start = time.perf_counter()
-                tokens[context] = engines[context].decode_step([slots[context]], tokens[context]).argmax(-1)
-                if i >= 4:  # the first rounds warm caches
-                    times[context].append(time.perf_counter() - start)
+            (slot,) = leases.enter_context(engine.cache.leased([-1]))
+            sequences[context] = (engine.runner, slot, np.resize(np.asarray(text, dtype=np.int64), context))
+        times = decode_step_times(sequences, steps)
     ms = {str(c): 1e3 * min(t) for c, t in times.items()}
     lo, hi = str(min(contexts)), str(max(contexts))
     return {"decode_ms_per_token": ms, "decode_ratio_longest_vs_shortest": ms[hi] / ms[lo]}
@@ -96,13 +91,13 @@ def serving_figures(cfg: Config, export_dir: Path, data_dir: Path) -> dict:
     device = resolve_device(cfg.engine.device)
     engine, _, _ = DecodeEngine.from_export(export_dir, cfg.engine, "padded", device=device, kernel=cfg.model.kernel)
     start = time.perf_counter()
-    engine.warmup()
+    engine.runner.warmup()
     warm_s = time.perf_counter() - start
     kind = cfg.serve_check.workloads[0]
     requests = build_requests(kind, cfg.serve_check, open_split(data_dir, "val"), cfg.serve_check.seed)
     with torch.compiler.set_stance("fail_on_recompile"):  # serving runs the warmed graphs only
         done = replay(engine, requests)
-    figures = summarize(engine.steps, done, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s)
+    figures = summarize(engine.scheduler.steps, done, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s)
     return {"workload": kind, "warmup_s": warm_s, **figures}
 
 

@@ -39,7 +39,8 @@ from lm_eval.api.registry import register_model
 
 from laplace.config import EngineSection
 from laplace.errors import ConfigError
-from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.engine import DecodeEngine
+from laplace.serving.scheduler import Request
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +135,12 @@ class LaplaceHarnessLM(LM):
         """(sum of log p(continuation | prompt), every continuation token the argmax) for each
         (prompt ids, continuation ids), max_slots at a time, decoded at the ladder widths."""
         out: list[tuple[float, bool]] = []
-        slots_n = self.engine.max_slots
-        for first in range(0, len(pairs), slots_n):
-            group = pairs[first : first + slots_n]
+        cache, runner = self.engine.cache, self.engine.runner
+        for first in range(0, len(pairs), cache.max_slots):
+            group = pairs[first : first + cache.max_slots]
             totals, greedy = [0.0] * len(group), [True] * len(group)
-            with self.engine.leased(range(len(group))) as slots:
-                last = [self.engine.prefill(slot, prompt)[0] for slot, (prompt, _) in zip(slots, group)]
+            with cache.leased(range(len(group))) as slots:
+                last = [runner.prefill(slot, prompt)[0] for slot, (prompt, _) in zip(slots, group)]
                 for t in range(max(len(cont) for _, cont in group)):
                     live = [i for i, (_, cont) in enumerate(group) if t < len(cont)]
                     for i in live:
@@ -149,7 +150,7 @@ class LaplaceHarnessLM(LM):
                         greedy[i] = greedy[i] and int(last[i].argmax()) == target
                     more = [i for i in live if t + 1 < len(group[i][1])]
                     if more:
-                        logits = self.engine.decode_step([slots[i] for i in more], [group[i][1][t] for i in more])
+                        logits = runner.decode_rows([slots[i] for i in more], [group[i][1][t] for i in more])
                         for row, i in enumerate(more):
                             last[i] = logits[row]
             out.extend(zip(totals, greedy))

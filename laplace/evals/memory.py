@@ -41,14 +41,15 @@ def decode_rss(
     slot; the highest RSS seen over `decode_steps` greedy decode steps is recorded. A GLA
     decodes from a fixed-size state, so this should not grow with the context."""
     out = {}
-    source = np.asarray(text if text is not None and len(text) else [engine.pad_id], dtype=np.int64)
+    runner = engine.runner
+    source = np.asarray(text if text is not None and len(text) else [runner.pad_id], dtype=np.int64)
     for ctx in progress_bar(contexts, desc="decode memory", unit="context", enabled=progress):
         prompt = np.resize(source, ctx)
-        with engine.leased([-1]) as (slot,):
-            token = engine.prefill(slot, prompt).argmax(-1)
+        with engine.cache.leased([-1]) as (slot,):
+            token = runner.prefill(slot, prompt).argmax(-1)
             peak = 0
             for _ in range(decode_steps):
-                token = engine.decode_step([slot], token).argmax(-1)
+                token = runner.decode_rows([slot], token).argmax(-1)
                 peak = max(peak, rss_bytes())
             out[ctx] = peak
     return out
@@ -72,12 +73,13 @@ def memory_report(
     rss = decode_rss(engine, contexts, decode_steps, text, progress) if contexts else {}
     facts_3b = meta_facts(cfg_3b)
     kv_3b_8192 = kv_cache_bytes(cfg_3b, 8192)
+    state = engine.cache.state  # the slots' rows, measured
     return {
-        "state_bytes_measured": engine.state.bytes_per_sequence,
+        "state_bytes_measured": state.bytes_per_sequence,
         "state_bytes_analytic": analytic_state_bytes(cfg, dtype),
         # a hybrid's slots also hold K/V up to engine.max_context (0 for GLA): measured vs formula
-        "kv_bytes_measured": engine.state.kv_bytes_per_sequence,
-        "kv_bytes_analytic": analytic_kv_bytes(cfg, engine.state.max_context, dtype),
+        "kv_bytes_measured": state.kv_bytes_per_sequence,
+        "kv_bytes_analytic": analytic_kv_bytes(cfg, state.max_context, dtype),
         "kv_bytes": {c: kv_cache_bytes(cfg, c) for c in kv_contexts},
         "kv_bytes_8192": kv_cache_bytes(cfg, 8192),
         "decode_rss_bytes": rss,

@@ -145,27 +145,28 @@ def mqar_accuracy_eager(model, tokens: Tensor, targets: Tensor, mask: Tensor) ->
 def mqar_predictions_serving(engine: DecodeEngine, tokens: Tensor, mask: Tensor) -> Tensor:
     """Argmax per position through the serving path: [n, L], -1 where nothing was computed.
 
-    Per sample, the prefix before the first query is prefilled into a pool slot (engine.prefill:
-    bucket pieces); the remaining tokens are fed one at a time with engine.decode, up to the last
-    query. Samples share decode steps, max_slots at a time, at the engine's width for them (pad
-    rows on the dummy slot)."""
+    Per sample, the prefix before the first query is prefilled into a slot leased from the cache
+    manager (the model runner's prefill: bucket pieces); the remaining tokens are fed one at a time
+    with its decode_rows, up to the last query. Samples share decode steps, max_slots at a time, at
+    the runner's width for them (pad rows on the dummy slot)."""
     n, L = tokens.shape
     first = mask.float().argmax(1)  # first query position of each sample
     last = L - 1 - mask.flip(1).float().argmax(1)
     if int(first.min()) < 1:
         raise ValueError("MQAR sequences must start with their key-value pairs (a query at position 0)")
     preds = torch.full((n, L), -1, dtype=torch.long)
-    for start in range(0, n, engine.max_slots):
-        rows = list(range(start, min(n, start + engine.max_slots)))
-        with engine.leased(-1 - r for r in rows) as leased:
+    cache, runner = engine.cache, engine.runner
+    for start in range(0, n, cache.max_slots):
+        rows = list(range(start, min(n, start + cache.max_slots)))
+        with cache.leased(-1 - r for r in rows) as leased:
             slots = dict(zip(rows, leased))
             cursor = {}
             for r in rows:  # prefill the prefix: positions 0 .. first-1
                 p = int(first[r])
-                preds[r, p - 1] = int(engine.prefill(slots[r], tokens[r, :p])[0].argmax())
+                preds[r, p - 1] = int(runner.prefill(slots[r], tokens[r, :p])[0].argmax())
                 cursor[r] = p
             while live := [r for r in rows if cursor[r] <= int(last[r])]:
-                top = engine.decode_step([slots[r] for r in live], [int(tokens[r, cursor[r]]) for r in live]).argmax(-1)
+                top = runner.decode_rows([slots[r] for r in live], [int(tokens[r, cursor[r]]) for r in live]).argmax(-1)
                 for r, token in zip(live, top.tolist()):
                     preds[r, cursor[r]] = token
                     cursor[r] += 1
@@ -422,7 +423,7 @@ def mqar_both_paths(
     query one step at a time is what makes this probe slow. Accuracies are {context: {pairs:
     acc}}; agreement is over every position both paths computed."""
     vocab = model.cfg.vocab_size
-    largest = max(engine.buckets)
+    largest = max(engine.runner.buckets)
     serving: dict[int, dict[int, float]] = {}
     eager: dict[int, dict[int, float]] = {}
     same, total, notes = 0, 0, []

@@ -86,11 +86,12 @@ def decode_logits(engine, prompts: Tensor, continuation: Tensor, width: int, rea
     dummy slot. prompts [R, P], continuation [R, S] with R >= real. Returns real-row logits [S*real, V]."""
     engine.reset()
     out = []
-    with engine.leased(range(real)) as slots:
+    runner = engine.runner
+    with engine.cache.leased(range(real)) as slots:
         for i, slot in enumerate(slots):
-            engine.prefill(slot, prompts[i])
+            runner.prefill(slot, prompts[i])
         for t in range(continuation.shape[1]):
-            out.append(engine.decode_step(slots, continuation[:real, t], width).float().cpu())
+            out.append(runner.decode_rows(slots, continuation[:real, t], width).float().cpu())
     engine.reset()
     return torch.cat(out)
 
@@ -111,8 +112,8 @@ def train_step(model, tokens: Tensor, autocast_bf16: bool) -> tuple[float, Tenso
 @torch.inference_mode()
 def greedy_tokens(engine, prompt: list[int], n: int) -> tuple[list[int], list[Tensor]]:
     """Greedy continuation through an engine at width 1, with the logits of each step."""
-    from laplace.serving.engine import Request
     from laplace.serving.replay import replay
+    from laplace.serving.scheduler import Request
 
     engine.reset()
     logits_seen: list[Tensor] = []
@@ -171,7 +172,7 @@ def reference(cfg: Config, ref_model, held_out: Tensor) -> dict:
     engine = DecodeEngine(ref_model, cfg.engine, "eager")
     prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens : n.prompt_tokens + n.decode_tokens]
     ref = {"prefill": prefill_logits(ref_model, held_out[: n.batch_size, : n.seq_len]), "decode": {}}
-    for width in engine.ladder:
+    for width in engine.scheduler.ladder:
         ref["decode"][width] = decode_logits(engine, prompts, cont, width, max(1, width // 2))
     ref_model.train()
     ref["train"] = train_step(ref_model, held_out[: n.batch_size, : n.seq_len + 1], False)
@@ -210,14 +211,14 @@ def check_dtype(
     started = time.perf_counter()
     prompts, cont = held_out[:, : n.prompt_tokens], held_out[:, n.prompt_tokens : n.prompt_tokens + n.decode_tokens]
     out["decode"] = {}
-    for width in comp_engine.ladder:
+    for width in comp_engine.scheduler.ladder:
         real = max(1, width // 2)  # half the rows are padding (dummy slot)
         c = decode_logits(comp_engine, prompts, cont, width, real)
         report = compare_logits(
             decode_logits(eager_engine, prompts, cont, width, real), c, ref["decode"][width], n.margin
         )
         report["real_rows"] = real
-        if real < width and real in comp_engine.ladder:  # the same rows computed without padding
+        if real < width and real in comp_engine.scheduler.ladder:  # the same rows computed without padding
             unpadded = decode_logits(comp_engine, prompts, cont, real, real)
             report["padded_vs_unpadded_max_abs"] = (c - unpadded).abs().max().item()
         out["decode"][str(width)] = report
@@ -363,10 +364,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def run_numerics(cfg: Config, export_dir: Path, data_dir: Path, corrupt_compiled=None) -> dict:
     import numpy as np
 
+    from laplace.config import width_ladder
     from laplace.data.shards import open_split
     from laplace.model.export import load_export
     from laplace.runtime import configure_compiler
-    from laplace.serving.engine import width_ladder
 
     n = cfg.numerics
     torch.manual_seed(n.seed)

@@ -10,24 +10,16 @@ from torch import Tensor
 from laplace.errors import ConfigError
 from laplace.progress import progress_bar
 from laplace.serving.engine import DecodeEngine
+from laplace.serving.generation import greedy_batch
 
 
 def prefill_long(engine: DecodeEngine, prompt_ids, slot: int) -> Tensor:
     """Prefill a prompt of any length into a clean `slot`; returns the last token's logits [1, V].
 
-    engine.prefill runs it in pieces through the warmed-up bucket graphs only, whatever the
-    context length, and the result equals one prefill of the whole prompt."""
-    engine.state.zero_(torch.tensor([slot], device=engine.device))
-    return engine.prefill(slot, prompt_ids)
-
-
-def greedy_continue(engine: DecodeEngine, logits: Tensor, slot: int, new_tokens: int) -> list[int]:
-    """Greedy tokens after a prefill of `slot`, one decode step at a time at the engine's width
-    for one row."""
-    out = [int(logits[0].argmax())]
-    while len(out) < new_tokens:
-        out.append(int(engine.decode_step([slot], [out[-1]])[0].argmax()))
-    return out
+    The model runner's prefill runs it in pieces through the warmed-up bucket graphs only, whatever
+    the context length, and the result equals one prefill of the whole prompt."""
+    engine.cache.state.zero_(torch.tensor([slot], device=engine.cache.device))
+    return engine.runner.prefill(slot, prompt_ids)
 
 
 # --------------------------------------------------------------------------- passkey
@@ -88,8 +80,8 @@ def passkey_probe(
 ) -> dict:
     """Greedy passkey retrieval through the engine: found when the 5 digits appear in the
     first `new_tokens` generated tokens. Each prompt gets a pool slot, is prefilled through the
-    bucket graphs (in chunks when longer than the largest bucket: see prefill_long, so a
-    4,096-token context needs no new shape) and decoded at the smallest ladder width.
+    bucket graphs (in pieces when longer than the largest bucket, so a 4,096-token context needs
+    no new shape) and decoded at the smallest ladder width (generation.greedy_batch, one prompt).
     Returns accuracy per context, per depth, per (context, depth), overall, and the table."""
     rng = np.random.default_rng(seed)
     haystack = np.asarray(haystack_tokens)
@@ -100,8 +92,7 @@ def passkey_probe(
     for ctx, depth, _ in progress_bar(cells, desc="passkey", unit="prompt", enabled=progress):
         key = int(rng.integers(10000, 100000))
         prompt = passkey_prompt(tokenizer, haystack, ctx, depth, key, rng, bos_id)
-        with engine.leased([-1]) as (slot,):
-            output = greedy_continue(engine, engine.prefill(slot, prompt), slot, new_tokens)
+        (output,) = greedy_batch(engine, [prompt], new_tokens)
         text = tokenizer.decode(output)
         rows.append(
             {

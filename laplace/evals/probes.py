@@ -70,90 +70,22 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
     probes.paths_agree_min) and the measured state bytes equal the formula; retrieval quality
     is reported, not gated on."""
     from laplace.data.shards import open_split
-    from laplace.runtime import resolve_device
 
     p = cfg.probes
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    device = resolve_device(cfg.engine.device)
-    engine, tokenizer, export_config = DecodeEngine.from_export(
-        export_dir, cfg.engine, "padded", device=device, kernel=cfg.model.kernel
-    )
+    engine, tokenizer, export_config = _warm_engine(cfg, export_dir)
     model = engine.model
     bos_id = export_config.get("bos_id")  # the model's own convention: Llama tokenizers start with <s>
-    engine.warmup()
-    # Pad rows read and write the dummy slot: NaN there makes any leak into a real row visible.
-    dummy = engine.pool.dummy
-    for tensor in engine.state.tensors().values():
-        if tensor.is_floating_point():  # recurrent, conv and a hybrid's K/V (positions are counters)
-            tensor[:, dummy] = float("nan")
     seconds["load_and_warmup"] = time.perf_counter() - start
-    # a model with attention layers is probed at the lengths its slots hold (engine.max_context)
-    skipped: set[int] = set()
-
-    def fits(contexts: list[int]) -> list[int]:
-        limit = engine.max_context
-        kept = [c for c in contexts if limit is None or c + CONTEXT_ROOM <= limit]
-        skipped.update(set(contexts) - set(kept))
-        return kept
-
-    # The exported model is probed at the easiest pair count only (it is a text model: if it cannot
-    # recall 4 pairs it cannot recall 16); decoding every context token one step at a time is the
-    # costly part. The trained MQAR model below covers the whole (context, pairs) grid.
-    t = time.perf_counter()
-    exported_pairs = [min(p.mqar_pairs)]
-    with torch.compiler.set_stance("fail_on_recompile"):  # serving runs the warmed-up graphs only
-        mqar = mqar_both_paths(model, engine, fits(p.mqar_contexts), exported_pairs, p.mqar_samples, p.seed, progress)
-    seconds["mqar_exported"] = time.perf_counter() - t
-    served_cells = [(c, q) for c in mqar["serving"] for q in mqar["serving"][c]]
-    max_gap = max((abs(mqar["serving"][c][q] - mqar["eager"][c][q]) for c, q in served_cells), default=0.0)
-    paths_agree = bool(served_cells) and mqar["agreement"] >= p.paths_agree_min and max_gap <= 1 - p.paths_agree_min
-
-    t = time.perf_counter()
+    fits = FittingLengths(engine.cache.max_context)
     haystack = np.asarray(open_split(data_dir, "val"))
-    with torch.compiler.set_stance("fail_on_recompile"):
-        passkey = passkey_probe(
-            engine,
-            tokenizer,
-            haystack,
-            fits(p.passkey_contexts),
-            p.passkey_depths,
-            p.passkey_samples,
-            p.seed,
-            progress=progress,
-            bos_id=bos_id,
-        )
-    seconds["passkey"] = time.perf_counter() - t
+    mqar, passkey, niah, memory = _served_probes(engine, tokenizer, haystack, cfg, fits, bos_id, seconds, progress)
+    if engine.cache.pool.owners:
+        raise RuntimeError(f"probe slots still owned after the probes: {engine.cache.pool.owners}")
 
-    t = time.perf_counter()
-    with torch.compiler.set_stance("fail_on_recompile"):
-        niah = niah_suite(engine, tokenizer, haystack, fits(recall_lengths(cfg)), p.recall_samples, p.seed, bos_id)
-    seconds["niah"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    with torch.compiler.set_stance("fail_on_recompile"):
-        memory = memory_report(
-            model,
-            engine,
-            fits(p.memory_contexts),
-            p.kv_contexts,
-            text=haystack[: max(p.memory_contexts, default=0)],
-            progress=progress,
-        )
-    seconds["memory"] = time.perf_counter() - t
-    if engine.pool.owners:
-        raise RuntimeError(f"probe slots still owned after the probes: {engine.pool.owners}")
-
-    q = exported_pairs[0]
-    best_path = {c: mqar["serving"].get(c, grid) for c, grid in mqar["eager"].items()}  # serving where it ran
     metrics: dict = {
-        "mqar_accuracy": {c: grid[q] for c, grid in best_path.items()},
-        "mqar_accuracy_eager": {c: grid[q] for c, grid in mqar["eager"].items()},
-        "mqar_exported_pairs": exported_pairs[0],
-        "mqar_chance": mqar_chance(model.cfg.vocab_size),
-        "mqar_serving_vs_eager_agreement": mqar["agreement"],
-        "mqar_positions_compared": mqar["positions_compared"],
-        "mqar_paths_agree": paths_agree,
+        **mqar["metrics"],
         "passkey_accuracy": passkey["accuracy"],
         "passkey_accuracy_by_depth": passkey["accuracy_by_depth"],
         "passkey_accuracy_overall": passkey["accuracy_overall"],
@@ -162,37 +94,151 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
         "kv_bytes_match": memory["kv_bytes_measured"] == memory["kv_bytes_analytic"],
         "notes": list(mqar["notes"]),
     }
-    if skipped:
-        metrics["contexts_over_max_context"] = sorted(skipped)
+    if fits.skipped:
+        metrics["contexts_over_max_context"] = sorted(fits.skipped)
         metrics["notes"].append(
-            f"lengths {sorted(skipped)} not probed: with {CONTEXT_ROOM} tokens to answer in, longer than "
-            f"engine.max_context={engine.max_context} "
+            f"lengths {sorted(fits.skipped)} not probed: with {CONTEXT_ROOM} tokens to answer in, longer than "
+            f"engine.max_context={engine.cache.max_context} "
             "(the attention layers' K/V cache)"
         )
-
     if p.train_mqar:
-        t = time.perf_counter()
-        trained = train_mqar(p, p.seed, progress=progress, like=model.cfg)  # the exported model's architecture
-        seconds["mqar_train_and_eval"] = time.perf_counter() - t
-        t = time.perf_counter()
-        metrics.update(_trained_recall(trained.pop("trained_model"), cfg, p, progress))
-        seconds["mqar_trained_recall"] = time.perf_counter() - t
-        metrics.update(
-            {
-                "mqar_trained_accuracy": trained["accuracy"],
-                "mqar_trained_chance": trained["chance"],
-                "mqar_trained_state_floats": trained["state_floats"],
-                "mqar_trained_state_bytes": trained["state_bytes"],
-                "mqar_trained_train_seconds": trained["train_seconds"],
-                "mqar_trained_final_loss": trained["final_loss"],
-            }
-        )
-        mqar_figure = trained
+        mqar_figure = _trained_mqar(model, cfg, progress, seconds, metrics)
     else:  # the accuracy plot is still drawn, for the exported model
         metrics["notes"].append("probes.train_mqar is false: the MQAR plot shows the exported model")
-        mqar_figure = {"accuracy": best_path, "chance": metrics["mqar_chance"]}
+        mqar_figure = {"accuracy": mqar["best_path"], "chance": metrics["mqar_chance"]}
+    metrics.update(_recall_suite(cfg, niah, passkey, metrics))
+    metrics["passed"] = bool(mqar["paths_agree"] and metrics["state_bytes_match"] and metrics["kv_bytes_match"])
+    seconds["total"] = time.perf_counter() - start
+    metrics["seconds"] = seconds
+    figures = {"mqar": mqar_figure, "memory": memory, "passkey": passkey["table"]}
+    return _str_keys(metrics), figures
 
-    # the recall suite: every task at every probed length, against chance, with a plain verdict per length
+
+class FittingLengths:
+    """The probe lengths a model's slots hold: all for a GLA, those within engine.max_context (with
+    CONTEXT_ROOM to answer in) for a model with attention layers; the others are kept in `skipped`."""
+
+    def __init__(self, max_context: int | None):
+        self.max_context = max_context
+        self.skipped: set[int] = set()
+
+    def __call__(self, contexts: list[int]) -> list[int]:
+        limit = self.max_context
+        kept = [c for c in contexts if limit is None or c + CONTEXT_ROOM <= limit]
+        self.skipped.update(set(contexts) - set(kept))
+        return kept
+
+
+def _timed(seconds: dict[str, float], name: str, probe):
+    """probe(), its wall time recorded in seconds[name]."""
+    start = time.perf_counter()
+    out = probe()
+    seconds[name] = time.perf_counter() - start
+    return out
+
+
+def _warm_engine(cfg: Config, export_dir: Path):
+    """The exported model's padded engine, warmed up: (engine, tokenizer, export config). Pad rows
+    read and write the dummy slot: NaN there makes any leak into a real row visible."""
+    from laplace.runtime import resolve_device
+
+    device = resolve_device(cfg.engine.device)
+    engine, tokenizer, export_config = DecodeEngine.from_export(
+        export_dir, cfg.engine, "padded", device=device, kernel=cfg.model.kernel
+    )
+    engine.runner.warmup()
+    dummy = engine.cache.dummy
+    for tensor in engine.cache.state.tensors().values():
+        if tensor.is_floating_point():  # recurrent, conv and a hybrid's K/V (positions are counters)
+            tensor[:, dummy] = float("nan")
+    return engine, tokenizer, export_config
+
+
+def _served_probes(
+    engine: DecodeEngine, tokenizer, haystack, cfg: Config, fits: FittingLengths, bos_id, seconds, progress
+):
+    """The probes of the exported model through its warmed-up engine, each timed in `seconds`:
+    MQAR (serving vs eager), passkey, the NIAH tasks and the memory report."""
+    p, model = cfg.probes, engine.model
+    with torch.compiler.set_stance("fail_on_recompile"):  # serving runs the warmed-up graphs only
+        mqar = _timed(seconds, "mqar_exported", lambda: _exported_mqar(model, engine, p, fits, progress))
+        passkey = _timed(
+            seconds,
+            "passkey",
+            lambda: passkey_probe(
+                engine,
+                tokenizer,
+                haystack,
+                fits(p.passkey_contexts),
+                p.passkey_depths,
+                p.passkey_samples,
+                p.seed,
+                progress=progress,
+                bos_id=bos_id,
+            ),
+        )
+        lengths = fits(recall_lengths(cfg))
+        niah = _timed(
+            seconds, "niah", lambda: niah_suite(engine, tokenizer, haystack, lengths, p.recall_samples, p.seed, bos_id)
+        )
+        text = haystack[: max(p.memory_contexts, default=0)]
+        memory = _timed(
+            seconds,
+            "memory",
+            lambda: memory_report(model, engine, fits(p.memory_contexts), p.kv_contexts, text=text, progress=progress),
+        )
+    return mqar, passkey, niah, memory
+
+
+def _exported_mqar(model, engine: DecodeEngine, p, fits: FittingLengths, progress: bool) -> dict:
+    """MQAR on the exported model through the serving path and the eager forward, at the easiest
+    pair count only (it is a text model: if it cannot recall 4 pairs it cannot recall 16; decoding
+    every context token one step at a time is the costly part; the trained MQAR model covers the
+    whole (context, pairs) grid): its metrics, whether the paths agree, the accuracy grid (serving
+    where it ran) and the notes."""
+    q = min(p.mqar_pairs)
+    mqar = mqar_both_paths(model, engine, fits(p.mqar_contexts), [q], p.mqar_samples, p.seed, progress)
+    served_cells = [(c, k) for c in mqar["serving"] for k in mqar["serving"][c]]
+    max_gap = max((abs(mqar["serving"][c][k] - mqar["eager"][c][k]) for c, k in served_cells), default=0.0)
+    paths_agree = bool(served_cells) and mqar["agreement"] >= p.paths_agree_min and max_gap <= 1 - p.paths_agree_min
+    best_path = {c: mqar["serving"].get(c, grid) for c, grid in mqar["eager"].items()}  # serving where it ran
+    metrics = {
+        "mqar_accuracy": {c: grid[q] for c, grid in best_path.items()},
+        "mqar_accuracy_eager": {c: grid[q] for c, grid in mqar["eager"].items()},
+        "mqar_exported_pairs": q,
+        "mqar_chance": mqar_chance(model.cfg.vocab_size),
+        "mqar_serving_vs_eager_agreement": mqar["agreement"],
+        "mqar_positions_compared": mqar["positions_compared"],
+        "mqar_paths_agree": paths_agree,
+    }
+    return {"metrics": metrics, "paths_agree": paths_agree, "best_path": best_path, "notes": mqar["notes"]}
+
+
+def _trained_mqar(model, cfg: Config, progress: bool, seconds: dict[str, float], metrics: dict) -> dict:
+    """MQAR on a GLA trained here (the exported model's architecture), then the recall suite's MQAR
+    on it through a serving engine: their figures added to `metrics`; returns the plot's figure."""
+    p = cfg.probes
+    trained = _timed(seconds, "mqar_train_and_eval", lambda: train_mqar(p, p.seed, progress=progress, like=model.cfg))
+    recall = _timed(
+        seconds, "mqar_trained_recall", lambda: _trained_recall(trained.pop("trained_model"), cfg, p, progress)
+    )
+    metrics.update(recall)
+    metrics.update(
+        {
+            "mqar_trained_accuracy": trained["accuracy"],
+            "mqar_trained_chance": trained["chance"],
+            "mqar_trained_state_floats": trained["state_floats"],
+            "mqar_trained_state_bytes": trained["state_bytes"],
+            "mqar_trained_train_seconds": trained["train_seconds"],
+            "mqar_trained_final_loss": trained["final_loss"],
+        }
+    )
+    return trained
+
+
+def _recall_suite(cfg: Config, niah: dict, passkey: dict, metrics: dict) -> dict:
+    """The recall suite: every task at every probed length, against chance, with a plain verdict per length."""
+    p = cfg.probes
     recall = {**niah, "passkey": passkey["accuracy"], "mqar": metrics["mqar_accuracy"]}
     chance = {**{task: 10.0**-DIGITS for task in niah}, "passkey": 1e-5, "mqar": metrics["mqar_chance"]}
     samples = {
@@ -201,14 +247,10 @@ def run_probes(cfg: Config, export_dir: Path, data_dir: Path, progress: bool = T
         "mqar": p.mqar_samples * min(p.mqar_pairs),
     }
     by_length = verdicts(recall, chance, samples)
-    metrics["recall"] = recall
-    metrics["recall_training_length"] = cfg.train.seq_len
-    metrics["recall_chance"] = chance
-    metrics["recall_verdict"] = by_length
-    metrics["recall_summary"] = overall_verdict(by_length)
-
-    metrics["passed"] = bool(paths_agree and metrics["state_bytes_match"] and metrics["kv_bytes_match"])
-    seconds["total"] = time.perf_counter() - start
-    metrics["seconds"] = seconds
-    figures = {"mqar": mqar_figure, "memory": memory, "passkey": passkey["table"]}
-    return _str_keys(metrics), figures
+    return {
+        "recall": recall,
+        "recall_training_length": cfg.train.seq_len,
+        "recall_chance": chance,
+        "recall_verdict": by_length,
+        "recall_summary": overall_verdict(by_length),
+    }

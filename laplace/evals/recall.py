@@ -19,11 +19,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from laplace.errors import ConfigError
 from laplace.evals.passkey import haystack_filler
 from laplace.serving.engine import DecodeEngine
+from laplace.serving.generation import greedy_batch
 
 KEYS = ["apple", "river", "copper", "violet", "falcon", "marble", "harbor", "lantern", "meadow", "cobalt"]
 NEEDLE = " One of the special magic numbers for {key} is: {value}."
@@ -74,23 +74,6 @@ def niah_prompt(
         prompt += filler[last:cut] + piece
         last = cut
     return prompt + filler[last:] + q, [v for _, v in wanted]
-
-
-@torch.inference_mode()
-def greedy_batch(engine: DecodeEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of `prompts`, max_slots at a time: each prefilled into its own slot,
-    then decoded together at the smallest ladder width that holds them."""
-    outputs: list[list[int]] = []
-    for first in range(0, len(prompts), engine.max_slots):
-        group = prompts[first : first + engine.max_slots]
-        with engine.leased(range(len(group))) as slots:
-            out = [[int(engine.prefill(slot, p)[0].argmax())] for slot, p in zip(slots, group)]
-            for _ in range(new_tokens - 1):
-                logits = engine.decode_step(slots, [o[-1] for o in out])
-                for o, row in zip(out, logits):
-                    o.append(int(row.argmax()))
-        outputs.extend(out)
-    return outputs
 
 
 def found_share(text: str, wanted: list[str]) -> float:
