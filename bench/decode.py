@@ -77,9 +77,9 @@ def time_engine_decode(engine, state: State, width: int, steps: int, seed: int) 
     from laplace.serving.model_runner import DecodeBatch
 
     slots = torch.arange(width, device=engine.device)
-    engine.state.recurrent[:, :width] = state.recurrent
+    engine.cache.state.recurrent[:, :width] = state.recurrent
     if state.conv is not None:
-        engine.state.conv[:, :width] = state.conv
+        engine.cache.state.conv[:, :width] = state.conv
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, engine.model.cfg.vocab_size, (width,), generator=gen).to(engine.device)
     greedy = torch.zeros(width, device=engine.device), torch.ones(width, device=engine.device)
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
             params = dataclasses.replace(EngineSection(), **shapes, compile_scope="model", prefix_cache_bytes=0)
             engine = DecodeEngine(model, params, "padded")
             start = time.perf_counter()
-            engine.warmup(widths=ladder, buckets=[])
+            engine.runner.warmup(widths=ladder, buckets=[])
             compile_s = time.perf_counter() - start
         for r in range(args.rounds):
             for w in args.widths:

@@ -16,8 +16,9 @@ from test_model_runner import MAX_CONTEXT, full_forward_greedy, hybrid, requests
 from laplace.config import EngineSection
 from laplace.runtime import compiled_graph_count, configure_compiler
 from laplace.serving import aot
-from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.engine import DecodeEngine
 from laplace.serving.replay import replay
+from laplace.serving.scheduler import Request
 
 
 def engine(m, compile_scope="model"):
@@ -43,9 +44,9 @@ def cache_dir(tmp_path, monkeypatch):
 @pytest.mark.slow  # two package builds of a 3-layer hybrid, about a minute on 2 cores
 def test_a_package_loads_without_tracing_and_serves_what_the_eager_engine_serves(cache_dir):
     built = engine(hybrid(seed=0))
-    configure_compiler(built.graphs_needed())
-    built.warmup(build_packages=True)
-    assert (built.warmup_report["compiled"], built.warmup_report["loaded_from_cache"]) == (2, 0)
+    configure_compiler(built.runner.graphs_needed())
+    built.runner.warmup(build_packages=True)
+    assert (built.runner.warmup_report["compiled"], built.runner.warmup_report["loaded_from_cache"]) == (2, 0)
     assert len(list((cache_dir / aot.PACKAGE_DIR).glob("*.pt2"))) == 2
 
     # another engine, other weights (the package holds none): loaded, nothing traced or compiled
@@ -53,15 +54,15 @@ def test_a_package_loads_without_tracing_and_serves_what_the_eager_engine_serves
     warm = engine(m)
     traced = compiled_graph_count()
     log = []
-    warm.warmup(log=log.append)
-    assert (warm.warmup_report["loaded_from_cache"], warm.warmup_report["compiled"]) == (2, 0), log
+    warm.runner.warmup(log=log.append)
+    assert (warm.runner.warmup_report["loaded_from_cache"], warm.runner.warmup_report["compiled"]) == (2, 0), log
     assert "decode width 2 loaded its ahead-of-time package" in "\n".join(log)
     assert compiled_graph_count() == traced  # Dynamo traced nothing
 
     # greedy: the training forward of these weights; seeded sampling: the eager engine's draws
     reqs = requests(seed=1, n=5)
     done = replay(warm, reqs)
-    assert not any(s.compiled for s in warm.steps)
+    assert not any(s.compiled for s in warm.scheduler.steps)
     for req, c in zip(reqs, done):
         assert c.output_ids == full_forward_greedy(m, req.prompt_ids, req.max_new_tokens)[0], req.id
     sampled = [
@@ -80,14 +81,16 @@ def test_a_package_loads_without_tracing_and_serves_what_the_eager_engine_serves
         for eng in (lazy, eager):
             eng.reset()
             torch.manual_seed(5)
-            for t in (eng.state.recurrent, eng.state.conv, eng.state.keys, eng.state.values):
+            for t in (eng.cache.state.recurrent, eng.cache.state.conv, eng.cache.state.keys, eng.cache.state.values):
                 t.normal_() if t is not None else None
-        before = eager.state.recurrent.clone()
-        logits = [eng.decode_step([0, 1], [3, 7], 2) for eng in (lazy, eager)]
+        before = eager.cache.state.recurrent.clone()
+        logits = [eng.runner.decode_rows([0, 1], [3, 7], 2) for eng in (lazy, eager)]
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)  # fp32, two schedules of one sum
-        torch.testing.assert_close(lazy.state.recurrent, eager.state.recurrent, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(lazy.state.keys, eager.state.keys, rtol=1e-5, atol=1e-5)  # the K/V cache too
-        assert not torch.equal(eager.state.recurrent, before)
+        torch.testing.assert_close(lazy.cache.state.recurrent, eager.cache.state.recurrent, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            lazy.cache.state.keys, eager.cache.state.keys, rtol=1e-5, atol=1e-5
+        )  # the K/V cache too
+        assert not torch.equal(eager.cache.state.recurrent, before)
     assert compiled_graph_count() == traced and ("decode", 2) in lazy.runner._loaded
 
 

@@ -12,9 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from laplace.config import EngineSection
 from laplace.runtime import configure_compiler
-from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.engine import DecodeEngine
 from laplace.serving.replay import replay
 from laplace.serving.sampling import stream_key
+from laplace.serving.scheduler import Request
 
 SYNC = torch.ops.aten._local_scalar_dense.default  # what .item(), .tolist() and bool(tensor) run
 
@@ -33,7 +34,7 @@ def step_inputs(eng, width, live=2, temperature=0.8):
     ints = torch.tensor(
         [
             [5, 9, 11, 13][:live] + [0] * pad,
-            list(range(live)) + [eng.pool.dummy] * pad,
+            list(range(live)) + [eng.cache.pool.dummy] * pad,
             [stream_key(seed, i) for seed, i in ((3, 0), (-7, 4), (2**62, 9), (1, 2))][:live] + [0] * pad,
         ]
     )
@@ -66,18 +67,18 @@ def test_the_decode_step_is_one_graph_with_no_host_synchronisation():
     backend = aot_autograd(fw_compiler=capture)
     step = torch.compile(eng.runner.graphs.decode_step, fullgraph=True, dynamic=False, backend=backend)
     ints, floats = step_inputs(eng, width=4)
-    before = eng.state.clone()
+    before = eng.cache.state.clone()
     tokens, logits = step(ints, floats)
     assert len(graphs) == 1
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert SYNC not in targets and torch.ops.aten.item.default not in targets
     assert torch._dynamo.utils.counters["graph_break"] == {}
     # the state buffers were written in place: the live rows moved, the unused slots did not
-    assert not torch.equal(eng.state.recurrent[:, :2], before.recurrent[:, :2])
-    assert torch.equal(eng.state.recurrent[:, 2:4], before.recurrent[:, 2:4])
+    assert not torch.equal(eng.cache.state.recurrent[:, :2], before.recurrent[:, :2])
+    assert torch.equal(eng.cache.state.recurrent[:, 2:4], before.recurrent[:, 2:4])
 
-    eng.state.recurrent.copy_(before.recurrent)
-    eng.state.conv.copy_(before.conv)
+    eng.cache.state.recurrent.copy_(before.recurrent)
+    eng.cache.state.conv.copy_(before.conv)
     with CountSyncs() as counter:
         eager_tokens, eager_logits = eng.runner.graphs.decode_step(ints, floats)
     assert counter.syncs == 0
@@ -108,8 +109,8 @@ def test_the_compiled_step_samples_what_the_eager_step_samples():
     torch._dynamo.reset()
     m = model()
     compiled, eager = engine(m, "model", max_slots=2), engine(m, None, max_slots=2)
-    configure_compiler(compiled.graphs_needed())
-    compiled.warmup()
+    configure_compiler(compiled.runner.graphs_needed())
+    compiled.runner.warmup()
     requests = [
         Request(r.id, r.prompt_ids[:16], r.max_new_tokens, temperature=0.8 * (r.id % 2), top_p=0.9, seed=r.id)
         for r in staggered(6)
@@ -130,26 +131,26 @@ def test_cuda_graph_decode_equals_eager_over_64_steps_at_every_width():
     torch._dynamo.reset()
     m = model().cuda()
     compiled, eager = engine(m, "model", max_slots=4), engine(m, None, max_slots=4)
-    assert compiled.cuda_graphs
-    configure_compiler(compiled.graphs_needed())
-    compiled.warmup()
-    compiled.state.recurrent[:, compiled.pool.dummy] = float("nan")  # any leak from a pad row shows
-    compiled.state.conv[:, compiled.pool.dummy] = float("nan")
+    assert compiled.runner.cuda_graphs
+    configure_compiler(compiled.runner.graphs_needed())
+    compiled.runner.warmup()
+    compiled.cache.state.recurrent[:, compiled.cache.pool.dummy] = float("nan")  # any leak from a pad row shows
+    compiled.cache.state.conv[:, compiled.cache.pool.dummy] = float("nan")
     nan = float("nan")
-    for width in compiled.ladder:
+    for width in compiled.scheduler.ladder:
         for live in sorted({max(1, width // 2), width}):  # with pad rows (where the width pads) and full
             outs = []
             for eng in (compiled, eager):
                 eng.reset()
-                eng.state.recurrent[:, eng.pool.dummy] = nan  # a pad row leaking into a live one would show
-                eng.state.conv[:, eng.pool.dummy] = nan
-                with eng.leased(range(live)) as slots, torch.compiler.set_stance("fail_on_recompile"):
-                    tokens = [int(eng.prefill(s, [1 + i, 2 + i, 3]).argmax()) for i, s in enumerate(slots)]
+                eng.cache.state.recurrent[:, eng.cache.pool.dummy] = nan  # a pad row leaking into a live one would show
+                eng.cache.state.conv[:, eng.cache.pool.dummy] = nan
+                with eng.cache.leased(range(live)) as slots, torch.compiler.set_stance("fail_on_recompile"):
+                    tokens = [int(eng.runner.prefill(s, [1 + i, 2 + i, 3]).argmax()) for i, s in enumerate(slots)]
                     seen = []
                     for _ in range(64):
-                        tokens = eng.decode_step(slots, tokens, width).argmax(-1).tolist()
+                        tokens = eng.runner.decode_rows(slots, tokens, width).argmax(-1).tolist()
                         seen.append(tokens)
-                    assert torch.isfinite(eng.state.recurrent[:, slots]).all()
+                    assert torch.isfinite(eng.cache.state.recurrent[:, slots]).all()
                 outs.append(seen)
             assert outs[0] == outs[1], (width, live)
     # and the sampler inside the graph, through the scheduler: greedy and seeded rows

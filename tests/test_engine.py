@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from laplace.config import EngineSection, ServeCheckSection
+from laplace.config import EngineSection, ServeCheckSection, width_ladder
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import configure_compiler
-from laplace.serving.engine import DecodeEngine, Rejected, Request, StepRecord, fit, prefill_pieces, width_ladder
+from laplace.serving.engine import DecodeEngine
 from laplace.serving.generation import generate_ids
 from laplace.serving.model_runner import DecodeBatch
 from laplace.serving.replay import replay, summarize
+from laplace.serving.scheduler import Rejected, Request, StepRecord
+from laplace.serving.shapes import fit, prefill_pieces
 from laplace.serving.workload import arrival_times, build_requests
 
 from project import tiny_model_config
@@ -78,9 +80,9 @@ def test_engine_outputs_equal_each_request_alone(widths):
     requests = staggered()
     done = replay(eng, requests)
     assert [c.status for c in done] == ["done"] * len(requests)
-    decode_widths = {s.width for s in eng.steps if s.kind == "decode"}
+    decode_widths = {s.width for s in eng.scheduler.steps if s.kind == "decode"}
     assert decode_widths <= set(width_ladder(4, widths)) and len(decode_widths) > 1  # padded, mixed widths
-    assert any(s.width > s.live for s in eng.steps if s.kind == "decode")  # some steps carried pad rows
+    assert any(s.width > s.live for s in eng.scheduler.steps if s.kind == "decode")  # some steps carried pad rows
     for req, c in zip(requests, done):
         alone = generate_ids(m, req.prompt_ids, req.max_new_tokens, temperature=0.0)
         assert c.output_ids == alone == naive_greedy(m, req.prompt_ids, req.max_new_tokens), req.id
@@ -96,15 +98,15 @@ def test_prefill_pieces_and_long_prompts_through_the_bucket_graphs():
     prefill_piece = eng.runner.prefill_piece
     eng.runner.prefill_piece = lambda t, s, n: shapes.append((tuple(t.shape), int(n))) or prefill_piece(t, s, n)
     prompt = torch.randint(0, VOCAB, (77,), generator=torch.Generator().manual_seed(1))
-    with eng.leased([7]) as (slot,):
-        chunked = eng.prefill(slot, prompt.tolist())
+    with eng.cache.leased([7]) as (slot,):
+        chunked = eng.runner.prefill(slot, prompt.tolist())
         state = m.allocate_state(1)
         with torch.inference_mode():
             whole = m.prefill(prompt.view(1, -1), state)
         torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(eng.state.recurrent[:, slot], state.recurrent[:, 0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(eng.cache.state.recurrent[:, slot], state.recurrent[:, 0], rtol=1e-4, atol=1e-5)
     assert shapes == [((1, 32), 32), ((1, 32), 32), ((1, 16), 13)]  # only bucket shapes ran
-    assert eng.pool.owners == {}
+    assert eng.cache.pool.owners == {}
     # the scheduler takes the same long prompts, so generation has no prompt-length limit of its own
     alone = generate_ids(m, prompt.tolist(), 5)
     assert alone == naive_greedy(m, prompt.tolist(), 5)
@@ -116,35 +118,35 @@ def test_decode_pads_to_the_ladder_on_the_dummy_slot_and_equals_the_unpadded_row
     seen = []
     decode_step = eng.runner.decode_step
     eng.runner.decode_step = lambda batch: seen.append(batch.ints[1].tolist()) or decode_step(batch)
-    with eng.leased([0, 1, 2]) as slots:
+    with eng.cache.leased([0, 1, 2]) as slots:
         for slot, prompt in zip(slots, ([1, 2, 3], [4, 5], [6])):
-            eng.prefill(slot, prompt)
-        before = eng.state.clone()
-        padded = eng.decode_step(slots, [7, 8, 9])  # 3 rows -> width 4, one pad row
-        assert seen[-1] == slots + [eng.pool.dummy]
+            eng.runner.prefill(slot, prompt)
+        before = eng.cache.state.clone()
+        padded = eng.runner.decode_rows(slots, [7, 8, 9])  # 3 rows -> width 4, one pad row
+        assert seen[-1] == slots + [eng.cache.pool.dummy]
         assert padded.shape == (3, VOCAB)
         with pytest.raises(ValueError, match="cannot decode 3 rows at width 3"):
-            eng.decode_step(slots, [7, 8, 9], width=3)  # not a ladder width
+            eng.runner.decode_rows(slots, [7, 8, 9], width=3)  # not a ladder width
         exact = engine(m, max_slots=4, exact=True)  # the same rows at width 3, no padding
-        exact.state.recurrent.copy_(before.recurrent)
-        exact.state.conv.copy_(before.conv)
-        torch.testing.assert_close(exact.decode_step(slots, [7, 8, 9]), padded, rtol=1e-5, atol=1e-5)
+        exact.cache.state.recurrent.copy_(before.recurrent)
+        exact.cache.state.conv.copy_(before.conv)
+        torch.testing.assert_close(exact.runner.decode_rows(slots, [7, 8, 9]), padded, rtol=1e-5, atol=1e-5)
         rows = torch.tensor(slots)
-        torch.testing.assert_close(exact.state.recurrent[:, rows], eng.state.recurrent[:, rows])
+        torch.testing.assert_close(exact.cache.state.recurrent[:, rows], eng.cache.state.recurrent[:, rows])
 
 
 def test_cancel_and_failed_steps_free_their_slots_and_the_engine_serves_on():
     m = model()
     eng = engine(m, max_slots=2)
     for i in range(3):
-        eng.submit(Request(i, [1, 2, 3], 50))
+        eng.scheduler.submit(Request(i, [1, 2, 3], 50))
     eng.step()  # two admitted and decoding, one waiting
-    assert eng.pool.busy == 2 and len(eng.queue) == 1
-    waiting = eng.cancel(2, "client went away")
-    assert waiting.status == "cancelled" and waiting.output_ids == [] and not eng.queue
-    live = eng.cancel(0)
-    assert live.status == "cancelled" and len(live.output_ids) == 2 and eng.pool.busy == 1
-    assert eng.cancel(0) is None  # gone already
+    assert eng.cache.pool.busy == 2 and len(eng.scheduler.queue) == 1
+    waiting = eng.scheduler.cancel(2, "client went away")
+    assert waiting.status == "cancelled" and waiting.output_ids == [] and not eng.scheduler.queue
+    live = eng.scheduler.cancel(0)
+    assert live.status == "cancelled" and len(live.output_ids) == 2 and eng.cache.pool.busy == 1
+    assert eng.scheduler.cancel(0) is None  # gone already
 
     def broken(*args):
         raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'\nmore")
@@ -152,8 +154,8 @@ def test_cancel_and_failed_steps_free_their_slots_and_the_engine_serves_on():
     eng.runner.decode_step = broken
     with pytest.raises(RuntimeError, match="fail_on_recompile"):
         eng.step()
-    failed = [c for c in eng.take_finished() if c.status == "failed"]
-    assert [c.request_id for c in failed] == [1] and eng.pool.busy == 0 and not eng.live
+    failed = [c for c in eng.scheduler.take_finished() if c.status == "failed"]
+    assert [c.request_id for c in failed] == [1] and eng.cache.pool.busy == 0 and not eng.scheduler.live
     assert failed[0].reason == (
         "decode step at width 1: RuntimeError: Detected recompile when torch.compile stance is 'fail_on_recompile'"
     )
@@ -182,8 +184,8 @@ def test_pad_rows_only_touch_the_dummy_slot_even_as_nan():
             eng.runner.prefill_piece(
                 torch.tensor([prompt + [0] * (16 - len(prompt))]), torch.tensor([slot]), torch.tensor([len(prompt)])
             )
-    poisoned.state.recurrent[:, poisoned.pool.dummy] = float("nan")
-    poisoned.state.conv[:, poisoned.pool.dummy] = float("nan")
+    poisoned.cache.state.recurrent[:, poisoned.cache.pool.dummy] = float("nan")
+    poisoned.cache.state.conv[:, poisoned.cache.pool.dummy] = float("nan")
     slots = torch.tensor([0, 2, 4, 4])  # two real rows, two pad rows on the dummy slot (index 4, never -1)
     with torch.inference_mode():
         a = clean.runner.decode_step(DecodeBatch.greedy(tokens, slots))[1]
@@ -191,8 +193,8 @@ def test_pad_rows_only_touch_the_dummy_slot_even_as_nan():
     assert torch.isfinite(b[:2]).all() and torch.equal(a[:2], b[:2])
     for rows in ([0, 2], [1, 3]):
         idx = torch.tensor(rows)
-        assert torch.equal(clean.state.recurrent[:, idx], poisoned.state.recurrent[:, idx])
-    assert torch.isnan(poisoned.state.recurrent[:, 4]).all()
+        assert torch.equal(clean.cache.state.recurrent[:, idx], poisoned.cache.state.recurrent[:, idx])
+    assert torch.isnan(poisoned.cache.state.recurrent[:, 4]).all()
 
 
 def test_slots_are_reused_rezeroed_and_never_shared():
@@ -204,10 +206,10 @@ def test_slots_are_reused_rezeroed_and_never_shared():
 
     def checked_step():
         original_step()
-        live_slots = [r.slot for r in eng.live]
+        live_slots = [r.slot for r in eng.scheduler.live]
         assert len(live_slots) == len(set(live_slots)), "two live requests share a slot"
-        assert eng.pool.dummy not in live_slots
-        owners_seen.append(eng.pool.owners)
+        assert eng.cache.pool.dummy not in live_slots
+        owners_seen.append(eng.cache.pool.owners)
 
     eng.step = checked_step
     done = replay(eng, requests)
@@ -217,18 +219,18 @@ def test_slots_are_reused_rezeroed_and_never_shared():
         for slot, rid in owners.items():
             slot_users.setdefault(slot, set()).add(rid)
     assert all(len(users) > 1 for users in slot_users.values())  # every slot served several requests
-    assert eng.pool.free == 2 and eng.pool.owners == {}
+    assert eng.cache.pool.free == 2 and eng.cache.pool.owners == {}
     # a reused slot starts from zero: a prefill into a dirty slot leaves exactly the state (and
     # produces exactly the token) of a prefill into a clean one
     dirty, fresh = engine(m), engine(m)
-    dirty.state.recurrent.fill_(3.0)
-    dirty.state.conv.fill_(3.0)
+    dirty.cache.state.recurrent.fill_(3.0)
+    dirty.cache.state.conv.fill_(3.0)
     for eng_ in (dirty, fresh):
-        eng_.submit(Request(0, [1, 2, 3, 4], 1))
+        eng_.scheduler.submit(Request(0, [1, 2, 3, 4], 1))
         eng_.step()
-    assert dirty.finished[0].output_ids == fresh.finished[0].output_ids
-    assert torch.equal(dirty.state.recurrent[:, 0], fresh.state.recurrent[:, 0])
-    assert torch.equal(dirty.state.conv[:, 0], fresh.state.conv[:, 0])
+    assert dirty.scheduler.finished[0].output_ids == fresh.scheduler.finished[0].output_ids
+    assert torch.equal(dirty.cache.state.recurrent[:, 0], fresh.cache.state.recurrent[:, 0])
+    assert torch.equal(dirty.cache.state.conv[:, 0], fresh.cache.state.conv[:, 0])
 
 
 def test_bad_requests_are_rejected_while_others_are_served():
@@ -261,7 +263,7 @@ def test_summarize_counts_compile_stalls_and_padding():
         StepRecord("decode", 9.51, 0.01, 4, 3, False),
         StepRecord("decode", 9.52, 0.02, 2, 1, False),
     ]
-    from laplace.serving.engine import Completion
+    from laplace.serving.scheduler import Completion
 
     done = [Completion(0, "done", output_ids=[1, 2, 3], arrival_s=0.0, token_times=[0.5, 9.5, 9.51], finished_s=9.51)]
     m = summarize(steps, done, ttft_slo=1.0, tpot_slo=0.1)
@@ -294,13 +296,13 @@ def test_arrival_processes():
 def test_compiled_engine_never_compiles_after_warmup_and_exact_compiles_each_width():
     m = model()
     padded = engine(m, max_slots=4, buckets=(32,), compile_scope="block")
-    configure_compiler(padded.graphs_needed() + 4)
-    seconds = padded.warmup()
+    configure_compiler(padded.runner.graphs_needed() + 4)
+    seconds = padded.runner.warmup()
     assert set(seconds["decode"]) == {1, 2, 4} and set(seconds["prefill"]) == {32}
     requests = staggered(n=9)
     with torch.compiler.set_stance("fail_on_recompile"):
         done = replay(padded, requests)
-    assert not any(s.compiled for s in padded.steps)
+    assert not any(s.compiled for s in padded.scheduler.steps)
     eager = model()  # same weights, never compiled
     for req, c in zip(requests, done):  # compiled + padded still equals eager alone
         assert c.output_ids == generate_ids(eager, req.prompt_ids, req.max_new_tokens), req.id
@@ -316,9 +318,9 @@ def test_compiled_engine_never_compiles_after_warmup_and_exact_compiles_each_wid
     torch._dynamo.reset()
     exact = engine(model(), max_slots=4, buckets=(32,), compile_scope="block", exact=True)
     replay(exact, staggered(n=9))
-    decode = [s for s in exact.steps if s.kind == "decode"]
+    decode = [s for s in exact.scheduler.steps if s.kind == "decode"]
     assert sum(s.compiled for s in decode) == len({s.width for s in decode})
-    assert math.isclose(sum(s.compiled for s in exact.steps if s.kind == "prefill"), 1)
+    assert math.isclose(sum(s.compiled for s in exact.scheduler.steps if s.kind == "prefill"), 1)
 
 
 # --------------------------------------------------------------------------- the server's text, the client's figures

@@ -11,9 +11,10 @@ import torch
 
 from laplace.config import EngineSection
 from laplace.model.lm import LaplaceLM
-from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.engine import DecodeEngine
 from laplace.serving.engine_loop import EngineLoop, QueueFull, Ticket
 from laplace.serving.metrics import ServerMetrics
+from laplace.serving.scheduler import Request
 
 from project import tiny_model_config
 

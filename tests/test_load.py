@@ -17,8 +17,9 @@ from laplace.config import config_from_dict
 from laplace.data.shards import open_split
 from laplace.errors import ConfigError
 from laplace.model.export import load_export
-from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.engine import DecodeEngine
 from laplace.serving.replay import replay
+from laplace.serving.scheduler import Request
 from laplace.serving.workload import build_requests
 
 MAX_SLOTS = 4
@@ -87,14 +88,14 @@ def test_sustained_overload_serves_or_sheds_every_request_without_leaks(
     cfg = serve_params()
     serve = cfg.serve_check
     engine = DecodeEngine(model, cfg.engine, "eager")
-    assert engine.max_queue == MAX_QUEUE
+    assert engine.scheduler.max_queue == MAX_QUEUE
 
     # Warmup: 200 requests at once; the queue takes 64 and the rest are shed at once. The engine is
     # never idle, so capacity = requests served per second of (virtual-clock) work.
     warm = replay(engine, build_requests("batch", dataclasses.replace(serve, requests=WARMUP_REQUESTS), text, 1))
     warm_served = sum(c.status == "done" for c in warm)
     assert warm_served == MAX_QUEUE and len(warm) == WARMUP_REQUESTS
-    capacity_rps = warm_served / engine.now
+    capacity_rps = warm_served / engine.scheduler.now
     load = dataclasses.replace(serve, requests=LOAD_REQUESTS, rate=OVERLOAD * capacity_rps)
     requests = build_requests("poisson", load, text, 2)
     del warm
@@ -123,13 +124,13 @@ def test_sustained_overload_serves_or_sheds_every_request_without_leaks(
     # a bounded FIFO queue bounds the wait: fewer than MAX_QUEUE requests are ahead, and each slot
     # takes the next one within a service time plus the other prefills of that step
     longest_service_s = max(c.finished_s - c.admitted_s for c in served)
-    longest_prefill_s = max(s.seconds for s in engine.steps if s.kind == "prefill")
+    longest_prefill_s = max(s.seconds for s in engine.scheduler.steps if s.kind == "prefill")
     longest_wait_s = max(c.admitted_s - c.arrival_s for c in served)
     turnover_s = longest_service_s + (MAX_SLOTS - 1) * longest_prefill_s
     assert longest_wait_s <= (math.ceil((MAX_QUEUE + 1) / MAX_SLOTS) + 1) * turnover_s
     # no slot leaked: the pool is full again and nothing is live or waiting
-    assert engine.pool.free == MAX_SLOTS and engine.pool.owners == {}
-    assert not engine.live and not engine.queue
+    assert engine.cache.pool.free == MAX_SLOTS and engine.cache.pool.owners == {}
+    assert not engine.scheduler.live and not engine.scheduler.queue
 
     figures = {
         "capacity_rps": round(capacity_rps, 1),
@@ -137,7 +138,7 @@ def test_sustained_overload_serves_or_sheds_every_request_without_leaks(
         "requests": LOAD_REQUESTS,
         "served": len(served),
         "rejected": len(rejected),
-        "virtual_s": round(engine.now, 2),
+        "virtual_s": round(engine.scheduler.now, 2),
         "wall_s": round(wall_s, 2),
         "longest_wait_s": round(longest_wait_s, 3),
         "longest_service_s": round(longest_service_s, 3),
@@ -219,7 +220,7 @@ def test_malformed_requests_are_rejected_with_a_reason_while_the_rest_are_served
         assert done[req.id].status == "done", done[req.id].reason
         assert len(done[req.id].output_ids) == req.max_new_tokens
         assert done[req.id].output_ids == alone[req.id].output_ids, req.id
-    assert mixed.pool.free == MAX_SLOTS and mixed.pool.owners == {}
+    assert mixed.cache.pool.free == MAX_SLOTS and mixed.cache.pool.owners == {}
 
 
 def test_max_queue_is_validated():

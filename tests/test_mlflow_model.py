@@ -25,7 +25,8 @@ from laplace.config import EngineSection
 from laplace.pipeline.layout import Paths
 from laplace.pipeline.params import load_config
 from laplace.pipeline.stages import STAGES
-from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.engine import DecodeEngine
+from laplace.serving.scheduler import Request
 
 from project import descendants, free_port, wait_until_answers, write_stage_results
 
@@ -72,7 +73,10 @@ def test_the_pyfunc_predicts_a_batch_through_the_engine_at_the_ladder_widths(reg
     project, uri, export_dir, cfg = registered
     model = mlflow.pyfunc.load_model(uri)
     inner = model.unwrap_python_model()
-    assert inner.engine.ladder == [1, 2] and inner.engine.buckets == [16, 32]  # the run's engine: shapes
+    assert inner.engine.scheduler.ladder == [1, 2] and inner.engine.runner.buckets == [
+        16,
+        32,
+    ]  # the run's engine: shapes
     widths = []
     step = inner.engine.runner.decode_step  # every decode step
     inner.engine.runner.decode_step = lambda batch: widths.append(batch.width) or step(batch)
@@ -83,7 +87,7 @@ def test_the_pyfunc_predicts_a_batch_through_the_engine_at_the_ladder_widths(reg
     for prompt, text in zip(prompts, out):  # each equals the same prompt alone through the engine
         (alone,) = engine.complete([Request(0, tokenizer.encode(prompt).ids, 7, stop_ids=(eos,))])
         assert text == tokenizer.decode(alone.output_ids)
-    assert inner.engine.pool.owners == {} and not inner.engine.steps  # nothing kept between batches
+    assert inner.engine.cache.pool.owners == {} and not inner.engine.scheduler.steps  # nothing kept between batches
     with pytest.raises(mlflow.exceptions.MlflowException, match="prompt '': empty prompt"):
         model.predict({"prompt": [""]})
 

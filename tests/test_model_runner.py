@@ -13,8 +13,9 @@ import torch
 from laplace.config import EngineSection
 from laplace.model.lm import LaplaceLM, sequence_bytes
 from laplace.runtime import configure_compiler
-from laplace.serving.engine import DecodeEngine, Rejected, Request
+from laplace.serving.engine import DecodeEngine
 from laplace.serving.replay import replay
+from laplace.serving.scheduler import Rejected, Request
 
 from project import tiny_model_config
 
@@ -74,26 +75,26 @@ def test_engine_decoding_equals_the_full_forward(prefix_cache_bytes):
     eng.on_logits = lambda rows: logits.append(rows.clone())
     reqs = requests()
     done = replay(eng, reqs)
-    widths = {s.width for s in eng.steps if s.kind == "decode"}
+    widths = {s.width for s in eng.scheduler.steps if s.kind == "decode"}
     assert widths <= {1, 2, 4} and len(widths) >= 2  # the ladder's widths, more than one of them
-    prefill_lengths = {s.width for s in eng.steps if s.kind == "prefill"}
+    prefill_lengths = {s.width for s in eng.scheduler.steps if s.kind == "prefill"}
     assert any(w > 16 for w in prefill_lengths)  # prompts longer than the largest bucket went in pieces
     for req, c in zip(reqs, done):
         assert c.status == "done", c.reason
         want, want_logits = full_forward_greedy(m, req.prompt_ids, req.max_new_tokens)
         assert c.output_ids == want, req.id
     if prefix_cache_bytes:
-        stats = eng.prefix_cache_stats()
+        stats = eng.cache.stats()
         assert stats["hits"] >= 1 and stats["kv_bytes"] > 0, stats
         assert stats["bytes"] <= prefix_cache_bytes
     # logits of every engine step (prefill's first token included) against the full forward, fp32
     first = reqs[0]
     eng2 = engine(hybrid(), prefix_cache_bytes=prefix_cache_bytes)
-    with eng2.leased([0]) as (slot,):
-        got = [eng2.prefill(slot, first.prompt_ids)[0]]
+    with eng2.cache.leased([0]) as (slot,):
+        got = [eng2.runner.prefill(slot, first.prompt_ids)[0]]
         want, want_logits = full_forward_greedy(m, first.prompt_ids, 6)
         for token in want[:-1]:
-            got.append(eng2.decode_step([slot], [token])[0])
+            got.append(eng2.runner.decode_rows([slot], [token])[0])
     assert (torch.stack(got) - want_logits).abs().max() < 1e-4 * want_logits.abs().max()
 
 
@@ -109,11 +110,11 @@ def test_slots_hold_kv_up_to_max_context_by_the_formula_and_longer_requests_are_
     assert eng.cache.bytes_per_slot == per_sequence["total_bytes"]
     assert eng.cache.memory()["slots_kv"] == alloc["kv_bytes"]
     with pytest.raises(Rejected, match="engine.max_context=64"):
-        eng.check(Request(0, [1] * 40, 25))
-    eng.check(Request(0, [1] * 40, 24))  # exactly the context: served
+        eng.scheduler.check(Request(0, [1] * 40, 25))
+    eng.scheduler.check(Request(0, [1] * 40, 24))  # exactly the context: served
     # a GLA model has no context limit
     gla = engine(hybrid(attn=None))
-    gla.check(Request(0, [1] * 40, 1000))
+    gla.scheduler.check(Request(0, [1] * 40, 1000))
     assert gla.cache.allocation()["kv_bytes"] == 0
 
 
@@ -121,8 +122,8 @@ def test_the_prefix_cache_stores_kv_up_to_the_junction_only():
     m = hybrid()
     eng = engine(m, prefix_cache_bytes=1 << 22)
     prompt = list(range(1, 30))
-    with eng.leased([0]) as (slot,):
-        eng.prefill_cached(slot, prompt)
+    with eng.cache.leased([0]) as (slot,):
+        eng.runner.prefill_cached(slot, prompt)
     (entry,) = eng.cache.prefix_cache._entries.values()
     assert entry.state.keys.shape[2] == len(prompt)  # positions written, not max_context
     logits = 0 if entry.logits is None else entry.logits.numel() * entry.logits.element_size()
@@ -137,15 +138,15 @@ def test_a_compiled_hybrid_engine_never_compiles_while_serving():
     (`make compare`'s hybrid arm hit it at the default 4 widths and 2 buckets)."""
     m = hybrid()
     eng = engine(m, buckets=(16, 32), compile_scope="block")
-    assert eng.graphs_needed() == 2 * (3 + 2)
+    assert eng.runner.graphs_needed() == 2 * (3 + 2)
     with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=64):
-        configure_compiler(eng.graphs_needed())
-        seconds = eng.warmup()
+        configure_compiler(eng.runner.graphs_needed())
+        seconds = eng.runner.warmup()
     assert set(seconds["decode"]) == {1, 2, 4} and set(seconds["prefill"]) == {16, 32}
     reqs = requests(seed=1, n=6)
     with torch.compiler.set_stance("fail_on_recompile"):
         done = replay(eng, reqs)
-    assert not any(s.compiled for s in eng.steps)
+    assert not any(s.compiled for s in eng.scheduler.steps)
     eager = hybrid()
     for req, c in zip(reqs, done):
         assert c.output_ids == full_forward_greedy(eager, req.prompt_ids, req.max_new_tokens)[0], req.id

@@ -1,4 +1,4 @@
-"""The state prefix cache (laplace/serving/prefix_cache.py, used by DecodeEngine.prefill_cached):
+"""The state prefix cache (laplace/serving/prefix_cache.py, used by ModelRunner.prefill_cached):
 greedy and seeded outputs with the cache equal those without it token for token, hits / misses /
 bytes / evictions are counted exactly, a shared system prompt is cached where prompts diverge."""
 
@@ -11,9 +11,11 @@ import torch
 from laplace.config import EngineSection, ServeCheckSection
 from laplace.model.config import preset_model_config
 from laplace.model.lm import LaplaceLM, State
-from laplace.serving.engine import DecodeEngine, Request, prefill_pieces
+from laplace.serving.engine import DecodeEngine
 from laplace.serving.prefix_cache import PrefixCache, common_prefix
 from laplace.serving.replay import prefix_cache_comparison, replay
+from laplace.serving.scheduler import Request
+from laplace.serving.shapes import prefill_pieces
 from laplace.serving.workload import SHARED_PREFIX, build_requests
 
 VOCAB = 97
@@ -62,8 +64,8 @@ def test_outputs_with_the_cache_equal_those_without_and_hits_are_counted(tempera
     assert [c.output_ids for c in cached] == [c.output_ids for c in plain]  # token for token
     assert all(c.status == "done" for c in cached)
 
-    stats = cached_engine.prefix_cache_stats()
-    row = cached_engine.state.bytes_per_sequence
+    stats = cached_engine.cache.stats()
+    row = cached_engine.cache.state.bytes_per_sequence
     n = len(requests)
     # request 0 misses (empty cache); request 1 misses but shares the 37-token system prompt with
     # request 0, so its prefill is split there and the system prompt's state stored; 2.. hit it
@@ -72,8 +74,8 @@ def test_outputs_with_the_cache_equal_those_without_and_hits_are_counted(tempera
     assert stats["entries"] == n + 1 and stats["bytes"] == (n + 1) * (row + 4 * VOCAB)  # state + fp32 logits
     assert stats["query_tokens"] == sum(len(r.prompt_ids) for r in requests)
     # a hit prefills only the user text: fewer padded tokens than the whole prompt
-    prefill = [s.width for s in cached_engine.steps if s.kind == "prefill"]
-    assert prefill[2] < cached_engine.padded_tokens(len(requests[2].prompt_ids))
+    prefill = [s.width for s in cached_engine.scheduler.steps if s.kind == "prefill"]
+    assert prefill[2] < cached_engine.runner.padded_tokens(len(requests[2].prompt_ids))
 
 
 def test_first_token_logits_equal_a_whole_prefill_within_rounding():
@@ -83,12 +85,12 @@ def test_first_token_logits_equal_a_whole_prefill_within_rounding():
     requests = shared_system_prompt(n=4)
     eng = engine(m, 1 << 20)
     for r in requests:
-        with eng.leased([r.id]) as (slot,):
-            cached, _ = eng.prefill_cached(slot, r.prompt_ids)
-        with eng.leased([r.id]) as (slot,):
-            whole = eng.prefill(slot, r.prompt_ids)
+        with eng.cache.leased([r.id]) as (slot,):
+            cached, _ = eng.runner.prefill_cached(slot, r.prompt_ids)
+        with eng.cache.leased([r.id]) as (slot,):
+            whole = eng.runner.prefill(slot, r.prompt_ids)
         torch.testing.assert_close(cached, whole, rtol=1e-5, atol=1e-5)
-    assert eng.prefix_cache_stats()["hits"] == 2
+    assert eng.cache.stats()["hits"] == 2
 
 
 def test_a_conversation_continues_from_its_whole_previous_prompt():
@@ -99,7 +101,7 @@ def test_a_conversation_continues_from_its_whole_previous_prompt():
     (done1,) = eng.complete([Request(0, turn1, 5)])
     turn2 = turn1 + done1.output_ids + rng.integers(0, VOCAB, 6).tolist()
     (done2,) = eng.complete([Request(1, turn2, 5)])
-    stats = eng.prefix_cache_stats()
+    stats = eng.cache.stats()
     assert (stats["hits"], stats["misses"], stats["hit_tokens"]) == (1, 1, 20)
     (alone,) = engine(m, 0).complete([Request(1, turn2, 5)])
     assert done2.output_ids == alone.output_ids
@@ -166,7 +168,9 @@ def test_an_exact_repeat_is_never_slower_than_no_cache_in_prefill_tokens():
     outs = {}
     for name, eng in (("off", off), ("on", on)):
         outs[name] = [eng.complete([Request(i, prompt, 4)])[0].output_ids for i in range(2)]
-    prefill = {name: [s.width for s in e.steps if s.kind == "prefill"] for name, e in (("off", off), ("on", on))}
+    prefill = {
+        name: [s.width for s in e.scheduler.steps if s.kind == "prefill"] for name, e in (("off", off), ("on", on))
+    }
     assert prefill["off"] == [64, 64] and prefill["on"] == [64, 0]
     assert outs["on"] == outs["off"]
     # a long shared prefix: the remainder runs at the smallest bucket that holds it
@@ -174,13 +178,13 @@ def test_an_exact_repeat_is_never_slower_than_no_cache_in_prefill_tokens():
     first, second = long_prefix + [1, 2, 3], long_prefix + [4, 5, 6, 7, 8]
     on.complete([Request(10, first, 2)])
     on.complete([Request(11, second, 2)])  # shares 150 with the first: split there (5 left: bucket 16)
-    on.steps.clear()
+    on.scheduler.steps.clear()
     third = long_prefix + [9] * 10
     (done,) = on.complete([Request(12, third, 3)])
-    assert [s.width for s in on.steps if s.kind == "prefill"] == [16]  # 10 tokens after the cached 150
+    assert [s.width for s in on.scheduler.steps if s.kind == "prefill"] == [16]  # 10 tokens after the cached 150
     (alone,) = engine(m, 0, buckets=(16, 64)).complete([Request(12, third, 3)])
     assert done.output_ids == alone.output_ids
-    stats = on.prefix_cache_stats()
+    stats = on.cache.stats()
     assert stats["hit_tokens"] == 57 + 150 and stats["query_tokens"] == 2 * 57 + 153 + 155 + 160
     # vLLM's prefix-cache counters (in tokens, as vLLM counts them) are exported from these
     from prometheus_client.parser import text_string_to_metric_families
@@ -213,4 +217,4 @@ def test_the_shared_prefix_workload_and_the_replay_side_by_side():
     assert out["identical_outputs_share"] == 1.0
     assert out["off"]["prefix_cache"]["hits"] == 0 and out["on"]["prefix_cache"]["hits"] >= len(reqs) - 2
     assert out["on"]["prefill_tokens_computed"] < out["off"]["prefill_tokens_computed"]
-    assert eng.prefix_cache.budget_bytes == 1 << 20 and len(eng.prefix_cache) == 0  # restored, cleared
+    assert eng.cache.prefix_cache.budget_bytes == 1 << 20 and len(eng.cache.prefix_cache) == 0  # restored, cleared

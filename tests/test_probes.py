@@ -43,10 +43,6 @@ from laplace.training.loop import train
 
 from project import TWO_LAYER_RUN, tiny_model_config
 
-# The values proposed for params.yaml's probes section (train_mqar reaches ~0.97-1.0 on 4 pairs);
-# once they are the defaults, ProbesSection() alone will do.
-RECOMMENDED = dict(mqar_train_steps=600, mqar_train_vocab=64, mqar_contexts=[64, 256, 1024], mqar_pairs=[4, 8, 16])
-
 
 def small_model(vocab=32, seed=0, **over):
     torch.manual_seed(seed)
@@ -63,9 +59,9 @@ def engine(model, *, max_slots=4, buckets=(16, 32), compile_scope=None):
 
 
 def poison_dummy(eng):
-    for tensor in eng.state.tensors().values():  # recurrent, conv and a hybrid's K/V
+    for tensor in eng.cache.state.tensors().values():  # recurrent, conv and a hybrid's K/V
         if tensor.is_floating_point():
-            tensor[:, eng.pool.dummy] = float("nan")
+            tensor[:, eng.cache.pool.dummy] = float("nan")
 
 
 # --------------------------------------------------------------------------- generator
@@ -160,7 +156,7 @@ def test_serving_path_matches_the_eager_path_with_nan_pad_rows(attn):
     def spy(batch):  # record the widths and pad rows the probe asks for
         slots = batch.ints[1]
         widths.append(len(slots))
-        pads.append(int((slots == eng.pool.dummy).sum()))
+        pads.append(int((slots == eng.cache.pool.dummy).sum()))
         return decode(batch)
 
     eng.runner.decode_step = spy
@@ -168,8 +164,8 @@ def test_serving_path_matches_the_eager_path_with_nan_pad_rows(attn):
     served = mqar_predictions_serving(eng, tokens, mask)
     eager = mqar_predictions_eager(m, tokens)
     assert set(widths) <= {1, 2, 4} and sum(pads) > 0  # padded ladder widths, pad rows used
-    assert eng.pool.free == 4 and not eng.pool.owners  # every slot released
-    for tensor in eng.state.tensors().values():  # NaN never left the dummy slot
+    assert eng.cache.pool.free == 4 and not eng.cache.pool.owners  # every slot released
+    for tensor in eng.cache.state.tensors().values():  # NaN never left the dummy slot
         assert torch.isfinite(tensor[:, :4].float()).all()
     assert argmax_agreement(served, eager) >= 0.99
     assert score(served, targets, mask) == score(eager, targets, mask)
@@ -189,14 +185,14 @@ def test_serving_path_matches_the_eager_path_with_nan_pad_rows(attn):
 def test_compiled_padded_serving_path_matches_eager():
     m = small_model(vocab=16)
     eng = engine(m, max_slots=4, buckets=(32,), compile_scope="block")
-    configure_compiler(eng.graphs_needed() + 8)
-    eng.warmup()
+    configure_compiler(eng.runner.graphs_needed() + 8)
+    eng.runner.warmup()
     poison_dummy(eng)
     tokens, targets, mask = mqar_batch(12, 32, 3, 16, rng=2)
     with torch.compiler.set_stance("fail_on_recompile"):
         served = mqar_predictions_serving(eng, tokens, mask)
     eager = mqar_predictions_eager(m, tokens)  # force_eager inside: no new graphs
-    assert torch.isfinite(eng.state.recurrent[:, :4]).all()
+    assert torch.isfinite(eng.cache.state.recurrent[:, :4]).all()
     assert argmax_agreement(served, eager) >= 0.99
     assert score(served, targets, mask) == score(eager, targets, mask)
 
@@ -213,7 +209,7 @@ def test_chunked_prefill_equals_one_prefill_of_the_whole_prompt():
         state = m.allocate_state(1)
         whole = m.prefill(prompt, state)
     torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(eng.state.recurrent[:, 1], state.recurrent[:, 0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(eng.cache.state.recurrent[:, 1], state.recurrent[:, 0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="empty"):
         prefill_long(eng, [], slot=0)
 
@@ -259,7 +255,7 @@ def test_passkey_probe_reports_every_context_and_depth():
     assert out["accuracy_grid"].keys() == {110, 140} and out["accuracy_grid"][110].keys() == {0.25, 0.75}
     assert len(out["table"]) == 8 and all(r["prompt_tokens"] in (110, 140) for r in out["table"])
     assert all(0.0 <= a <= 1.0 for a in out["accuracy"].values())
-    assert not eng.pool.owners
+    assert not eng.cache.pool.owners
 
 
 # --------------------------------------------------------------------------- memory
@@ -313,7 +309,7 @@ def test_decode_rss_has_one_entry_per_context_and_plots_are_written(tmp_path):
     assert list(report["decode_rss_bytes"]) == [64, 300, 1000]
     assert all(v > 0 for v in report["decode_rss_bytes"].values())
     assert report["decode_rss_flat_ratio"] >= 1.0
-    assert not eng.pool.owners
+    assert not eng.cache.pool.owners
     memory_plot(report, tmp_path / "memory.png")
     accuracy_plot(
         {
@@ -364,25 +360,30 @@ def test_a_short_mqar_training_run_returns_the_grid():
 
 
 @pytest.mark.slow
-def test_default_mqar_training_recalls_few_pairs_and_degrades_with_more():
-    probes = ProbesSection(**RECOMMENDED)
-    result = train_mqar(probes, seed=0, progress=False)
-    acc = result["accuracy"]
-    easiest = acc[min(acc)][min(probes.mqar_pairs)]
-    hardest_same_context = acc[min(acc)][max(acc[min(acc)])]
-    hardest = acc[max(acc)][max(acc[max(acc)])]
-    assert easiest >= 0.9, acc  # seeds 0-3 gave 0.96-1.0
-    assert hardest_same_context < easiest - 0.1, acc
-    assert hardest < easiest - 0.1, acc
-    # what was learned, not how fast: the loss left the plateau at ln(32 values) = 3.47
-    assert result["final_loss"] < 0.5 * math.log(32), result["final_loss"]
-    # the recall suite's MQAR, through a serving engine at the ladder widths, sees it recall
-    from laplace.config import Config
-    from laplace.evals.probes import _trained_recall
+def test_the_default_recipe_check_runs_and_fails_a_recipe_that_did_not_learn():
+    """bench/mqar_probe.py checks that params.yaml's MQAR recipe learns (about 4 minutes, so out of
+    the suite; bench/RESULTS.md has its run). Here: the same script at 5 steps, far before the jump,
+    which must say so and exit 1 with the failed checks named."""
+    import json
+    import subprocess
+    import sys
 
-    recall = _trained_recall(result["trained_model"], Config(), probes, progress=False)
-    assert recall["recall_trained_mqar_verdict"][min(probes.mqar_contexts)] == "recall above chance: mqar", recall
-    assert recall["recall_trained_mqar_summary"].startswith("recall above chance at")
+    from project import ROOT, env
+
+    out = subprocess.run(
+        [sys.executable, "bench/mqar_probe.py", "--steps", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env(OMP_NUM_THREADS="1"),
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 5 and not result["learned"]
+    assert any(line.startswith("easiest cell (64 tokens, 4 pairs) at ") for line in result["failures"]), result
+    assert any(line.startswith("final loss ") for line in result["failures"]), result
+    assert set(result["accuracy"]) == {"64", "256", "1024"}
 
 
 def tiny_probe_config(**sections) -> dict:

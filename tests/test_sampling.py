@@ -152,7 +152,8 @@ def test_the_engine_applies_the_fields_per_slot_as_the_reference_does_batched_an
 
     from laplace.config import EngineSection
     from laplace.model.lm import LaplaceLM
-    from laplace.serving.engine import DecodeEngine, Request
+    from laplace.serving.engine import DecodeEngine
+    from laplace.serving.scheduler import Request
 
     from project import tiny_model_config
 

@@ -36,9 +36,10 @@ from laplace.model.export import load_export
 from laplace.pipeline.params import load_config
 from laplace.pipeline.serve import ServerProcess, free_port
 from laplace.pipeline.stage_serve_check import add_live, live_phase, scrape
-from laplace.serving.engine import ONE_SLOT, DecodeEngine, Request
+from laplace.serving.engine import ONE_SLOT, DecodeEngine
 from laplace.serving.loadgen import run_load, summarize_load
 from laplace.serving.replay import replay, summarize
+from laplace.serving.scheduler import Request
 from laplace.serving.workload import build_requests
 
 from project import ROOT, wait_until_answers
@@ -878,7 +879,7 @@ def test_serve_check_live_phase_serves_the_replayed_workload(tiny_artifacts):
     requests = build_requests("poisson", cfg.serve_check, open_split(data_dir, "val"), cfg.serve_check.seed)
     engine = DecodeEngine(model, cfg.engine, "eager")
     replayed = replay(engine, requests)  # what serve-check's eager replay computes
-    figures = summarize(engine.steps, replayed, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s)
+    figures = summarize(engine.scheduler.steps, replayed, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s)
     metrics = {"eager": figures, "gates": {"replayed": True}, "_outputs": {"eager": [c.output_ids for c in replayed]}}
 
     with pytest.MonkeyPatch.context() as mp:

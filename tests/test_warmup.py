@@ -20,7 +20,8 @@ from laplace.pipeline.params import load_config
 from laplace.pipeline.serve import ServerProcess
 from laplace.pipeline.stage_serve_check import scrape
 from laplace.pipeline.stage_warmup import warm_up
-from laplace.serving.engine import DecodeEngine, Request
+from laplace.serving.engine import DecodeEngine
+from laplace.serving.scheduler import Request
 from laplace.serving.warmup import SETTINGS_FILE, settings_mismatch
 
 from project import ROOT, write_model_export
@@ -100,7 +101,7 @@ def test_a_server_started_after_warmup_compiles_nothing(tiny_artifacts, tmp_path
 
     # greedy through the compiled engine and its prefix cache = the eager engine without a cache
     eager = DecodeEngine(model, cfg.engine, "eager")
-    eager.prefix_cache.budget_bytes = 0
+    eager.cache.prefix_cache.budget_bytes = 0
     done = eager.complete([Request(i, p, 6) for i, p in enumerate(prompts)])
     assert outputs == [tokenizer.decode(c.output_ids) for c in done]
 

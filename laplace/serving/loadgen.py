@@ -21,8 +21,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from laplace.serving.engine import Request
 from laplace.serving.replay import percentile
+from laplace.serving.scheduler import Request
 
 
 @dataclass

@@ -22,22 +22,27 @@ import statistics
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from laplace.config import Config
-from laplace.serving.engine import Completion, DecodeEngine, Request, StepRecord
+from laplace.serving.scheduler import Completion, Request, StepRecord
+
+if TYPE_CHECKING:  # torch: not imported by the load generator, which uses `percentile`
+    from laplace.serving.engine import DecodeEngine
 
 
 def replay(engine: DecodeEngine, requests: list[Request]) -> list[Completion]:
-    """Serve requests arriving at their arrival_s on the engine's virtual clock."""
+    """Serve requests arriving at their arrival_s on the scheduler's virtual clock."""
+    s = engine.scheduler
     pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
-    while pending or engine.has_work():
-        while pending and pending[0].arrival_s <= engine.now:
-            engine.submit(pending.popleft())
-        if not engine.has_work():
-            engine.now = max(engine.now, pending[0].arrival_s)  # idle until the next arrival
+    while pending or s.has_work():
+        while pending and pending[0].arrival_s <= s.now:
+            s.submit(pending.popleft())
+        if not s.has_work():
+            s.now = max(s.now, pending[0].arrival_s)  # idle until the next arrival
             continue
         engine.step()
-    return sorted(engine.finished, key=lambda c: c.request_id)
+    return sorted(s.finished, key=lambda c: c.request_id)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -126,22 +131,24 @@ def prefix_cache_comparison(engine: DecodeEngine, requests: list[Request], ttft_
     during the comparison weighs on both sides alike, where one pass after the other let it decide
     the verdict). Each side's figures are the mean of its two passes; the cache's counters are
     those of one pass; whether the outputs are identical across all four."""
-    budget = engine.prefix_cache.budget_bytes
+    prefix_cache = engine.cache.prefix_cache
+    budget = prefix_cache.budget_bytes
     out: dict = {"budget_bytes": budget, "order": ["off", "on", "on", "off"] if budget else ["off"]}
     passes: dict[str, list[dict]] = {"off": [], "on": []}
     outputs: dict[str, list] = {"off": [], "on": []}
     try:
         for name in out["order"]:
-            engine.prefix_cache.budget_bytes = budget if name == "on" else 0
+            prefix_cache.budget_bytes = budget if name == "on" else 0
             engine.reset()
             done = replay(engine, requests)
-            figures = summarize(engine.steps, done, ttft_slo, tpot_slo)
-            figures["prefill_tokens_computed"] = sum(s.width for s in engine.steps if s.kind == "prefill")
-            figures["prefix_cache"] = engine.prefix_cache_stats()
+            steps = engine.scheduler.steps
+            figures = summarize(steps, done, ttft_slo, tpot_slo)
+            figures["prefill_tokens_computed"] = sum(s.width for s in steps if s.kind == "prefill")
+            figures["prefix_cache"] = engine.cache.stats()
             passes[name].append(figures)
             outputs[name].append([c.output_ids for c in done])
     finally:
-        engine.prefix_cache.budget_bytes = budget
+        prefix_cache.budget_bytes = budget
         engine.reset()
     for name, runs in passes.items():
         if runs:
@@ -173,37 +180,27 @@ def _mean_figures(runs: list[dict]) -> dict:
 # --------------------------------------------------------------------------- one policy
 
 
-def decode_cost(engine, contexts: list[int], steps: int, text) -> dict:
+def decode_cost(engine: DecodeEngine, contexts: list[int], steps: int, text) -> dict:
     """Per-token decode time at the engine's width for one row after a prompt of each context length.
 
     Each context is prefilled (in bucket pieces: only warmed graphs) into its own slot; the timed
-    decode steps then alternate between the slots, so both contexts are measured under the same
-    machine conditions."""
+    decode steps then alternate between the slots (generation.decode_step_times), so both contexts
+    are measured under the same machine conditions."""
     import numpy as np
     import psutil
 
+    from laplace.serving.generation import decode_step_times
+
     engine.reset()
     # a model with attention layers is timed at the contexts its slots hold (engine.max_context)
-    limit, asked = getattr(engine, "max_context", None), list(contexts)
+    limit, asked = engine.cache.max_context, list(contexts)
     contexts = [c for c in asked if limit is None or c + steps + 8 <= limit]
-    tokens = {}
-    times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
-    with engine.leased(-ctx for ctx in contexts) as leased:
-        slots = dict(zip(contexts, leased))
-        for ctx in contexts:
-            prompt = np.resize(np.asarray(text, dtype=np.int64), ctx)
-            tokens[ctx] = engine.prefill(slots[ctx], prompt).argmax(-1)
-        for i in range(steps + 4):
-            # the order flips every round: on a loaded machine the second of two back-to-back
-            # steps is the one more often preempted, which must not bias either context
-            for ctx in contexts if i % 2 == 0 else contexts[::-1]:
-                start = time.perf_counter()
-                tokens[ctx] = engine.decode_step([slots[ctx]], tokens[ctx]).argmax(-1)
-                if i >= 4:  # the first rounds warm caches
-                    times[ctx].append(time.perf_counter() - start)
+    with engine.cache.leased(-ctx for ctx in contexts) as slots:
+        prompts = {ctx: np.resize(np.asarray(text, dtype=np.int64), ctx) for ctx in contexts}
+        times = decode_step_times({c: (engine.runner, slot, prompts[c]) for c, slot in zip(contexts, slots)}, steps)
     out = {
         "decode_s_per_token": {str(c): statistics.median(t) for c, t in times.items()},
-        "state_bytes_per_sequence": {str(c): engine.state.bytes_per_sequence for c in contexts},
+        "state_bytes_per_sequence": {str(c): engine.cache.state.bytes_per_sequence for c in contexts},
         "rss_bytes": psutil.Process().memory_info().rss,
     }
     out["contexts_over_max_context"] = sorted(set(asked) - set(contexts))
@@ -222,6 +219,7 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
 
     from laplace.data.shards import open_split
     from laplace.runtime import compile_backend, resolve_device
+    from laplace.serving.engine import DecodeEngine
     from laplace.serving.warmup import apply_compile_settings
     from laplace.serving.workload import SHARED_PREFIX, build_requests
 
@@ -236,10 +234,10 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
     stance = contextlib.nullcontext()
     if policy == "padded":
         start = time.perf_counter()
-        warm = engine.warmup(log=lambda line: print(line, flush=True))
+        warm = engine.runner.warmup(log=lambda line: print(line, flush=True))
         result["warm_start"] = {k: {str(w): s for w, s in v.items()} for k, v in warm.items()}
         result["warm_start_s"] = time.perf_counter() - start
-        result["warm_start_report"] = dict(engine.warmup_report)
+        result["warm_start_report"] = dict(engine.runner.warmup_report)
         stance = torch.compiler.set_stance("fail_on_recompile")  # any compile from here on is an error
     kinds = cfg.serve_check.exact_workloads if policy == "exact" else cfg.serve_check.workloads
     for kind in kinds:
@@ -247,13 +245,12 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
         requests = build_requests(kind, cfg.serve_check, text, cfg.serve_check.seed)
         with stance:
             done = replay(engine, requests)
-        leaked = engine.pool.owners
+        leaked = engine.cache.pool.owners
         if leaked:
             raise RuntimeError(f"slots still owned after {kind}: {leaked}")
-        result["workloads"][kind] = summarize(
-            engine.steps, done, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s
-        )
-        result["traces"][kind] = trace(engine.steps, done)
+        steps = engine.scheduler.steps
+        result["workloads"][kind] = summarize(steps, done, cfg.serve_check.slo_ttft_s, cfg.serve_check.slo_tpot_s)
+        result["traces"][kind] = trace(steps, done)
         result["workloads"][kind]["outputs_digest"] = hash(tuple(tuple(c.output_ids) for c in done)) & 0xFFFFFFFF
         result["outputs"][kind] = [c.output_ids for c in done]  # by request id
         print(

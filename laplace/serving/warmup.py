@@ -87,7 +87,7 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
     backend = compile_backend(device)
     engine = DecodeEngine(model, cfg.engine, "padded", backend=backend)
     # one line per graph as it compiles; the ahead-of-time packages a warm start loads are built here
-    seconds = engine.warmup(log=lambda line: print(line, flush=True), build_packages=True)
+    seconds = engine.runner.warmup(log=lambda line: print(line, flush=True), build_packages=True)
     cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if cache_dir:
         record_compile_settings(Path(cache_dir), settings)
@@ -104,6 +104,6 @@ def compile_serving_graphs(cfg: Config, vocab_size: int) -> dict:
         "process_s": time.perf_counter() - started,
         "cache_dir": cache_dir,
         "settings": settings,
-        "loaded_from_cache": engine.warmup_report["loaded_from_cache"],
-        "compiled": engine.warmup_report["compiled"],
+        "loaded_from_cache": engine.runner.warmup_report["loaded_from_cache"],
+        "compiled": engine.runner.warmup_report["compiled"],
     }

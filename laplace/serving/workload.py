@@ -17,7 +17,7 @@ import numpy as np
 
 from laplace.config import ServeCheckSection
 from laplace.errors import ConfigError
-from laplace.serving.engine import Request
+from laplace.serving.scheduler import Request
 
 ARRIVALS = ("batch", "poisson", "bursty")
 SHARED_PREFIX = "shared_prefix"

@@ -54,7 +54,7 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None):
         from mlflow.exceptions import MlflowException
 
-        from laplace.serving.engine import Rejected, Request
+        from laplace.serving.scheduler import Rejected, Request
 
         prompts = _prompts(model_input)
         params = params or {}
@@ -78,7 +78,7 @@ class LaplaceGenerator(mlflow.pyfunc.PythonModel):
         with self.lock:
             for r in requests:
                 try:
-                    self.engine.check(r)
+                    self.engine.scheduler.check(r)
                 except Rejected as exc:
                     where = f"prompt {r.id}" if len(requests) > 1 else "prompt"
                     raise MlflowException.invalid_parameter_value(f"{where} {prompts[r.id]!r}: {exc}") from None
