@@ -13,6 +13,7 @@ there by tests/test_mqar_protocol.py, on the protocol's models). Results: bench/
 
     .venv/bin/python bench/mqar_probe.py              # the defaults; exit 1 if they do not learn
     .venv/bin/python bench/mqar_probe.py --seed 1
+    .venv/bin/python bench/mqar_probe.py --steps 5 --contexts 64 256 --samples 4   # cut: runs in seconds, fails
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: params.yaml's)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None, help="scored lengths (default: params.yaml's)")
+    parser.add_argument("--samples", type=int, default=None, help="sequences per cell (default: params.yaml's)")
     args = parser.parse_args(argv)
 
     import dataclasses
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     from laplace.evals.probes import _trained_recall
 
     cfg = Config()
-    probes = cfg.probes if args.steps is None else dataclasses.replace(cfg.probes, mqar_train_steps=args.steps)
+    cut = {"mqar_train_steps": args.steps, "mqar_contexts": args.contexts, "mqar_samples": args.samples}
+    probes = dataclasses.replace(cfg.probes, **{k: v for k, v in cut.items() if v is not None})
     started = time.perf_counter()
     result = train_mqar(probes, seed=args.seed, progress=False)
     recall = _trained_recall(result["trained_model"], cfg, probes, progress=False)
