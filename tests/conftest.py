@@ -1,4 +1,6 @@
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,14 +126,29 @@ def tiny_pipeline(tmp_path_factory):
 
     repo = copy_project(tmp_path_factory.mktemp("tiny-pipeline"), TINY_PARAMS)
     out = run([str(BIN / "laplace"), "run"], repo, timeout=PIPELINE_RUN_S)
+    # the finished run as it stood, before any test changes it: the DVC side only (the MLflow store
+    # names this repo's absolute path), for tests that start from a finished pipeline (tiny_pipeline_copy)
+    shutil.copytree(repo, repo.parent / PRISTINE, symlinks=True, ignore=shutil.ignore_patterns(*MLFLOW_STORE))
     return repo, out.stdout + out.stderr
+
+
+PRISTINE = "tiny-pipeline-pristine"
+MLFLOW_STORE = ("mlflow.db", "mlartifacts", "mlruns", ".prefect")
+
+
+@pytest.fixture
+def tiny_pipeline_copy(tiny_pipeline, tmp_path):
+    """A copy of the session's finished tiny pipeline (git, DVC cache, outputs, dvc.lock; no MLflow
+    store): a test that reruns some stages of it pays for those stages, not for a whole run."""
+    repo = tiny_pipeline[0]
+    return Path(shutil.copytree(repo.parent / PRISTINE, tmp_path / "laplace", symlinks=True))
 
 
 # --------------------------------------------------------------------------- xdist work units, order
 
 SHARED_RUN_GROUP = "tiny_pipeline"
 # The modules whose tests use the tiny_pipeline fixture: they share one worker, so one pipeline run.
-TINY_PIPELINE_MODULES = {"tests/test_pipeline_dvc.py"}
+TINY_PIPELINE_MODULES = {"tests/test_pipeline_dvc.py", "tests/test_pipeline_prefect.py"}
 
 
 def group_of(nodeid: str) -> str:

@@ -24,6 +24,7 @@ from project import (
     env,
     free_port,
     run,
+    set_params,
 )
 
 pytestmark = pytest.mark.slow
@@ -57,14 +58,21 @@ def mlflow_runs(repo):
     return c.search_runs([c.get_experiment_by_name("laplace").experiment_id])
 
 
-@pytest.mark.timeout(PIPELINE_TIMEOUT_S)  # a whole pipeline run, two stages of it twice
-def test_deployment_runs_through_server_and_worker(tmp_path):
-    """`prefect deployment run` through a real server and process worker, with overrides as flow
-    parameters. Two transient faults: the warmup stage's compile worker (a `python -m
-    laplace.pipeline.stage_warmup` below `laplace warmup`) and the train stage's process are each
-    killed -9 once; a killed worker is a crash, not bad input, so Prefect retries both stages and
-    the pipeline completes."""
-    repo = copy_project(tmp_path / "laplace", {**TINY_PARAMS, "pipeline.retries": 1, "pipeline.retry_delay_s": 0})
+# An override of a late stage's knob: the flow runs every stage's task, DVC reruns probes and track only
+OVERRIDE = ("probes.passkey_samples", TINY_PARAMS["probes.passkey_samples"] + 1)
+
+
+@pytest.mark.timeout(PIPELINE_TIMEOUT_S)
+def test_deployment_runs_through_server_and_worker(tiny_pipeline_copy, tmp_path):
+    """`prefect deployment run` through a real server and process worker, with an override as a
+    flow parameter, on a copy of the session's finished tiny pipeline (every stage's task runs;
+    DVC reruns the stages the override reaches). Two transient faults, at the two levels a stage
+    runs: the probes stage's `laplace probes` process and, in the retry, its worker (a `python -m
+    laplace.pipeline.stage_probes` below it) are each killed -9 once; a killed process is a crash,
+    not bad input, so Prefect retries the stage and the pipeline completes."""
+    repo = tiny_pipeline_copy
+    set_params(repo / "params.yaml", {"pipeline.retries": 2, "pipeline.retry_delay_s": 0})
+    key, value = OVERRIDE
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     e = env(
@@ -96,9 +104,10 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
             start_new_session=True,
         )
         watchers = [
-            threading.Thread(target=kill_once, args=(worker.pid, is_laplace_command("train"), done, killed)),
+            threading.Thread(target=kill_once, args=(worker.pid, is_laplace_command("probes"), done, killed)),
+            # the worker of the retried stage: the first attempt's command dies before it starts one
             threading.Thread(
-                target=kill_once, args=(worker.pid, is_module("laplace.pipeline.stage_warmup"), done, killed_worker)
+                target=kill_once, args=(worker.pid, is_module("laplace.pipeline.stage_probes"), done, killed_worker)
             ),
         ]
         for watcher in watchers:
@@ -113,7 +122,7 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
                 "--watch-timeout",
                 str(PIPELINE_RUN_S - 100),
                 "--params",
-                json.dumps({"overrides": {"train.lr": 0.002, "data.executor": "dask"}}),
+                json.dumps({"overrides": {key: value}}),
             ],
             repo,
             env=e,
@@ -127,19 +136,20 @@ def test_deployment_runs_through_server_and_worker(tmp_path):
         if worker is not None:
             stop(worker)
         stop(server)
-    assert killed, "the train stage was never seen running"  # it died once, so Prefect's retry finished it
-    assert killed_worker, "the warmup worker was never seen running"  # a crash, retried (exit 2 would not be)
+    assert killed, "the probes stage was never seen running"  # it died once, so Prefect's retry ran it
+    assert killed_worker, "the probes worker was never seen running"  # a crash, retried (exit 2 would not be)
     runs = mlflow_runs(repo)
     assert len(runs) == 1 and runs[0].data.tags["launcher"] == "prefect"
     assert runs[0].data.tags.get("prefect_flow_run_id")
-    assert runs[0].data.params["train.lr"] == "0.002"
+    assert runs[0].data.params[key] == str(value)
     assert "Data and pipelines are up to date" in run(["python", "-m", "dvc", "status"], repo).stdout
-    assert json.loads((repo / "metrics" / "train.json").read_text())["steps"] == TINY_PARAMS["train.steps"]
-    assert json.loads((repo / "metrics" / "tokenize.json").read_text())["executor"] == "dask"  # the knob reached it
     import yaml
 
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert lock["stages"]["train"]["params"]["params.yaml"]["train"]["lr"] == 0.002
+    section, name = key.split(".")
+    probes_params = lock["stages"]["probes"]["params"]["params.yaml"]
+    assert probes_params.get(key, (probes_params.get(section) or {}).get(name)) == value  # the knob reached it
+    assert lock["stages"]["train"]["params"]["params.yaml"]["train"]["lr"] == 0.003  # train did not rerun
     assert "# Laplace pipeline parameters" in (repo / "params.yaml").read_text()  # comments kept
 
 
