@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 
+# A value check returns None for a good value, else why not: the words of the ConfigError naming the key.
+
 
 def positive(v):
     return None if v > 0 else "must be > 0"
