@@ -157,24 +157,26 @@ def _random_export(out, tokenizer, attn):
     return write_model_export(model, tokenizer, out, eos_id=0)
 
 
-@pytest.mark.slow
-def test_decode_time_grows_with_context_for_softmax_and_stays_flat_for_gla(tiny_artifacts, tmp_path):
+def test_decode_time_reports_each_context_and_its_ratio(tiny_artifacts, tmp_path):
     """laplace.evals.architectures.decode_time, the comparison's measurement, on a pure GLA and an
-    all-attention model of the same shape, both in one run (ratios, robust to the machine's speed):
-    32x the context costs the softmax model's decode step more than 1.8x, and GLA's less than 1.5x."""
+    all-attention model: a time per decoded token at each context and the ratio of the longest to
+    the shortest. No claim on the times themselves (no test depends on the machine's speed): that
+    softmax's grows with the context and GLA's stays flat is bench/decode.py's (bench/RESULTS.md)
+    and the comparison's own run's (docs/architectures.md)."""
+    import math
+
     from laplace.evals.architectures import decode_time
 
     data_dir, _ = tiny_artifacts
     tokenizer = data_dir / "tokenizer.json"
-    gla = _random_export(tmp_path / "gla", tokenizer, None)
-    softmax = _random_export(tmp_path / "softmax", tokenizer, {"layers": [0, 1, 2, 3], "num_heads": 4})
     cfg = config_from_dict({"engine": {"device": "cpu"}})
     text = list(range(3, 300))
-    flat = decode_time(cfg, gla, [256, 8192], 12, text, torch.device("cpu"))
-    grows = decode_time(cfg, softmax, [256, 8192], 12, text, torch.device("cpu"))
-    assert flat["decode_ratio_longest_vs_shortest"] < 1.5, flat
-    assert grows["decode_ratio_longest_vs_shortest"] > 1.8, grows
-    assert grows["decode_ratio_longest_vs_shortest"] > flat["decode_ratio_longest_vs_shortest"] + 0.5
+    for attn in (None, {"layers": [0, 1, 2, 3], "num_heads": 4}):
+        export = _random_export(tmp_path / ("softmax" if attn else "gla"), tokenizer, attn)
+        figures = decode_time(cfg, export, [64, 256], 2, text, torch.device("cpu"))
+        ms = figures["decode_ms_per_token"]
+        assert set(ms) == {"64", "256"} and all(math.isfinite(v) and v > 0 for v in ms.values()), figures
+        assert figures["decode_ratio_longest_vs_shortest"] == ms["256"] / ms["64"]
 
 
 # --------------------------------------------------------------------------- end to end through DVC
