@@ -1,15 +1,16 @@
 """Run by torchrun from tests/test_distributed.py, on gloo, with a collective spy installed.
 
 step PREFIX     a few training steps of the FSDP2 model with MuonAdamW (every Muon
-                strategy, muon.comm); each rank takes its slice of a global batch. Rank 0 writes the
-                final parameters, the traffic and the spy's report.
+                strategy, muon.comm), every rank on the whole batch and each rank on its slice of
+                it. Rank 0 writes the final parameters, the traffic and the spy's report, and for
+                the split batch every step's parameters and reduced gradient, gathered whole.
 recompute PREFIX [PRECISION COMPILE]
                 the same steps with train.activation_checkpoint none, full and selective; rank 0
                 writes each mode's losses and every step's gradients, gathered whole.
 accumulate PREFIX
                 the same steps as one batch per rank, and as 4 micro-batches of a quarter of it
                 (train.grad_accum_steps through loop.accumulate_gradients); rank 0 writes the
-                losses, the gradients and the number of Muon exchanges.
+                losses, every step's parameters and gradients and the number of Muon exchanges.
 train PREFIX CONFIG DATA RUN
                 laplace.training.loop.train on a tokenized project; at the first step it runs
                 (after a resume), rank 0 writes the optimizer state the ranks hold, gathered
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from laplace.config import AdamWSection, MuonSection, TrainSection, config_from_dict
 from laplace.model.config import preset_model_config
@@ -133,6 +135,51 @@ class CollectiveSpy:
         return {"violations": sorted(set(self.violations)), "calls": self.calls}
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective: every rank calls it), a plain tensor as it is."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _whole_parameters(model) -> dict[str, torch.Tensor]:
+    return {n: _whole(p) for n, p in model.named_parameters()}
+
+
+def _whole_gradients(model, muon) -> dict[str, torch.Tensor]:
+    """Every gradient whole on every rank; with owner_reduce a Muon matrix's reduced gradient is
+    on its owner alone, which broadcasts it."""
+    out = {}
+    for name, p in model.named_parameters():
+        grad, owner = p.grad, muon.owner_of(p)
+        if owner is not None and muon.group is not None:
+            grad = grad if owner == muon.rank else torch.empty_like(p)
+            dist.broadcast(grad, src=owner, group=muon.group)
+        out[name] = _whole(grad)
+    return out
+
+
+def record_each_step(opt: MuonAdamW, model, records: list[dict]) -> None:
+    """Make `opt` append, at each step, the parameters and the reduced gradients, whole, at the
+    point MuonAdamW.step clips: after owner_reduce's reduce to the owners, before anything
+    changes either. The step itself runs unchanged."""
+    clip = opt.clip_grad_norm_
+
+    def recording(max_norm: float):
+        records.append({"params": _whole_parameters(model), "grads": _whole_gradients(model, opt.muon)})
+        return clip(max_norm)
+
+    opt.clip_grad_norm_ = recording
+
+
+def per_step_tensors(records: list[dict]) -> dict[str, torch.Tensor]:
+    """{"<step>/<params|grads>/<name>": tensor}, as tests/test_distributed.py reads them back."""
+    return {
+        f"{step}/{kind}/{name}": t.contiguous()
+        for step, record in enumerate(records)
+        for kind, named in record.items()
+        for name, t in named.items()
+    }
+
+
 def step_mode(prefix: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -147,6 +194,9 @@ def step_mode(prefix: str) -> None:
         model = build_model(model_config(), mesh, group.device, TrainSection(precision="fp32"), SEED, muon_comm=comm)
         opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(lr=MUON.lr, comm=comm))
         opt.set_lr_scale(1.0)
+        records: list[dict] = []
+        if mode == "split":  # the test replays each step from what it started with
+            record_each_step(opt, model, records)
         norms, losses = [], []
         for step in range(STEPS):
             x, y = batch(step)
@@ -161,7 +211,10 @@ def step_mode(prefix: str) -> None:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         traffic = opt.meter.gather(device=group.device)
         if group.is_main:
-            save_file({k: v.contiguous() for k, v in full.items()}, f"{prefix}-{mode}-{comm}.safetensors")
+            tensors = {k: v.contiguous() for k, v in full.items()}
+            if records:
+                tensors = {f"final/{k}": v for k, v in tensors.items()} | per_step_tensors(records)
+            save_file(tensors, f"{prefix}-{mode}-{comm}.safetensors")
             out[f"{mode}-{comm}"] = {"traffic": traffic, "norms": norms, "losses": losses}
     if group.is_main:
         out["spy"] = spy.report()
@@ -169,33 +222,29 @@ def step_mode(prefix: str) -> None:
     distributed.leave(group)
 
 
-def _full_gradients(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()}
-
-
 def _run_steps(group, train_section, global_batch: int, micro_batches: int, steps: int = STEPS):
     """`steps` optimizer steps of the trainer's model and optimizer, each rank on its slice of
     the global batch in `micro_batches` micro-batches; the losses (mean over ranks), every
-    step's gradients gathered whole, the final parameters, and the Muon exchanges made."""
+    step's parameters and reduced gradients gathered whole, and the Muon exchanges made."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (group.world,))
     model = build_model(model_config(), mesh, group.device, train_section, SEED)
     opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MUON)
     opt.set_lr_scale(1.0)
-    losses, grads = [], []
+    records: list[dict] = []
+    record_each_step(opt, model, records)
+    losses = []
     for step in range(steps):
         x, y = batch(step, global_batch)
         per_rank = global_batch // group.world
         x, y = (t[group.rank * per_rank : (group.rank + 1) * per_rank] for t in (x, y))
         loss = accumulate_gradients(model, x, y, micro_batches)
         losses.append(float(distributed.all_mean(loss)))
-        grads.append(_full_gradients(model))
         opt.step(max_grad_norm=CLIP)
         opt.zero_grad()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     exchanges = opt.meter.totals["muon_to_owner"]["calls"]
-    return losses, grads, full, exchanges
+    return losses, records, exchanges
 
 
 def recompute_mode(prefix: str, precision: str = "fp32", compiled: str = "0") -> None:
@@ -204,10 +253,9 @@ def recompute_mode(prefix: str, precision: str = "fp32", compiled: str = "0") ->
     out = {}
     for mode in ("none", "full", "selective"):
         t = TrainSection(precision=precision, compile=compiled == "1", activation_checkpoint=mode)
-        losses, grads, _, _ = _run_steps(group, t, GLOBAL_BATCH, 1)
+        losses, records, _ = _run_steps(group, t, GLOBAL_BATCH, 1)
         if group.is_main:
-            tensors = {f"{step}/{name}": g for step, named in enumerate(grads) for name, g in named.items()}
-            save_file(tensors, f"{prefix}-{mode}.safetensors")
+            save_file(per_step_tensors(records), f"{prefix}-{mode}.safetensors")
             out[mode] = losses
     if group.is_main:
         Path(f"{prefix}-report.json").write_text(json.dumps(out))
@@ -220,11 +268,9 @@ def accumulate_mode(prefix: str) -> None:
     out = {}
     global_batch = 4 * group.world  # 4 sequences per rank: one batch, or 4 micro-batches of 1
     for micro in (1, 4):
-        losses, grads, params, exchanges = _run_steps(group, TrainSection(precision="fp32"), global_batch, micro)
+        losses, records, exchanges = _run_steps(group, TrainSection(precision="fp32"), global_batch, micro)
         if group.is_main:
-            tensors = {f"{step}/{name}": g for step, named in enumerate(grads) for name, g in named.items()}
-            tensors |= {f"final/{k}": v.contiguous() for k, v in params.items()}
-            save_file(tensors, f"{prefix}-{micro}.safetensors")
+            save_file(per_step_tensors(records), f"{prefix}-{micro}.safetensors")
             out[micro] = {"losses": losses, "exchanges": exchanges}
     if group.is_main:
         Path(f"{prefix}-report.json").write_text(json.dumps(out))

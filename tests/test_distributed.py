@@ -3,10 +3,11 @@
 - The distributed step at 1, 2 and 4 ranks against single-process torch.optim.Muon +
   torch.optim.AdamW on the same batches. Bit for bit when every rank trains on the same
   data (the optimizer alone: FSDP2's mean of equal gradients is exact, the exchange moves
-  bf16 values Newton-Schulz would round to anyway). Within fp32 tolerance when the batch is
-  split across ranks and gradients are clipped: the gradients then differ in their last
-  bits (other summation orders), and after the first step Muon's bf16 Newton-Schulz turns
-  a last-bit difference into a bf16-sized one, so later parameters are compared at that size.
+  bf16 values Newton-Schulz would round to anyway). When the batch is split across ranks and
+  gradients are clipped, step by step from what each step started with: the loss, gradient
+  and norm within bounds derived from fp32's rounding (the error model below; no tolerance is
+  a measurement), the optimizer step bit for bit. Activation checkpointing is bit for bit;
+  gradient accumulation is checked as the split batch is.
 - A collective spy (tests/dist_worker.py) fails the run if any collective gets a tensor off
   the parameters' device, an fp64 tensor or uneven splits; and a process group whose
   backend serves only one device (torch's fake backend registered for `meta`, as NCCL
@@ -35,6 +36,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_muon import U64, gamma
+from torch import Tensor
 
 from laplace.config import AdamWSection, config_from_dict
 from laplace.model.lm import LaplaceLM
@@ -46,7 +49,7 @@ from laplace.pipeline.stage_train import run_training
 from laplace.training import checkpoint as ckpt
 from laplace.training.loop import cross_entropy
 
-from dist_worker import ADAMW_LR, CLIP, COMMS, MUON, SEED, STEPS, batch, model_config
+from dist_worker import ADAMW_LR, CLIP, COMMS, GLOBAL_BATCH, MUON, SEED, STEPS, batch, model_config
 from project import BIN, TINY_MODEL, TINY_PARAMS, copy_project, env, free_port, run
 
 HERE = Path(__file__).resolve().parent
@@ -69,14 +72,87 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
+# --------------------------------------------------------------------------- the error model
+
+# AVG of a subnormal gradient element rounds in absolute terms (well under this) when W > 1
+SUBNORMAL_SLACK = 2.0**-148
+
+
+def reduction_error(got: Tensor, pieces: list[Tensor], additions: int, world: int) -> float:
+    """Worst ratio, over the elements, of |got - exact| to its bound, where `got` is the run's sum
+    of `pieces` (each the very value a rank computed) divided by `world` (exact: a power of two),
+    summed in an order unknown to us (gloo's, FSDP2's, autograd's) in which no piece passes
+    through more than `additions` additions. Bound: gamma_additions x sum|pieces| / world, plus
+    the fp64 reference's own rounding. 0 where the bound is 0 and got is exact; inf where not."""
+    exact = sum(p.double() for p in pieces) / world
+    magnitude = sum(p.double().abs() for p in pieces) / world
+    bound = (gamma(additions) + gamma(len(pieces), U64)) * magnitude + (SUBNORMAL_SLACK if world > 1 else 0.0)
+    err = (got.double() - exact).abs()
+    ratio = torch.where(bound > 0, err / bound.clamp(min=1e-300), torch.where(err > 0, math.inf, 0.0))
+    return float(ratio.max())
+
+
+def norm_error(got: float, grads: dict[str, Tensor], world: int) -> float:
+    """Ratio of |got - ||grads|| | to its bound, got being the run's global gradient norm of these
+    very gradients (clip_grad_norm_ over the shards each rank holds). Every squared element passes
+    through at most: its own square, n_max - 1 additions in its tensor, a square root and a
+    re-square per level (per tensor, the stack of tensor norms, the ranks' all-reduce), T - 1
+    additions among the T tensors, W - 1 among the ranks, a final square root: fewer than
+    n_max + T + W + 16 roundings. The norm's relative error is at most that gamma (half of it,
+    through the square root, plus one rounding), in any order the kernels and gloo choose."""
+    exact = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    roundings = max(g.numel() for g in grads.values()) + len(grads) + world + 16
+    total = sum(g.numel() for g in grads.values())
+    return abs(got - exact) / ((gamma(roundings) + gamma(total, U64)) * exact)
+
+
+def pieces_at(model, pieces: list[tuple[Tensor, Tensor]], micro_batches: int) -> tuple[list[Tensor], list[dict]]:
+    """Each piece's loss / micro_batches and its gradients, at the model's parameters, computed as
+    the rank that holds the piece computes them (the same shapes, kernels and thread count: the
+    same bits; the only difference left to the run is how it sums the pieces)."""
+    losses, grads = [], []
+    for x, y in pieces:
+        model.zero_grad(set_to_none=True)
+        loss = cross_entropy(model(x), y) / micro_batches
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def rank_pieces(step: int, world: int, global_batch: int, micro_batches: int) -> list[tuple[Tensor, Tensor]]:
+    """The step's batch as the ranks split it: rank by rank, each rank's micro-batches."""
+    x, y = batch(step, global_batch)
+    per_rank = global_batch // world
+    return [
+        piece
+        for r in range(world)
+        for piece in zip(
+            x[r * per_rank : (r + 1) * per_rank].chunk(micro_batches),
+            y[r * per_rank : (r + 1) * per_rank].chunk(micro_batches),
+        )
+    ]
+
+
+def step_errors(model, run: dict[str, Tensor], loss: float, step: int, world: int, global_batch: int, micro: int):
+    """The worst loss and gradient error of the run's step against its bound (reduction_error),
+    the model holding the parameters the run's step started from. Each rank adds its micro-batches
+    (micro - 1 additions), then the ranks' sums meet (W - 1)."""
+    losses, grads = pieces_at(model, rank_pieces(step, world, global_batch, micro), micro)
+    additions = micro - 1 + world - 1
+    worst_loss = reduction_error(torch.tensor(loss), losses, additions, world)
+    worst_grad = max(
+        reduction_error(run[f"{step}/grads/{n}"], [g[n] for g in grads], additions, world) for n in grads[0]
+    )
+    return worst_loss, worst_grad
+
+
 # --------------------------------------------------------------------------- the step
 
 
-def single_process(clip: float) -> dict:
-    """torch.optim.Muon + torch.optim.AdamW on the whole batch, the parameters routed and set as
-    the trainer does (same seed, so the same initial weights)."""
-    torch.manual_seed(SEED)
-    model = LaplaceLM(model_config())
+def torch_optimizers(model) -> tuple[torch.optim.Muon, torch.optim.AdamW]:
+    """torch.optim.Muon + torch.optim.AdamW, the parameters routed and set as the trainer does."""
     routes = route_parameters(model)
     adamw = AdamWSection()
     muon = torch.optim.Muon([p for _, p in routes["muon"]], **muon_hyperparameters(MUON))
@@ -89,58 +165,101 @@ def single_process(clip: float) -> dict:
         betas=tuple(adamw.betas),
         eps=adamw.eps,
     )
-    losses, norms = [], []
+    return muon, other
+
+
+def single_process() -> dict:
+    """torch.optim.Muon + torch.optim.AdamW on the whole batch, no clipping (same seed, so the
+    same initial weights)."""
+    torch.manual_seed(SEED)
+    model = LaplaceLM(model_config())
+    muon, other = torch_optimizers(model)
+    losses = []
     for step in range(STEPS):
         x, y = batch(step)
         loss = cross_entropy(model(x), y)
         losses.append(loss.item())
         loss.backward()
-        if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         muon.step()
         other.step()
         muon.zero_grad()
         other.zero_grad()
-    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses, "norms": norms}
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
 
 
 @pytest.fixture(scope="module")
 def reference():
     with one_thread():
-        return {"same": single_process(clip=0.0), "split": single_process(clip=CLIP)}
+        return single_process()
+
+
+def replay(world: int, run: dict[str, Tensor], report: dict) -> dict[str, float]:
+    """The split-batch run replayed in this process, one step at a time. At each step, from the
+    parameters the run's step started from (bit for bit ours: asserted), the loss, the reduced
+    gradient and its norm are checked against their bounds; then torch.optim.Muon + AdamW step
+    on the run's own gradient, clipped by the run's own norm. Returns each check's worst ratio
+    of error to bound."""
+    torch.manual_seed(SEED)
+    model = LaplaceLM(model_config())
+    named = dict(model.named_parameters())
+    muon, other = torch_optimizers(model)
+    worst = {"loss": 0.0, "gradient": 0.0, "norm": 0.0}
+    for step in range(STEPS):
+        # where the run's step started is ours, bit for bit (step 0: the seed's weights; then torch's steps)
+        assert [n for n, p in named.items() if not torch.equal(p.detach(), run[f"{step}/params/{n}"])] == [], step
+        loss, grad = step_errors(model, run, report["losses"][step], step, world, GLOBAL_BATCH, 1)
+        reduced = {n: run[f"{step}/grads/{n}"] for n in named}
+        norm = report["norms"][step]
+        for key, ratio in (("loss", loss), ("gradient", grad), ("norm", norm_error(norm, reduced, world))):
+            worst[key] = max(worst[key], ratio)
+        for n, p in named.items():
+            p.grad = reduced[n].clone()
+        # clip_grads_with_norm_ is MuonAdamW's clipping: the run's norm gives the run's factor
+        torch.nn.utils.clip_grads_with_norm_(list(named.values()), CLIP, torch.tensor(norm))
+        muon.step()
+        other.step()
+        muon.zero_grad()
+        other.zero_grad()
+    assert [n for n, p in named.items() if not torch.equal(p.detach(), run[f"final/{n}"])] == []
+    return worst
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_distributed_step_matches_single_process_torch_muon_and_adamw(world, reference, tmp_path):
+    """The trainer's model and optimizer at `world` ranks against torch.optim.Muon + AdamW in one
+    process. Nothing is compared after several steps: Muon's bf16 Newton-Schulz turns a last-bit
+    difference of a gradient into a bf16-sized one, and later steps amplify that by an amount
+    no error model bounds (a 3% tolerance set from a 2.2% measurement failed on another CPU).
+    Each step is checked from the point it started from instead.
+
+    What the bounds are made of (the split batch): each rank computes its slice's loss and
+    gradient exactly as this process does on that slice (the same shapes, kernels, one thread),
+    so the run's only freedom is the order in which it sums the W slices (gloo's reduce-scatter,
+    owner_reduce's reduce, the loss all-reduce), then divides by W (exact: a power of two). Any
+    order is within gamma_{W-1} = (W-1) 2^-24 / (1 - (W-1) 2^-24) times the sum of the slices'
+    magnitudes, element by element: 0 at 1 rank (bit for bit), one rounding at 2, three at 4. The
+    norm, 171,328 squares summed in an unknown order, is within gamma_{n_max + T + W + 16} (n_max
+    the largest tensor, T the tensors; norm_error): 1.15e-3 here. The optimizer step, given the run's
+    gradient and norm, is torch's bit for bit, bf16 Newton-Schulz included: no tolerance."""
     prefix = tmp_path / f"w{world}"
     torchrun(world, [WORKER, "step", str(prefix)])
     report = json.loads(Path(f"{prefix}-report.json").read_text())
     shapes = [tuple(p.shape) for _, p in route_parameters(LaplaceLM(model_config()))["muon"]]
     for comm in COMMS:
-        # the optimizer alone: bit for bit
+        # every rank on the whole batch, no clipping: the optimizer alone, bit for bit after all the steps
         same = load_file(f"{prefix}-same-{comm}.safetensors")
-        ref = reference["same"]["params"]
+        ref = reference["params"]
         assert same.keys() == ref.keys()
         assert [k for k in ref if not torch.equal(same[k], ref[k])] == [], (world, comm)
-        assert report[f"same-{comm}"]["losses"] == reference["same"]["losses"]
+        assert report[f"same-{comm}"]["losses"] == reference["losses"]
 
-        # the batch split over the ranks, gradients clipped
-        split, ref = report[f"split-{comm}"], reference["split"]
-        # the first step starts from identical weights: its gradient norm agrees to fp32 rounding
-        assert math.isclose(split["norms"][0], ref["norms"][0], rel_tol=1e-6)
-        # every step's loss (and norm) agrees to fp32 rounding, amplified by bf16 Newton-Schulz
-        for got, want in zip(split["losses"], ref["losses"]):
-            assert math.isclose(got, want, rel_tol=5e-5), (world, comm, split["losses"], ref["losses"])
-        for got, want in zip(split["norms"], ref["norms"]):
-            assert math.isclose(got, want, rel_tol=5e-4), (world, comm, split["norms"], ref["norms"])
-        params = load_file(f"{prefix}-split-{comm}.safetensors")
-        # bf16 Newton-Schulz rounding (2^-8) of steps that differ from the reference's in the last fp32
-        # bits (the gradient norm and the batch mean summed in another order): the 64 x 2 gate matrix,
-        # which each step moves by about half its norm, ends 2.2% off at 2 ranks (alltoall and
-        # owner_reduce alike, measured 2026-12-01), every other matrix far less: 3% is the tolerance
-        for k, want in ref["params"].items():
-            assert (params[k] - want).norm() <= 3e-2 * want.norm(), (world, comm, k)
+        # the batch split over the ranks, gradients clipped: step by step, within the derived bounds
+        split = report[f"split-{comm}"]
+        with one_thread():
+            worst = replay(world, load_file(f"{prefix}-split-{comm}.safetensors"), split)
+        print(f"world {world} {comm}: error / bound, worst over the steps: {worst}")
+        assert all(ratio <= 1.0 for ratio in worst.values()), (world, comm, worst)
 
         # the metered Muon bytes are the plan's formula, rank by rank
         traffic = split["traffic"]
@@ -297,11 +416,19 @@ def test_resume_at_another_world_size_restores_the_optimizer_state(
     # and the run goes on as the uninterrupted 2-rank run
     resumed = losses(report["history"])
     assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 9))
+    drift = {s: abs(resumed[s] - uninterrupted[s]) / uninterrupted[s] for s in resumed}
+    print(f"resume {before} {mode_before} -> {after} {mode_after}: relative loss drift {drift}")
     for s in range(1, 9):
         if before == 2 and mode_before == "alltoall" and s <= 4:
             assert resumed[s] == uninterrupted[s]  # the same 2-rank steps, read back from the checkpoint
         else:
-            assert math.isclose(resumed[s], uninterrupted[s], rel_tol=1e-4), (s, resumed, uninterrupted)
+            # Measured, not derived: at another world size the gradient sums differ in their last bits
+            # and bf16 Newton-Schulz amplifies that step after step (see the distributed step test).
+            # 2 vs 4 ranks, 8 steps, largest drift of any step over 26 runs (seeds 0-11 at AVX-512,
+            # 0-3 at AVX2, 0-9 at ATen's default kernels; docs/testing.md): 4.4e-5, the next 1.3e-5,
+            # the median 6e-6. 5e-4 is 11x the largest. A resume on another step's batch moves
+            # the loss far more: consecutive steps' losses (steps 4-8) differ by 8e-4 to 1.3e-2.
+            assert math.isclose(resumed[s], uninterrupted[s], rel_tol=5e-4), (s, resumed, uninterrupted)
 
 
 # --------------------------------------------------------------------------- two nodes
@@ -413,57 +540,55 @@ def test_dry_run_of_laplace_3b_on_64_ranks_fits_a_trn2_core_and_allocates_nothin
 # --------------------------------------------------------------------------- recompute and accumulation
 
 
-def _per_step(path: str) -> dict[int, dict[str, torch.Tensor]]:
-    steps: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in load_file(path).items():
-        step, name = key.split("/", 1)
-        steps.setdefault(step, {})[name] = t
-    return steps
-
-
 @pytest.mark.slow
 def test_activation_checkpointing_none_full_selective_give_the_same_losses_and_gradients(tmp_path):
     """Two gloo ranks, FSDP2 (embedding, blocks and head units), Muon + AdamW, four steps with
     clipping: recomputing each block in backward (full) or all but its projections (selective)
-    reproduces no checkpointing's losses and every step's gradients. Eager fp32 recomputes
-    the same kernels on the same inputs, so the figures agree to fp32 rounding (in practice
-    bit for bit); the tolerance is fp32's."""
+    reproduces no checkpointing's losses and every step's gradients bit for bit. No tolerance:
+    eager fp32 recomputes the same kernels on the same inputs in one thread, and autograd runs
+    the same backward graph (non-reentrant checkpointing only swaps where the saved tensors come
+    from), so the values are the same by construction; after one step a tolerance would also be
+    moot (bf16 Newton-Schulz would amplify any last-bit difference far beyond it)."""
     prefix = tmp_path / "ac"
     torchrun(2, [WORKER, "recompute", str(prefix)])
     report = json.loads(Path(f"{prefix}-report.json").read_text())
-    reference = _per_step(f"{prefix}-none.safetensors")
-    assert len(reference) == STEPS and len(report["none"]) == STEPS
+    reference = load_file(f"{prefix}-none.safetensors")
+    assert len(report["none"]) == STEPS and {k.split("/")[0] for k in reference} == {str(s) for s in range(STEPS)}
     for mode in ("full", "selective"):
-        for got, want in zip(report[mode], report["none"]):
-            assert math.isclose(got, want, rel_tol=1e-6), (mode, report)
-        grads = _per_step(f"{prefix}-{mode}.safetensors")
-        assert grads.keys() == reference.keys()
-        for step, named in reference.items():
-            assert named.keys() == grads[step].keys()
-            for name, want in named.items():
-                torch.testing.assert_close(grads[step][name], want, rtol=1e-5, atol=1e-7, msg=f"{mode} {step} {name}")
+        assert report[mode] == report["none"], (mode, report)
+        recomputed = load_file(f"{prefix}-{mode}.safetensors")
+        assert recomputed.keys() == reference.keys()
+        assert [k for k, want in reference.items() if not torch.equal(recomputed[k], want)] == [], mode
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_accumulating_4_micro_batches_equals_one_batch_4x_the_size(world, tmp_path):
     """Each rank's 4 sequences as one batch, or as 4 micro-batches of one (FSDP2 syncs gradients
-    on the last only): the same losses and gradients at fp32 tolerance (other summation orders),
-    and the optimizer, so the Muon exchange, runs once per step either way."""
+    on the last only): either way every step's loss and reduced gradient are the global batch's
+    mean loss and its gradient, and the optimizer, so the Muon exchange, runs once per step.
+
+    Checked step by step from the parameters each step started from (not after several steps:
+    see the distributed step test), against the pieces each rank computed (its micro-batches'
+    losses / 4 and their gradients, computed here as the rank computes them). The run sums each
+    rank's pieces (micro - 1 additions, autograd into FSDP2's unsharded gradient, or the loss
+    total), then the ranks' sums (W - 1): within gamma_{micro + W - 2} x the pieces' magnitudes,
+    whatever the order (reduction_error)."""
     prefix = tmp_path / f"accum{world}"
     torchrun(world, [WORKER, "accumulate", str(prefix)])
     report = json.loads(Path(f"{prefix}-report.json").read_text())
-    one, four = report["1"], report["4"]
     # one exchange per optimizer step; one rank exchanges nothing (ShardedMuon orthogonalises in place)
-    assert one["exchanges"] == four["exchanges"] == (STEPS if world > 1 else 0)
-    for got, want in zip(four["losses"], one["losses"]):
-        assert math.isclose(got, want, rel_tol=5e-5), report
-    whole, accumulated = _per_step(f"{prefix}-1.safetensors"), _per_step(f"{prefix}-4.safetensors")
-    # the first step starts from the same weights: its gradients agree to fp32 rounding; after it,
-    # Muon's bf16 Newton-Schulz turns last-bit differences into bf16-sized ones (see above)
-    for name, want in whole["0"].items():
-        torch.testing.assert_close(accumulated["0"][name], want, rtol=1e-4, atol=1e-6, msg=name)
-    # after four steps: bf16-sized, a few times (5e-2: the gate's 2-column low-rank matrix is the
-    # one Newton-Schulz amplifies most; the others stay within 2e-2)
-    for name, want in whole["final"].items():
-        assert (accumulated["final"][name] - want).norm() <= 5e-2 * want.norm(), name
+    assert report["1"]["exchanges"] == report["4"]["exchanges"] == (STEPS if world > 1 else 0)
+    with one_thread():
+        model = LaplaceLM(model_config())
+        for micro in (1, 4):
+            run = load_file(f"{prefix}-{micro}.safetensors")
+            worst = {"loss": 0.0, "gradient": 0.0}
+            for step in range(STEPS):
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(run[f"{step}/params/{n}"])
+                errors = step_errors(model, run, report[str(micro)]["losses"][step], step, world, 4 * world, micro)
+                worst = {k: max(worst[k], e) for k, e in zip(worst, errors)}
+            print(f"world {world}, {micro} micro-batches: error / bound, worst over the steps: {worst}")
+            assert all(ratio <= 1.0 for ratio in worst.values()), (world, micro, worst)

@@ -11,6 +11,17 @@ from laplace.optim.exchange import ExchangePlan, muon_traffic
 from laplace.optim.muon import adjusted_lr, newtonschulz_flops, route_parameters, zeropower_via_newtonschulz
 from laplace.optim.sharded import ShardedMuon
 
+# fp32 rounds to nearest: an operation's result is its exact value times (1 + d), |d| <= U32
+U32, U64 = 2.0**-24, 2.0**-53
+
+
+def gamma(n: int, u: float = U32) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error of n roundings. A sum evaluated in
+    any order (any tree) in which no term passes through more than n roundings is within gamma_n x
+    (the sum of the terms' magnitudes) of the exact sum (Higham, Accuracy and Stability of
+    Numerical Algorithms, 2nd ed., 4.2)."""
+    return n * u / (1 - n * u)
+
 
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust", [None, "original", "match_rms_adamw"])
@@ -127,8 +138,14 @@ def test_compiled_muon_is_as_accurate_as_torch_muon_and_never_recompiles_as_the_
     steps with a new LR each step, both against Muon with fp64 Newton-Schulz. Both run Newton-
     Schulz in bf16 and Inductor rounds its fused addmm epilogues at other points than eager, so
     they differ by ~1% of the step; the gate: the compiled parameter changes are within 1.5x
-    torch.optim.Muon's own error against fp64 (as the numerics stage gates bf16). The momentum,
-    fp32 element-wise work only, agrees to 1e-6. After the first step no graph compiles again."""
+    torch.optim.Muon's own error against fp64 (as the numerics stage gates bf16). After the
+    first step no graph compiles again.
+
+    The three figures are measured, not derived (bf16 rounding at other points has no error
+    model tighter than the gate it would set): over seeds 0-63, both adjust_lr_fn (128 runs,
+    AVX-512), compiled / torch error: median 1.03, max 1.20 (gate 1.5, 1.25x the max; the spread
+    is narrow, sd ~0.05); compiled error: 0.0073 to 0.0107 (gate 0.03, 2.8x); momentum, fp32
+    element-wise work only: 5.9e-8 to 6.4e-8 (gate 1e-6, 16x)."""
     from laplace.runtime import compiled_graph_count
 
     torch._dynamo.reset()
@@ -164,8 +181,12 @@ def test_compiled_muon_is_as_accurate_as_torch_muon_and_never_recompiles_as_the_
 
 
 def test_compiled_muon_elementwise_graphs_equal_the_eager_functions():
-    """The two fp32 element-wise graphs (momentum direction, decayed and scaled update) equal the
-    eager functions to fp32 rounding (1e-6), the momentum buffers updated in place as eagerly."""
+    """The two fp32 element-wise graphs (momentum direction, decayed and scaled update) against the
+    eager functions, within the error model of their arithmetic (Inductor may fuse a multiply and
+    an add into one FMA, or take the other of lerp's two formulas): each lerp(a, b, w), |w| <= 1,
+    rounds at most three times terms no larger than |a| + |b|, so two forms differ by at most
+    2 gamma_3 (|a| + |b|); the update p (1 - lr wd) - o (lr f) by 2 gamma_4 (|p| + |o| lr f). The
+    momentum buffers are updated in place as eagerly."""
     from laplace.optim.muon import CompiledMuonUpdate, apply_updates_, momentum_directions
 
     torch._dynamo.reset()
@@ -175,15 +196,22 @@ def test_compiled_muon_elementwise_graphs_equal_the_eager_functions():
     params = [torch.randn(g.shape, generator=gen) for g in grads]
     orthos = [torch.randn(g.shape, generator=gen).bfloat16() for g in grads]
     compiled = CompiledMuonUpdate()
+    before = [b.clone() for b in bufs]
     bufs_c = [b.clone() for b in bufs]
-    for got, want in zip(compiled.directions(grads, bufs_c, 0.95, True), momentum_directions(grads, bufs, 0.95, True)):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(bufs_c, bufs, rtol=1e-6, atol=1e-6)  # the buffers were updated in place
-    params_c = [p.clone() for p in params]
-    lr = compiled.lr_tensor(0, 0.02, torch.device("cpu"))
-    compiled.apply(params_c, orthos, lr, 0.1, [1.5, 0.5])
-    apply_updates_(params, orthos, torch.tensor(0.02), 0.1, [1.5, 0.5])
-    torch.testing.assert_close(params_c, params, rtol=1e-6, atol=1e-6)
+    got = compiled.directions(grads, bufs_c, 0.95, True)
+    want = momentum_directions(grads, bufs, 0.95, True)  # the buffers, updated in place
+    for g, b0, bc, be, dc, de in zip(grads, before, bufs_c, bufs, got, want):
+        buf_bound = 2 * gamma(3) * (b0.abs() + g.abs())
+        assert ((bc - be).abs() <= buf_bound).all()
+        # the direction lerps g towards the buffer: the buffers' difference, times 0.95, carries over
+        assert ((dc - de).abs() <= 0.95 * buf_bound + 2 * gamma(3) * (g.abs() + be.abs() + buf_bound)).all()
+    originals, params_c = [p.clone() for p in params], [p.clone() for p in params]
+    lr, factors = 0.02, [1.5, 0.5]
+    compiled.apply(params_c, orthos, compiled.lr_tensor(0, lr, torch.device("cpu")), 0.1, factors)
+    apply_updates_(params, orthos, torch.tensor(lr), 0.1, factors)
+    for p0, pc, pe, o, f in zip(originals, params_c, params, orthos, factors):
+        bound = 2 * gamma(4) * (p0.abs() + o.float().abs() * lr * f)
+        assert ((pc - pe).abs() <= bound).all()
 
 
 def test_optim_imports_point_down_and_the_plan_imports_only_arithmetic():

@@ -213,8 +213,13 @@ class ShardedMuon(torch.optim.Optimizer):
         self._apply(entries, ortho)
         return loss
 
+    def owner_of(self, p: Tensor) -> int | None:
+        """owner_reduce: the rank that holds the matrix p's reduced gradient and momentum whole.
+        None in the other modes, and for a tensor that is not one of this optimizer's."""
+        return self._owner_of.get(id(p)) if self.owners else None
+
     def _mine(self, p: Tensor) -> bool:
-        return not self.owners or self._owner_of[id(p)] == self.rank
+        return not self.owners or self.owner_of(p) == self.rank
 
     def _matrices(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
