@@ -123,7 +123,7 @@ def summary(timings: Timings, write) -> None:
         bar = "!" * 100
         write(bar)
         write(f"WARNING: tests slower than tests/durations.json ({FACTOR:g}x and +{CPU_FLOOR_S:.0f} s CPU")
-        write(f"or +{WALL_FLOOR_S:.0f} s wall), or new tests among the slowest: the 30-minute CI budget is at stake")
+        write(f"or +{WALL_FLOOR_S:.0f} s wall), or new tests among the slowest: the 25-minute CI budget is at stake")
         for line in slower + new:
             write("  " + line)
         write("(a loaded machine inflates wall time: compare the CPU figure first; docs/testing.md)")
