@@ -172,10 +172,10 @@ def test_the_headline_view_puts_the_figures_and_the_varied_params_first():
 
 
 # One knob of each section that the serve: split and the model section touched, and exactly the
-# stages that read it (track logs every knob, so it reads them all).
+# stages that read it (track logs every knob of the run, so it reads all but NOT_THE_RUN).
 KNOB_READERS = {
     "engine.max_slots": {"warmup", "serve-check", "numerics", "probes", "track"},
-    "server.port": {"track"},  # only `laplace serve` and the log of the run read the address
+    "server.port": set(),  # only `laplace serve` reads the address: no stage, no MLflow param (NOT_THE_RUN)
     # in Inductor's cache key: warmup compiles with it, and the stages that run its graphs use it
     "server.threads": {"warmup", "serve-check", "numerics", "probes", "track"},
     "serve_check.rate": {"serve-check", "track"},
