@@ -174,6 +174,21 @@ def set_params(path: Path, values: dict) -> None:
     write_params(path, values)
 
 
+def run_bench(script: str, *args: str, exit_status: int = 0, timeout: float = 600) -> dict:
+    """`python bench/<script> args` from the checkout, one OpenMP thread, as bench/RESULTS.md runs
+    it: the JSON object of its last line, once it exited with `exit_status`."""
+    out = subprocess.run(
+        [sys.executable, f"bench/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(OMP_NUM_THREADS="1"),
+    )
+    assert out.returncode == exit_status, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def commit_all(repo: Path, message: str) -> None:
     run(["git", "add", "-A"], repo)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", message], repo)

@@ -278,21 +278,9 @@ def test_the_documented_gpu_profile_is_a_valid_protocol_at_zoologys_settings():
 
 def test_the_step_benchmark_measures_a_protocol_model_and_projects_its_grid():
     """bench/mqar_step.py, as bench/RESULTS.md runs it, cut to one model and one timed step."""
-    import subprocess
-    import sys
+    from project import run_bench
 
-    from project import ROOT, env
-
-    out = subprocess.run(
-        [sys.executable, "bench/mqar_step.py", "--arms", "softmax", "--widths", "16", "--repeats", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env(OMP_NUM_THREADS="1"),
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_bench("mqar_step.py", "--arms", "softmax", "--widths", "16", "--repeats", "1", timeout=300)
     cfg = config_from_dict({})
     model = result["models"]["softmax-w16"]
     assert model["step_s"] > 0

@@ -364,22 +364,9 @@ def test_the_default_recipe_check_runs_and_fails_a_recipe_that_did_not_learn():
     """bench/mqar_probe.py checks that params.yaml's MQAR recipe learns (about 4 minutes, so out of
     the suite; bench/RESULTS.md has its run). Here: the same script at 5 steps, far before the jump,
     scored on fewer lengths and sequences, which must say so and exit 1 with the failed checks named."""
-    import json
-    import subprocess
-    import sys
+    from project import run_bench
 
-    from project import ROOT, env
-
-    out = subprocess.run(
-        [sys.executable, "bench/mqar_probe.py", "--steps", "5", "--contexts", "64", "256", "--samples", "4"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env(OMP_NUM_THREADS="1"),
-    )
-    assert out.returncode == 1, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_bench("mqar_probe.py", "--steps", "5", "--contexts", "64", "256", "--samples", "4", exit_status=1)
     assert result["steps"] == 5 and not result["learned"]
     assert any(line.startswith("easiest cell (64 tokens, 4 pairs) at ") for line in result["failures"]), result
     assert any(line.startswith("final loss ") for line in result["failures"]), result
