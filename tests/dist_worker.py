@@ -19,6 +19,7 @@ train PREFIX CONFIG DATA RUN
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -303,6 +304,7 @@ def train_mode(prefix: str, config: str, data_dir: str, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash inside torch prints every thread's Python stack (test_distributed retries once)
     mode, *rest = sys.argv[1:]
     modes = {"step": step_mode, "train": train_mode, "recompute": recompute_mode, "accumulate": accumulate_mode}
     modes[mode](*rest)
