@@ -73,14 +73,29 @@ def train_metrics(root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tokenized, tmp_path_factory) -> dict[int, dict[str, torch.Tensor]]:
-    """Final weights of undisturbed runs, by world size."""
+def reference_runs(tokenized, tmp_path_factory) -> dict[int, Path]:
+    """Undisturbed `laplace train` runs, by world size: their project roots."""
     out = {}
     for world in (1, 2):
         root = fresh(tokenized, tmp_path_factory.mktemp("ref"), f"ref{world}", **{"train.nproc_per_node": world})
         run(LAPLACE + ["train"], root)
-        out[world] = final_weights(root)
+        out[world] = root
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_runs) -> dict[int, dict[str, torch.Tensor]]:
+    """Final weights of the undisturbed runs, by world size."""
+    return {world: final_weights(root) for world, root in reference_runs.items()}
+
+
+def test_the_train_stage_reports_its_world_size_and_the_muon_traffic_of_two_ranks(reference_runs):
+    """metrics/train.json (which track logs to MLflow whole): torchrun's world, and the bytes the
+    sharded Muon exchange moved, zero in one process."""
+    one, two = (train_metrics(reference_runs[world]) for world in (1, 2))
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    most = "muon_bytes_per_rank_per_step_max"
+    assert one["traffic"][most] == 0 < two["traffic"][most]
 
 
 def start_training(root: Path) -> subprocess.Popen:
