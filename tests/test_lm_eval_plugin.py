@@ -58,3 +58,18 @@ def test_install_after_lm_eval_was_imported_registers_at_once():
         "print(r.get_model('laplace').__name__, r.get_model('dummy').__name__)"
     )
     assert bare_python(code).splitlines() == ["False", "LaplaceHarnessLM DummyLM"]
+
+
+# lm-eval's get_model loads its own models only into an empty registry: the harness module's
+# `@register_model("laplace")` at import must not leave `laplace` alone there, whichever comes first
+# (the script: the harness imported, then simple_evaluate(model="local-completions")).
+ORDERS = {
+    "harness first": "import laplace.evals.harness; import lm_eval.api.registry as r",
+    "lm-eval's registry first": "import lm_eval.api.registry as r; import laplace.evals.harness",
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_importing_the_harness_in_any_order_keeps_lm_evals_own_models(order):
+    code = ORDERS[order] + "; print(*(r.get_model(m).__name__ for m in ('local-completions', 'hf', 'laplace')))"
+    assert bare_python(code) == "LocalCompletionsAPI HFLM LaplaceHarnessLM"

@@ -10,12 +10,22 @@ is served: padded ladder widths, bucketed prefill, the same state slots.
   the prefix token), so the numbers are comparable with lm-eval's HFLM on the same checkpoint. The
   context is prefilled into a slot, then the continuation is fed one token per decode step; up
   to max_slots (a model_arg) requests decode together at the smallest ladder width that holds them.
-- loglikelihood_rolling(text): the same with the model's own start token as the only context
-  (BOS where the model has one, Llama's convention; else the end-of-text token that separates
-  Laplace's training documents), so it equals the model's loss on that token sequence: GLA has no
-  context window, so no rolling windows are needed.
+  With max_length, the context is left-truncated as HFLM truncates it (the last max_length + 1
+  tokens of context + continuation are kept).
+- loglikelihood_rolling(text), two ways (model_arg `rolling`):
+  `windows` (the default when max_length is given): lm-eval's own get_rolling_token_windows +
+  make_disjoint_window over the text as HFLM encodes it, windows of max_length tokens each scored
+  given only the window's context, as HFLM computes it (lm-eval's local-completions against `laplace
+  serve` computes the same windows at its max_length = this max_length + 2: TemplateAPI keeps one
+  token for generation and one for the context); `document` (the default without max_length): the
+  whole text after the model's own start token (BOS where the model has one, else the end-of-text
+  token that separates Laplace's training documents), one pass, so it equals the model's loss on
+  that token sequence. A fixed state has no context window, so nothing is forgotten at a window's
+  edge: the document number is lower (better) than the windows' wherever later text depends on
+  earlier text more than max_length tokens back.
 - generate_until(context, {until, max_gen_toks}): greedy through the engine's scheduler
-  (DecodeEngine.complete), cut at the first stop string.
+  (DecodeEngine.complete), cut at the first stop string; with max_length, the context is
+  left-truncated to max_length - max_gen_toks tokens, as HFLM does.
 
 lm-eval (pip install 'laplace[eval]') finds models only among those registered in its process,
 and 0.4 has no plugin discovery: the .pth that `make setup` writes (laplace/evals/lm_eval_plugin.py)
@@ -32,10 +42,12 @@ import logging
 import sys
 from pathlib import Path
 
+import lm_eval.models  # noqa: F401  lm-eval's own models first: its get_model loads them only into an empty registry
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from laplace.config import EngineSection
 from laplace.errors import ConfigError
@@ -49,46 +61,112 @@ def _truthy(value) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
 
+def _optional_int(name: str, value) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"lm-eval --model laplace: {name}={value!r} is not an integer") from None
+    if number < 1:
+        raise ConfigError(f"lm-eval --model laplace: {name}={value!r} must be >= 1")
+    return number
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ROLLING = ("windows", "document")
+
+
+def slots_of(max_slots, batch_size, max_batch_size) -> int:
+    """The rows scored together: max_slots (this model's name), else lm-eval's batch_size (an int;
+    "auto" picks nothing here: the default 8, at most max_batch_size)."""
+    slots = _optional_int("max_slots", max_slots)
+    auto = batch_size is None or str(batch_size).startswith("auto")
+    batch = None if auto else _optional_int("batch_size", batch_size)
+    if slots is not None and batch is not None and slots != batch:
+        raise ConfigError(
+            f"lm-eval --model laplace: max_slots={slots} and batch_size={batch} disagree (they are the same "
+            "thing here: the rows scored together); give one"
+        )
+    if slots or batch:
+        return slots or batch
+    return min(8, _optional_int("max_batch_size", max_batch_size) or 8)
+
+
+def torch_device(device: str | None) -> torch.device:
+    """lm-eval's device argument as a torch device."""
+    from laplace.runtime import resolve_device
+
+    device = str(device or "auto")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        # lm-eval's own default is cuda:0 whether or not the user asked: run where we can, and say so
+        log.warning("lm-eval asked for device %s but CUDA is not available: evaluating on %s", device, "cpu")
+        device = "cpu"
+    return torch.device(device) if ":" in device else resolve_device(device)
+
+
 @register_model("laplace")
 class LaplaceHarnessLM(LM):
-    """model_args: export=PATH (required), device=auto (cpu, cuda, cuda:N), kernel=auto, max_slots=8, compile=true
-    (false: the same ladder widths, eager), max_gen_toks=256, max_context=2048 (models with attention
-    layers: the tokens a sequence may reach, as engine.max_context)."""
+    """model_args: export=PATH (required), device=auto (cpu, cuda, cuda:N), kernel=auto, max_slots=8
+    (lm-eval's batch_size means the same: the rows scored together), compile=true (false: the same
+    ladder widths, eager), max_gen_toks=256, max_context=2048 (models with attention layers: the
+    tokens a sequence may reach, as engine.max_context), max_length (HFLM's: the tokens one
+    forward sees; none by default: a fixed state needs no limit), rolling=windows|document (see
+    the module docstring), add_bos_token (HFLM's: None = the tokenizer's own special tokens,
+    true / false = add_special_tokens), dtype=float32|bfloat16|float16 (default: the export's),
+    truncation=false (HFLM's tokenizer-side truncation; max_length's left-truncation is applied
+    as HFLM applies it). Any other argument is refused, by name."""
 
     def __init__(
         self,
         export: str | None = None,
         device: str | None = "auto",
         kernel: str = "auto",
-        max_slots: int | str = 8,
+        max_slots: int | str | None = None,
         compile: bool | str = True,
         max_gen_toks: int | str = 256,
         max_context: int | str = EngineSection().max_context,
-        batch_size=None,  # lm-eval passes its --batch_size; the engine batches at its ladder widths instead
-        **_ignored,
+        max_length: int | str | None = None,
+        rolling: str | None = None,
+        add_bos_token: bool | str | None = None,
+        dtype: str | None = None,
+        truncation: bool | str = False,
+        batch_size: int | str | None = None,
+        max_batch_size: int | str | None = None,
+        **unknown,
     ):
         super().__init__()
+        if unknown:
+            raise ConfigError(
+                f"lm-eval --model laplace: unknown model_args {', '.join(sorted(unknown))} (the laplace "
+                "model takes export, device, kernel, max_slots, compile, max_gen_toks, max_context, max_length, "
+                "rolling, add_bos_token, dtype, truncation, batch_size, max_batch_size)"
+            )
         if not export:
             raise ConfigError("lm-eval --model laplace: give --model_args export=PATH (an export directory)")
-        from laplace.runtime import resolve_device
-
-        device = str(device or "auto")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            # lm-eval's own default is cuda:0 whether or not the user asked: run where we can, and say so
-            log.warning("lm-eval asked for device %s but CUDA is not available: evaluating on %s", device, "cpu")
-            device = "cpu"
-        device = torch.device(device) if ":" in device else resolve_device(device)
-        # the default `engine:` shapes at max_slots, any prompt length (lm-eval's contexts are long)
-        params = dataclasses.replace(
-            EngineSection(),
-            max_slots=int(max_slots),
-            widths=[],
-            max_prompt_tokens=2**62,
-            prefix_cache_bytes=0,
-            max_context=int(max_context),
-        )
+        if _truthy(truncation):
+            raise ConfigError(
+                "lm-eval --model laplace: truncation=true is HFLM's tokenizer-side truncation at the tokenizer's "
+                "model_max_length, which a Laplace export does not have; give max_length (inputs are then "
+                "left-truncated as HFLM truncates them)"
+            )
+        self.max_length = _optional_int("max_length", max_length)
+        self.rolling = rolling or ("windows" if self.max_length else "document")
+        if self.rolling not in ROLLING:
+            raise ConfigError(f"lm-eval --model laplace: rolling={rolling!r} (choose windows or document)")
+        if self.rolling == "windows" and not self.max_length:
+            raise ConfigError("lm-eval --model laplace: rolling=windows needs max_length (the window's tokens)")
+        if dtype not in (None, "", "auto") and dtype not in DTYPES:
+            raise ConfigError(f"lm-eval --model laplace: dtype={dtype!r} (choose auto, {', '.join(DTYPES)})")
+        self.add_special_tokens = None if add_bos_token in (None, "") else _truthy(add_bos_token)
         self.engine, self.tokenizer, self.config = DecodeEngine.from_export(
-            export, params, "padded", device=device, kernel=kernel, compiled=_truthy(compile)
+            export,
+            self._engine_params(slots_of(max_slots, batch_size, max_batch_size), max_context),
+            "padded",
+            device=torch_device(device),
+            dtype=DTYPES.get(dtype),
+            kernel=kernel,
+            compiled=_truthy(compile),
         )
         self.model = self.engine.model
         self.max_gen_toks = int(max_gen_toks)
@@ -99,6 +177,18 @@ class LaplaceHarnessLM(LM):
         self.start_id = start  # lm-eval's prefix_token_id: the tokenizer's BOS, else its EOS
         self.start_text = self.tokenizer.decode([start], skip_special_tokens=False)
 
+    @staticmethod
+    def _engine_params(max_slots: int, max_context) -> EngineSection:
+        """The default `engine:` shapes at max_slots, any prompt length (lm-eval's contexts are long)."""
+        return dataclasses.replace(
+            EngineSection(),
+            max_slots=max_slots,
+            widths=[],
+            max_prompt_tokens=2**62,
+            prefix_cache_bytes=0,
+            max_context=int(max_context),
+        )
+
     # -- tokens: as lm-eval's HFLM (lm_eval/models/huggingface.py tok_encode, api/model.py) -------------
 
     def encode(self, text: str) -> list[int]:
@@ -107,8 +197,10 @@ class LaplaceHarnessLM(LM):
 
     def tok_encode(self, text: str) -> list[int]:
         """HFLM.tok_encode: the tokenizer's own special tokens (its post-processor puts <s> first in
-        Llama layouts), none where the text already starts with the prefix token's text."""
-        return self.tokenizer.encode(text, add_special_tokens=not text.startswith(self.start_text)).ids
+        Llama layouts) or as add_bos_token says, none where the text already starts with the prefix
+        token's text."""
+        special = self.add_special_tokens if self.add_special_tokens is not None else True
+        return self.tokenizer.encode(text, add_special_tokens=special and not text.startswith(self.start_text)).ids
 
     def prompt_ids(self, context: str) -> list[int]:
         """A generation prompt as HFLM encodes it; the prefix token alone for an empty context."""
@@ -156,12 +248,37 @@ class LaplaceHarnessLM(LM):
             out.extend(zip(totals, greedy))
         return out
 
+    def truncated(self, prompt: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
+        """HFLM's left-truncation at max_length: the last max_length + 1 tokens of prompt +
+        continuation (the last one is only predicted) are kept; nothing without max_length."""
+        keep = self.max_length and self.max_length + 1 - len(continuation)
+        if not keep:
+            return prompt, continuation
+        if keep < 1:
+            raise ConfigError(
+                f"lm-eval --model laplace: a continuation of {len(continuation)} tokens does not fit "
+                f"max_length={self.max_length}"
+            )
+        return prompt[-keep:], continuation
+
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        return self.score([self.encode_pair(*req.args) for req in requests])
+        return self.score([self.truncated(*self.encode_pair(*req.args)) for req in requests])
+
+    def rolling_pairs(self, text: str) -> list[tuple[list[int], list[int]]]:
+        """The (context, continuation) pairs whose scores sum to one text's rolling log-likelihood:
+        lm-eval's own windows over the text as HFLM encodes it (rolling=windows), or the whole text
+        after the start token (rolling=document)."""
+        if self.rolling == "document":
+            return [([self.start_id], self.encode(text))]
+        windows = get_rolling_token_windows(
+            token_list=self.tok_encode(text), prefix_token=self.start_id, max_seq_len=self.max_length, context_len=1
+        )
+        return [make_disjoint_window(window) for window in windows]
 
     def loglikelihood_rolling(self, requests) -> list[float]:
-        pairs = [([self.start_id], self.encode(req.args[0])) for req in requests]
-        return [total for total, _ in self.score(pairs)]
+        per_text = [self.rolling_pairs(req.args[0]) for req in requests]
+        scores = iter(total for total, _ in self.score([pair for pairs in per_text for pair in pairs]))
+        return [sum(next(scores) for _ in pairs) for pairs in per_text]
 
     def generate_until(self, requests) -> list[str]:
         batch, stops = [], []
@@ -170,11 +287,15 @@ class LaplaceHarnessLM(LM):
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             stops.append(until)
+            max_gen = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            prompt = self.prompt_ids(context)
+            if self.max_length:  # HFLM's left-truncation: room for max_gen_toks within max_length
+                prompt = prompt[-max(1, self.max_length - max_gen) :]
             batch.append(
                 Request(
                     n,
-                    self.prompt_ids(context),
-                    int(kwargs.get("max_gen_toks", self.max_gen_toks)),
+                    prompt,
+                    max_gen,
                     temperature=0.0,
                     stop_ids=() if self.eos_id is None else (self.eos_id,),
                 )
