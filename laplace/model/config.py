@@ -15,6 +15,8 @@ from laplace.errors import ConfigError
 
 # fla 0.6's AttentionSpec defaults (fla/models/configuration_utils.py, parse_attention_config)
 ATTN_DEFAULTS = {"qkv_bias": False, "window_size": None, "rope_theta": 10000.0}
+# fla 0.6's GatedDeltaNetConfig defaults for what a Gated DeltaNet layer is (laplace.model.gated_deltanet)
+GDN_DEFAULTS = {"num_heads": 6, "head_dim": 256, "num_v_heads": None, "expand_v": 2.0, "allow_neg_eigval": False}
 
 
 def _doc(default=dataclasses.MISSING, doc: str = ""):
@@ -24,7 +26,7 @@ def _doc(default=dataclasses.MISSING, doc: str = ""):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a GLA language model, or a hybrid / softmax one (fla conventions)."""
+    """Architecture of a GLA language model, or a Gated DeltaNet / hybrid / softmax one (fla conventions)."""
 
     vocab_size: int = _doc(doc="empty: the preset's, else the tokenizer's")
     d_model: int = _doc(doc="hidden size")
@@ -55,12 +57,18 @@ class ModelConfig:
         "softmax attention layers, fla's AttentionSpec: {layers: [i, ...], num_heads: H, num_kv_heads: H, "
         "qkv_bias: false, window_size: null, rope_theta: 10000.0} or a list of them; null: every layer GLA",
     )
+    gdn: Any = _doc(
+        None,
+        "Gated DeltaNet layers (fla's gated_deltanet): {layers: [i, ...], num_heads: 6, head_dim: 256, "
+        "num_v_heads: null (= num_heads; more: GVA), expand_v: 2.0, allow_neg_eigval: false}; they share "
+        "use_short_conv, conv_size, norm_eps, chunk_size and segment_len; null: none",
+    )
     # How the GLA core runs, not what the model is (laplace.model.kernels). Left out of exports
     # and of the training run's fingerprint.
     kernel: str = _doc(
         "auto",
-        "the GLA core: torch (plain PyTorch, any device) | fla (flash-linear-attention's Triton kernels: CUDA, "
-        "pip install 'laplace[cuda]') | auto (fla on CUDA when installed, else torch)",
+        "the GLA and Gated DeltaNet cores: torch (plain PyTorch, any device) | fla (flash-linear-attention's "
+        "Triton kernels: CUDA, pip install 'laplace[cuda]') | auto (fla on CUDA when installed, else torch)",
     )
 
     @property
@@ -101,16 +109,34 @@ class ModelConfig:
         return tuple(sorted(i for s in self.attn_specs for i in s["layers"]))
 
     @property
+    def gdn_spec(self) -> dict | None:
+        """The Gated DeltaNet spec with fla's defaults filled in, or None."""
+        return None if self.gdn is None else {**GDN_DEFAULTS, **self.gdn}
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return () if self.gdn is None else tuple(sorted(self.gdn["layers"]))
+
+    @property
     def gla_layers(self) -> tuple[int, ...]:
-        attn = set(self.attn_layers)
-        return tuple(i for i in range(self.n_layers) if i not in attn)
+        other = set(self.attn_layers) | set(self.gdn_layers)
+        return tuple(i for i in range(self.n_layers) if i not in other)
+
+    def gdn_dims(self) -> dict[str, int]:
+        """Gated DeltaNet sizes: H (query/key heads), HV (value heads), Kh, Vh (per head), K, V (total)."""
+        spec = self.gdn_spec
+        H, Kh = spec["num_heads"], spec["head_dim"]
+        HV = spec["num_v_heads"] or H
+        Vh = int(Kh * spec["expand_v"])
+        return {"H": H, "HV": HV, "Kh": Kh, "Vh": Vh, "K": H * Kh, "V": HV * Vh}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def architecture(self) -> dict:
-        """Every field that decides the weights and the function they compute (not `kernel`)."""
-        return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
+        """Every field that decides the weights and the function they compute (not `kernel`; not
+        `gdn` when null, so models and runs from before it existed keep their fingerprints)."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS and not (k == "gdn" and v is None)}
 
 
 def attn_every(n_layers: int, every: int, num_heads: int, **spec) -> dict:
@@ -120,6 +146,9 @@ def attn_every(n_layers: int, every: int, num_heads: int, **spec) -> dict:
 
 
 _TINY = dict(vocab_size=0, d_model=256, n_layers=4, n_heads=4, chunk_size=64)
+# Gated DeltaNet at GLA's key and value widths (tiny: K = 128, V = 256; 3B: K = 1536, V = 3072)
+_TINY_GDN = {"num_heads": 2, "head_dim": 64, "expand_v": 2.0}
+_3B_GDN = {"num_heads": 6, "head_dim": 256, "expand_v": 2.0}
 _SMALL = dict(vocab_size=0, d_model=768, n_layers=12, n_heads=6, chunk_size=64)
 _3B = dict(vocab_size=50304, d_model=3072, n_layers=24, n_heads=16, chunk_size=128, dtype="bfloat16")
 
@@ -141,6 +170,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "laplace-3b-hybrid-7to1": {**_3B, "attn": attn_every(24, 8, num_heads=24, num_kv_heads=8)},
     # one attention layer (the last) beside 23 GLA layers: the m-a-p 24:1 ratio in 24 layers
     "laplace-3b-hybrid-24to1": {**_3B, "attn": attn_every(24, 24, num_heads=24, num_kv_heads=8)},
+    # Gated DeltaNet (issue 44): every layer, or beside one attention layer in four / eight
+    "tiny-gdn": {**_TINY, "gdn": {"layers": list(range(4)), **_TINY_GDN}},
+    "tiny-gdn-hybrid": {**_TINY, "attn": attn_every(4, 4, num_heads=4), "gdn": {"layers": [0, 1, 2], **_TINY_GDN}},
+    "laplace-3b-gdn": {**_3B, "gdn": {"layers": list(range(24)), **_3B_GDN}},
+    "laplace-3b-gdn-hybrid-7to1": {
+        **_3B,
+        "attn": attn_every(24, 8, num_heads=24, num_kv_heads=8),
+        "gdn": {"layers": [i for i in range(24) if i % 8 != 7], **_3B_GDN},
+    },
 }
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -247,6 +285,44 @@ def _check_attention(m: ModelConfig, prefix: str) -> None:
             )
 
 
+def _check_gdn(m: ModelConfig, prefix: str) -> None:
+    """What fla's GatedDeltaNet refuses or asserts, one line naming the key; and no layer both
+    attention and Gated DeltaNet."""
+    if m.gdn is None:
+        return
+    where = f"{prefix}.gdn"
+    if not isinstance(m.gdn, dict):
+        raise ConfigError(f"{where}: must be a mapping {{layers: [...], num_heads: ..}} or null, got {m.gdn!r}")
+    unknown = sorted(set(m.gdn) - {"layers", *GDN_DEFAULTS})
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: not a Gated DeltaNet field Laplace implements")
+    layers = m.gdn.get("layers")
+    if not isinstance(layers, (list, tuple)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < m.n_layers for i in layers
+    ):
+        raise ConfigError(f"{where}.layers: a list of layer indices in [0, {m.n_layers}), got {layers!r}")
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"{where}.layers: duplicate layer in {layers!r}")
+    both = sorted(set(layers) & set(m.attn_layers))
+    if both:
+        raise ConfigError(f"{where}.layers: layer {both[0]} is also an attention layer (model.attn)")
+    spec = m.gdn_spec
+    for key in ("num_heads", "head_dim") + (("num_v_heads",) if spec["num_v_heads"] is not None else ()):
+        value = spec[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{where}.{key}: must be a positive integer, got {value!r}")
+    expand = spec["expand_v"]
+    if isinstance(expand, bool) or not isinstance(expand, (int, float)) or not expand > 0:
+        raise ConfigError(f"{where}.expand_v: must be > 0, got {expand!r}")
+    if not float(spec["head_dim"] * expand).is_integer():
+        raise ConfigError(f"{where}.expand_v: head_dim * expand_v = {spec['head_dim'] * expand} is not an integer")
+    H, HV = spec["num_heads"], spec["num_v_heads"] or spec["num_heads"]
+    if HV % H:
+        raise ConfigError(f"{where}.num_v_heads: {HV} is not a multiple of num_heads={H} (GVA)")
+    if not isinstance(spec["allow_neg_eigval"], bool):
+        raise ConfigError(f"{where}.allow_neg_eigval: must be a Boolean, got {spec['allow_neg_eigval']!r}")
+
+
 def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
     def bad(key: str, why: str):
         raise ConfigError(f"{prefix}.{key}: {why}")
@@ -290,8 +366,11 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
     if m.dtype not in MODEL_DTYPES:
         bad("dtype", f"must be one of {', '.join(MODEL_DTYPES)}, got {m.dtype!r}")
     _check_attention(m, prefix)
+    _check_gdn(m, prefix)
     if m.attn is not None:  # fla's normal form (defaults filled, lists): exports and fingerprints agree
         m = dataclasses.replace(m, attn=parse_attention_config(m.attn, m.n_layers))
+    if m.gdn is not None:  # the same for the Gated DeltaNet spec
+        m = dataclasses.replace(m, gdn={**m.gdn_spec, "layers": list(m.gdn["layers"])})
     return m
 
 
@@ -305,6 +384,8 @@ def preset_model_config(name: str, **overrides) -> ModelConfig:
 
 
 def architecture_family(cfg: ModelConfig) -> str:
-    """gla (no softmax attention layer), softmax (every layer attention) or hybrid (some of each)."""
-    attn = len(cfg.attn_layers)
-    return "gla" if attn == 0 else "softmax" if attn == cfg.n_layers else "hybrid"
+    """gla (every layer GLA), gated_deltanet (every layer Gated DeltaNet), softmax (every layer
+    attention) or hybrid (more than one kind)."""
+    counts = {"gla": len(cfg.gla_layers), "gated_deltanet": len(cfg.gdn_layers), "softmax": len(cfg.attn_layers)}
+    kinds = [name for name, n in counts.items() if n]
+    return kinds[0] if len(kinds) == 1 else "hybrid"

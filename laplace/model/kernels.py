@@ -1,4 +1,4 @@
-"""The GLA core behind a switch: `model.kernel: auto | torch | fla`.
+"""The GLA and Gated DeltaNet cores behind a switch: `model.kernel: auto | torch | fla`.
 
 - `torch`: laplace.model.gla (chunk_gla for training and prefill, gla_step for decode): plain
   PyTorch, runs anywhere (CPU, CUDA, Trainium), and is the oracle the tests trust.
@@ -10,6 +10,10 @@ Both compute the same function: the same [B, T, H, K] / [B, H, K, V] layouts (fl
 gate clamped at the same floor (`min_log_decay`, where the torch chunked form is exact), the
 same scale (K^-1/2 by default, applied to q), an fp32 state, and right padding (`lengths`)
 made an exact no-op by zeroing k, v and g past each row's length.
+
+Gated DeltaNet goes the same way (`gdn_chunk`, `gdn_step`): laplace.model.gated_deltanet, or fla's
+chunk_gated_delta_rule / fused_recurrent_gated_delta_rule on q and k the layer has already
+L2-normalised, beta after its sigmoid and g in log space (so fla computes the same function).
 
 fla's entry points are `torch.compiler.disable`d Python, which would break a
 `torch.compile(fullgraph=True)` graph. So they are wrapped as torch.library custom ops
@@ -30,6 +34,7 @@ from torch import Tensor
 
 from laplace.errors import ConfigError
 from laplace.model.config import KERNELS
+from laplace.model.gated_deltanet import chunk_gated_delta_rule, gated_delta_step
 from laplace.model.gla import accum_dtype, chunk_gla, gla_step, min_log_decay
 
 FLA_EXTRA = "pip install 'laplace[cuda]'"
@@ -274,3 +279,190 @@ def step(
     if kernel == "torch":
         return _torch_step(q, k, v, g, state, scale, sub_chunk_size)
     return gla_step_op(q, k, v, g, state, scale, sub_chunk_size, kernel)
+
+
+# --------------------------------------------------------------------------- Gated DeltaNet
+
+
+def _torch_gdn_chunk(q, k, v, g, beta, initial_state, lengths, scale, chunk_size, segment_len):
+    return chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        lengths=lengths,
+        chunk_size=chunk_size,
+        segment_len=segment_len,
+    )
+
+
+def _torch_gdn_step(q, k, v, g, beta, state, scale):
+    return gated_delta_step(q, k, v, g, beta, state, scale)
+
+
+def _fla_gdn_chunk(q, k, v, g, beta, initial_state, lengths, scale, chunk_size, segment_len):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    if lengths is not None:  # padding writes nothing (beta 0) and decays nothing (g 0)
+        real = (torch.arange(k.shape[1], device=k.device) < lengths.unsqueeze(-1))[:, :, None]
+        k = torch.where(real[..., None], k, 0.0)
+        v = torch.where(real[..., None], v, 0.0)
+        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
+    dtype = v.dtype  # fla wants q, k, v and beta in one dtype; the gate and the state in fp32
+    o, final = fla_chunk(
+        q.to(dtype),
+        k.to(dtype),
+        v,
+        g.float(),
+        beta.to(dtype),
+        scale=scale,
+        initial_state=initial_state.float(),
+        output_final_state=True,
+    )
+    return o.to(v.dtype), final
+
+
+def _fla_gdn_step(q, k, v, g, beta, state, scale):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    dtype = v.dtype
+    o, final = fused_recurrent_gated_delta_rule(
+        q.to(dtype).unsqueeze(1),
+        k.to(dtype).unsqueeze(1),
+        v.unsqueeze(1),
+        g=g.float().unsqueeze(1),
+        beta=beta.to(dtype).unsqueeze(1),
+        scale=scale,
+        initial_state=state.float(),
+        output_final_state=True,
+    )
+    return o[:, 0].to(state.dtype), final.to(state.dtype)
+
+
+GDN_OP_IMPLS = {"torch": (_torch_gdn_chunk, _torch_gdn_step), "fla": (_fla_gdn_chunk, _fla_gdn_step)}
+
+
+@torch.library.custom_op("laplace::gdn_chunk", mutates_args=())
+def gdn_chunk_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor,
+    lengths: Tensor | None,
+    scale: float,
+    chunk_size: int,
+    segment_len: int,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    """Chunked gated delta rule through GDN_OP_IMPLS[impl]: (o [B,T,HV,V] in v's dtype, final state)."""
+    o, final = GDN_OP_IMPLS[impl][0](q, k, v, g, beta, initial_state, lengths, scale, chunk_size, segment_len)
+    return o.contiguous(), final.clone() if final is initial_state else final.contiguous()
+
+
+@gdn_chunk_op.register_fake
+def _(q, k, v, g, beta, initial_state, lengths, scale, chunk_size, segment_len, impl):
+    B, T, HV, V = v.shape
+    return v.new_empty(B, T, HV, V), q.new_empty(B, HV, q.shape[-1], V, dtype=accum_dtype(q, k, v, g, beta))
+
+
+@torch.library.custom_op("laplace::gdn_chunk_backward", mutates_args=())
+def gdn_chunk_backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor,
+    lengths: Tensor | None,
+    grad_o: Tensor,
+    grad_final: Tensor,
+    scale: float,
+    chunk_size: int,
+    segment_len: int,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta, d initial_state): the forward recomputed under enable_grad, then the
+    implementation's own backward (fla: its Triton kernels), as gla_chunk_backward_op does."""
+    chunk = GDN_OP_IMPLS[impl][0]
+    inputs = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, initial_state)]
+    with _autograd_inside_an_op(), torch.enable_grad():
+        o, final = chunk(*inputs, lengths, scale, chunk_size, segment_len)
+        grads = torch.autograd.grad((o, final), inputs, (grad_o, grad_final), allow_unused=True)
+    return tuple(torch.zeros_like(x) if d is None else d.to(x.dtype).contiguous() for x, d in zip(inputs, grads))
+
+
+@gdn_chunk_backward_op.register_fake
+def _(q, k, v, g, beta, initial_state, lengths, grad_o, grad_final, scale, chunk_size, segment_len, impl):
+    return tuple(torch.empty_like(x) for x in (q, k, v, g, beta, initial_state))
+
+
+def _setup_gdn_chunk(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, lengths, scale, chunk_size, segment_len, impl = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, lengths)
+    ctx.settings = (scale, chunk_size, segment_len, impl)
+
+
+def _gdn_chunk_backward(ctx, grad_o, grad_final):
+    q, k, v, g, beta, initial_state, lengths = ctx.saved_tensors
+    grad_o = torch.zeros_like(v) if grad_o is None else grad_o
+    grad_final = torch.zeros_like(initial_state) if grad_final is None else grad_final
+    grads = gdn_chunk_backward_op(
+        q, k, v, g, beta, initial_state, lengths, grad_o.contiguous(), grad_final.contiguous(), *ctx.settings
+    )
+    return (*grads, None, None, None, None, None)
+
+
+gdn_chunk_op.register_autograd(_gdn_chunk_backward, setup_context=_setup_gdn_chunk)
+
+
+@torch.library.custom_op("laplace::gdn_step", mutates_args=())
+def gdn_step_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, scale: float, impl: str
+) -> tuple[Tensor, Tensor]:
+    """One decode token through GDN_OP_IMPLS[impl]: (o [B,HV,V] in the state's dtype, new state)."""
+    o, new_state = GDN_OP_IMPLS[impl][1](q, k, v, g, beta, state, scale)
+    return o.contiguous(), new_state.contiguous()
+
+
+@gdn_step_op.register_fake
+def _(q, k, v, g, beta, state, scale, impl):
+    return state.new_empty(state.shape[0], state.shape[1], state.shape[-1]), torch.empty_like(state)
+
+
+def gdn_chunk(
+    kernel: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    initial_state: Tensor | None,
+    lengths: Tensor | None,
+    chunk_size: int,
+    segment_len: int,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Chunked gated delta rule with a resolved kernel (`torch` or `fla`): (o in v's dtype, final state)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if kernel == "torch":
+        return _torch_gdn_chunk(q, k, v, g, beta, initial_state, lengths, scale, chunk_size, segment_len)
+    if initial_state is None:
+        B, _, HV, V = v.shape
+        initial_state = q.new_zeros(B, HV, q.shape[-1], V, dtype=torch.float32)
+    return gdn_chunk_op(q, k, v, g, beta, initial_state, lengths, scale, chunk_size, segment_len, kernel)
+
+
+def gdn_step(
+    kernel: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *, scale=None
+) -> tuple[Tensor, Tensor]:
+    """One decode token with a resolved kernel: (o [B,HV,V] in the state's dtype, new state)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if kernel == "torch":
+        return _torch_gdn_step(q, k, v, g, beta, state, scale)
+    return gdn_step_op(q, k, v, g, beta, state, scale, kernel)

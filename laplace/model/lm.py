@@ -1,4 +1,5 @@
-"""The GLA language model: embeddings, pre-norm blocks (GLA + SwiGLU), head, and its State.
+"""The GLA language model: embeddings, pre-norm blocks (GLA, Gated DeltaNet or attention + SwiGLU),
+head, and its State.
 
 Three entry points share the weights:
 - `forward(tokens)`: training, chunked GLA from a zero state.
@@ -23,7 +24,9 @@ from torch import Tensor, nn
 from laplace.model import kernels
 from laplace.model.attention import SoftmaxAttention
 from laplace.model.config import ModelConfig
+from laplace.model.gated_deltanet_layer import GatedDeltaNet, init_a_log, init_dt_bias
 from laplace.model.gla import accum_dtype
+from laplace.model.layers import RMSNorm, ShortConvolution, conv_init_bound
 from laplace.sharding import local_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -50,6 +53,9 @@ class State:
                of W (W is the widest layer's; every layer's when they share a spec). None for GLA.
     positions: [1, B] int64 tokens each sequence has consumed (None for a GLA model, whose state
                does not depend on where it is).
+    delta:     [L_gdn, B, HV, K/H, V/HV] the Gated DeltaNet layers' matrix state, fp32 (fp64 for
+               references); None without such layers.
+    delta_conv: [L_gdn, B, conv_size-1, 2K+V] their short convolutions' last inputs (GDN's K, V).
     """
 
     recurrent: Tensor
@@ -57,6 +63,8 @@ class State:
     keys: Tensor | None = None
     values: Tensor | None = None
     positions: Tensor | None = None
+    delta: Tensor | None = None
+    delta_conv: Tensor | None = None
 
     @classmethod
     def allocate(
@@ -85,7 +93,14 @@ class State:
             keys = torch.zeros(shape, device=device, dtype=dtype)
             values = torch.zeros(shape, device=device, dtype=dtype)
             positions = torch.zeros(1, batch, device=device, dtype=torch.long)
-        return cls(rec, conv, keys, values, positions)
+        delta = delta_conv = None
+        if cfg.gdn_layers:
+            d, n_gdn = cfg.gdn_dims(), len(cfg.gdn_layers)
+            delta = torch.zeros(n_gdn, batch, d["HV"], d["Kh"], d["Vh"], device=device, dtype=state_dtype)
+            if cfg.use_short_conv:
+                width = 2 * d["K"] + d["V"]
+                delta_conv = torch.zeros(n_gdn, batch, cfg.conv_size - 1, width, device=device, dtype=dtype)
+        return cls(rec, conv, keys, values, positions, delta, delta_conv)
 
     @property
     def batch_size(self) -> int:
@@ -97,8 +112,9 @@ class State:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the fixed-size state tensors (recurrent and conv; the K/V cache apart)."""
-        return sum(_bytes(t) for t in (self.recurrent, self.conv))
+        """Bytes held by the fixed-size state tensors (matrix states and convolution caches of GLA and
+        Gated DeltaNet layers; the K/V cache apart)."""
+        return sum(_bytes(t) for t in (self.recurrent, self.conv, self.delta, self.delta_conv))
 
     @property
     def kv_nbytes(self) -> int:
@@ -160,8 +176,9 @@ def kv_width(cfg: ModelConfig) -> int:
 
 
 def analytic_state_bytes(cfg: ModelConfig, dtype: torch.dtype | None = None) -> int:
-    """The formula behind State.allocate's fixed-size part, per sequence, over the GLA layers:
-    L_gla*H*(K/H)*(V/H)*4 + L_gla*(conv-1)*(2K+V)*itemsize."""
+    """The formula behind State.allocate's fixed-size part, per sequence: over the GLA layers
+    L_gla*H*(K/H)*(V/H)*4 + L_gla*(conv-1)*(2K+V)*itemsize, and over the Gated DeltaNet layers
+    L_gdn*HV*(K/H)*(V/HV)*4 + L_gdn*(conv-1)*(2K+V)*itemsize with their own K and V."""
     dtype = dtype or torch_dtype(cfg.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     rec_itemsize = 8 if dtype == torch.float64 else 4
@@ -169,6 +186,11 @@ def analytic_state_bytes(cfg: ModelConfig, dtype: torch.dtype | None = None) -> 
     total = n_gla * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim * rec_itemsize
     if cfg.use_short_conv:
         total += n_gla * (cfg.conv_size - 1) * (2 * cfg.key_dim + cfg.value_dim) * itemsize
+    if cfg.gdn_layers:
+        d, n_gdn = cfg.gdn_dims(), len(cfg.gdn_layers)
+        total += n_gdn * d["HV"] * d["Kh"] * d["Vh"] * rec_itemsize
+        if cfg.use_short_conv:
+            total += n_gdn * (cfg.conv_size - 1) * (2 * d["K"] + d["V"]) * itemsize
     return total
 
 
@@ -194,13 +216,13 @@ def kv_cache_bytes(cfg: ModelConfig, tokens: int, bytes_per_value: int = 2) -> i
     return 2 * cfg.n_layers * tokens * cfg.d_model * bytes_per_value
 
 
+# The State fields of each kind of fixed-state layer: (matrix states, short-convolution caches)
+GLA_FIELDS = ("recurrent", "conv")
+GDN_FIELDS = ("delta", "delta_conv")
+
 # --------------------------------------------------------------------------- initialisation
 
 _INIT_BLOCK_VALUES = 1 << 16  # each block of rows draws from its own generator
-
-
-def conv_init_bound(kernel_size: int) -> float:
-    return 1.0 / math.sqrt(kernel_size)
 
 
 def _block_seed(base: int, name: str, block: int) -> int:
@@ -229,49 +251,6 @@ def _seeded_fill_(p: Tensor, base: int, name: str, draw) -> None:
 
 
 # --------------------------------------------------------------------------- layers
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(y.dtype)).to(x.dtype)
-
-
-class ShortConvolution(nn.Module):
-    """Depthwise causal convolution + SiLU over [B, T, C], continuing from a cache of past inputs."""
-
-    def __init__(self, channels: int, kernel_size: int):
-        super().__init__()
-        self.kernel_size = kernel_size
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """nn.Conv1d's default: uniform in +-1/sqrt(fan_in), fan_in = kernel_size (depthwise)."""
-        if not self.weight.is_meta:
-            bound = conv_init_bound(self.kernel_size)
-            local_rows(self.weight)[0].uniform_(-bound, bound)
-
-    def forward(self, x: Tensor, cache: Tensor | None, lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        B, T, C = x.shape
-        K = self.kernel_size
-        if cache is None:
-            cache = x.new_zeros(B, K - 1, C)
-        window = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
-        y = F.conv1d(window.transpose(1, 2), self.weight.to(x.dtype), groups=C).transpose(1, 2)
-        if lengths is None:
-            new_cache = window[:, T:]
-        else:  # the last K-1 real inputs: window positions lengths .. lengths+K-2
-            idx = lengths.view(B, 1) + torch.arange(K - 1, device=x.device)
-            new_cache = window.gather(1, idx.unsqueeze(-1).expand(B, K - 1, C))
-        return F.silu(y), new_cache
 
 
 class GatedLinearAttention(nn.Module):
@@ -376,20 +355,24 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: a token mixer (GLA, or softmax attention where `attn` names the layer:
-    fla's GLABlock with get_attention) and a SwiGLU MLP."""
+    """Pre-norm block: a token mixer (GLA; softmax attention where `attn` names the layer, as fla's
+    GLABlock with get_attention; Gated DeltaNet where `gdn` names it) and a SwiGLU MLP."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         spec = cfg.attention_spec(layer)
         self.is_attention = spec is not None
+        self.is_delta = layer in cfg.gdn_layers  # its state lives in State.delta / delta_conv
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = SoftmaxAttention(cfg, spec) if spec is not None else GatedLinearAttention(cfg)
+        if spec is not None:
+            self.attn = SoftmaxAttention(cfg, spec)
+        else:
+            self.attn = GatedDeltaNet(cfg) if self.is_delta else GatedLinearAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
     def forward(self, x, recurrent=None, conv=None, lengths=None, step: bool = False, kv=None):
-        """GLA: (x, recurrent, conv) in, (x, new recurrent, new conv) out. Attention: `kv` =
+        """GLA and Gated DeltaNet: (x, matrix state, conv) in, (x, new state, new conv) out. Attention: `kv` =
         (keys, values, rows, positions) of the cache (None: the full forward from position 0),
         updated in place; returns (x, None, None)."""
         h = self.attn_norm(x)
@@ -452,6 +435,10 @@ class LaplaceLM(nn.Module):
                 local_rows(p)[0].fill_(1.0)
             elif name.endswith("gk_proj.1.bias"):
                 local_rows(p)[0].fill_(cfg.gate_bias_init)
+            elif name.endswith("attn.A_log"):
+                _seeded_fill_(p, base, name, init_a_log)
+            elif name.endswith("attn.dt_bias"):
+                _seeded_fill_(p, base, name, init_dt_bias)
             else:
                 local_rows(p)[0].zero_()
 
@@ -480,18 +467,8 @@ class LaplaceLM(nn.Module):
         from the state rows `slots` (all rows if None) and writing them back.
         Returns the logits at each row's last real token [B, vocab] (or all [B, T, vocab])."""
         x = self.embed(tokens)
-        rec, conv = self._read(state, slots)
         rows, start = self._rows(state, slots, tokens)
-        new_rec, new_conv = [], []
-        for block, kv in self._layers(state, rows, start):
-            if block.is_attention:
-                x, _, _ = block(x, lengths=lengths, kv=kv)
-                continue
-            g = len(new_rec)
-            x, S, c = block(x, rec[g], None if conv is None else conv[g], lengths)
-            new_rec.append(S)
-            new_conv.append(c)
-        self._write(state, slots, new_rec, new_conv)
+        x = self._mix(x, state, slots, rows, start, lengths=lengths, step=False)
         if state.positions is not None:
             consumed = torch.full_like(start, tokens.shape[1]) if lengths is None else lengths
             state.positions.index_copy_(1, rows, (start + consumed).view(1, -1))
@@ -506,21 +483,30 @@ class LaplaceLM(nn.Module):
     def decode_step(self, tokens: Tensor, state: State, slots: Tensor | None = None) -> Tensor:
         """One token per row: tokens [B] -> logits [B, vocab]; reads and writes state rows `slots`."""
         x = self.embed(tokens).unsqueeze(1)
-        rec, conv = self._read(state, slots)
         rows, start = self._rows(state, slots, tokens)
-        new_rec, new_conv = [], []
-        for block, kv in self._layers(state, rows, start):
-            if block.is_attention:
-                x, _, _ = block(x, step=True, kv=kv)
-                continue
-            g = len(new_rec)
-            x, S, c = block(x, rec[g], None if conv is None else conv[g], step=True)
-            new_rec.append(S)
-            new_conv.append(c)
-        self._write(state, slots, new_rec, new_conv)
+        x = self._mix(x, state, slots, rows, start, lengths=None, step=True)
         if state.positions is not None:
             state.positions.index_copy_(1, rows, (start + 1).view(1, -1))
         return self._logits(x[:, 0])
+
+    def _mix(self, x, state: State, slots, rows, start, lengths, step: bool) -> Tensor:
+        """Every block over x from the state rows `slots`, the new states written back. The i-th GLA
+        layer owns recurrent[i] / conv[i], the i-th Gated DeltaNet layer delta[i] / delta_conv[i]."""
+        read = {fields: self._read(state, slots, fields) for fields in (GLA_FIELDS, GDN_FIELDS)}
+        new = {GLA_FIELDS: ([], []), GDN_FIELDS: ([], [])}
+        for block, kv in self._layers(state, rows, start):
+            if block.is_attention:
+                x, _, _ = block(x, lengths=lengths, step=step, kv=kv)
+                continue
+            fields = GDN_FIELDS if block.is_delta else GLA_FIELDS
+            (rec, conv), (new_rec, new_conv) = read[fields], new[fields]
+            i = len(new_rec)
+            x, S, c = block(x, rec[i], None if conv is None else conv[i], lengths, step=step)
+            new_rec.append(S)
+            new_conv.append(c)
+        for fields, (new_rec, new_conv) in new.items():
+            self._write(state, slots, fields, new_rec, new_conv)
+        return x
 
     @staticmethod
     def _rows(state: State, slots: Tensor | None, tokens: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -541,27 +527,28 @@ class LaplaceLM(nn.Module):
                 yield block, None
 
     @staticmethod
-    def _read(state: State, slots: Tensor | None):
+    def _read(state: State, slots: Tensor | None, fields: tuple[str, str]):
+        """(matrix states, conv caches) of one kind of layer, rows `slots` (None: absent)."""
+        out = [getattr(state, name) for name in fields]
         if slots is None:
-            return state.recurrent, state.conv
-        conv = None if state.conv is None else state.conv.index_select(1, slots)
-        return state.recurrent.index_select(1, slots), conv
+            return tuple(out)
+        return tuple(None if t is None else t.index_select(1, slots) for t in out)
 
     @staticmethod
-    def _write(state: State, slots: Tensor | None, rec: list[Tensor], conv: list[Tensor | None]) -> None:
-        if not rec:  # a softmax model: no GLA layer, no recurrent state
+    def _write(
+        state: State, slots: Tensor | None, fields: tuple[str, str], rec: list[Tensor], conv: list[Tensor | None]
+    ) -> None:
+        if not rec:  # no layer of this kind
             return
-        rec_t = torch.stack(rec).to(state.recurrent.dtype)
-        if slots is None:
-            state.recurrent.copy_(rec_t)
-        else:
-            state.recurrent.index_copy_(1, slots, rec_t)
-        if state.conv is not None:
-            conv_t = torch.stack(conv).to(state.conv.dtype)
+        for name, new in zip(fields, (rec, conv)):
+            target = getattr(state, name)
+            if target is None:
+                continue
+            new_t = torch.stack(new).to(target.dtype)
             if slots is None:
-                state.conv.copy_(conv_t)
+                target.copy_(new_t)
             else:
-                state.conv.index_copy_(1, slots, conv_t)
+                target.index_copy_(1, slots, new_t)
 
     def allocate_state(
         self, batch: int, device=None, dtype: torch.dtype | None = None, max_context: int | None = None
