@@ -191,3 +191,14 @@ def test_the_layer_computes_its_gates_in_fp32_under_bf16():
     q, k, v, g, beta, _ = layer._inputs(x, None, None)
     assert g.dtype == beta.dtype == q.dtype == torch.float32 and v.dtype == torch.bfloat16
     assert torch.allclose(q.norm(dim=-1), torch.ones(()), atol=1e-5)
+
+
+def test_info_reports_the_gdn_state_beside_the_kv_cache():
+    from laplace.model.facts import model_facts
+
+    facts = model_facts(preset_model_config("tiny-gdn", vocab_size=4096))
+    assert facts["gdn_layers"] == [0, 1, 2, 3] and facts["gla_layers"] == []
+    assert facts["state_delta_bytes"] == 4 * 2 * 64 * 128 * 4
+    assert facts["state_delta_conv_bytes"] == 4 * 3 * (2 * 128 + 256) * 4
+    assert facts["state_bytes_per_sequence"] == facts["state_delta_bytes"] + facts["state_delta_conv_bytes"]
+    assert facts["state_vs_kv_8192"] == facts["kv_cache_bytes_8192"] / 286_720

@@ -271,8 +271,14 @@ def _print_info(facts: dict, as_json: bool) -> None:
     )
     if facts["state_vs_kv_8192"] is not None:
         print(f"  KV / state              {facts['state_vs_kv_8192']:.1f}x")
-    attn = facts["attn_layers"]
-    print(f"  layers                  {len(facts['gla_layers'])} GLA, {len(attn)} softmax attention {attn or ''}")
+    if facts.get("gdn_layers"):
+        print(
+            f"  Gated DeltaNet state    {facts['state_delta_bytes']:,} recurrent + "
+            f"{facts['state_delta_conv_bytes']:,} short-conv bytes"
+        )
+    attn, gdn = facts["attn_layers"], facts.get("gdn_layers", [])
+    kinds = f"{len(facts['gla_layers'])} GLA, " + (f"{len(gdn)} Gated DeltaNet {gdn}, " if gdn else "")
+    print(f"  layers                  {kinds}{len(attn)} softmax attention {attn or ''}")
     print("  per sequence            state bytes + KV bytes = total")
     for n, b in facts["per_sequence"].items():
         print(
