@@ -202,3 +202,30 @@ def test_info_reports_the_gdn_state_beside_the_kv_cache():
     assert facts["state_delta_conv_bytes"] == 4 * 3 * (2 * 128 + 256) * 4
     assert facts["state_bytes_per_sequence"] == facts["state_delta_bytes"] + facts["state_delta_conv_bytes"]
     assert facts["state_vs_kv_8192"] == facts["kv_cache_bytes_8192"] / 286_720
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_the_gradients(mode):
+    """The recompute reruns the same fp32 ops in the same order: gradients equal to ~1 ulp."""
+    from laplace.training.activation_checkpoint import apply_activation_checkpointing
+
+    tokens = torch.randint(0, 200, (2, 20), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for ac in ("none", mode):
+        torch.manual_seed(0)
+        model = LaplaceLM(mixed_config())
+        apply_activation_checkpointing(model, ac)
+        F.cross_entropy(model(tokens).reshape(-1, 200), tokens.reshape(-1)).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert rel_rms(grads[1][name], g) <= 1e-6, name
+
+
+def test_the_plan_probes_one_block_per_kind_of_layer():
+    from laplace.training.activations import _probe_config, activation_bytes
+
+    probe, which = _probe_config(mixed_config())
+    assert probe.gla_layers == (0,) and probe.gdn_layers == (1,) and probe.attn_layers == (2,)
+    assert which == [1, 2, 0, 1]  # layers 0 and 3 GDN, 1 attention, 2 GLA
+    out = activation_bytes(mixed_config(), micro_batch=1, seq_len=32, dtype=torch.float32)
+    assert out["peak_bytes"]["full"] < out["peak_bytes"]["none"] and out["attention_layers"] == 1

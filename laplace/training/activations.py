@@ -88,16 +88,18 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _probe_config(model_cfg: ModelConfig) -> tuple[ModelConfig, list[int]]:
-    """A model with one block of each kind `model_cfg` has (GLA, and one per attention spec), and
-    for each of its layers the probe block that stands for it."""
+    """A model with one block of each kind `model_cfg` has (GLA, Gated DeltaNet, and one per
+    attention spec), and for each of its layers the probe block that stands for it."""
     specs = model_cfg.attn_specs
-    kinds = ([None] if model_cfg.gla_layers else []) + specs
-    probe_attn = [{**spec, "layers": [i]} for i, spec in enumerate(kinds) if spec is not None]
-    probe = dataclasses.replace(model_cfg, n_layers=len(kinds), attn=probe_attn or None)
+    kinds = ([None] if model_cfg.gla_layers else []) + (["gdn"] if model_cfg.gdn_layers else []) + specs
+    probe_attn = [{**spec, "layers": [i]} for i, spec in enumerate(kinds) if isinstance(spec, dict)]
+    probe_gdn = {**model_cfg.gdn_spec, "layers": [kinds.index("gdn")]} if model_cfg.gdn_layers else None
+    probe = dataclasses.replace(model_cfg, n_layers=len(kinds), attn=probe_attn or None, gdn=probe_gdn)
     which = []
+    gdn_layers = set(model_cfg.gdn_layers)
     for layer in range(model_cfg.n_layers):
         spec = model_cfg.attention_spec(layer)
-        which.append(kinds.index(spec) if spec is not None else 0)
+        which.append(kinds.index(spec if spec is not None else "gdn" if layer in gdn_layers else None))
     return probe, which
 
 
