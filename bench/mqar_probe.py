@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from laplace.config import Config
     from laplace.evals.mqar import train_mqar
-    from laplace.evals.probes import _trained_recall
+    from laplace.evals.probes import trained_recall
 
     cfg = Config()
     cut = {"mqar_train_steps": args.steps, "mqar_contexts": args.contexts, "mqar_samples": args.samples}
     probes = dataclasses.replace(cfg.probes, **{k: v for k, v in cut.items() if v is not None})
     started = time.perf_counter()
     result = train_mqar(probes, seed=args.seed, progress=False)
-    recall = _trained_recall(result["trained_model"], cfg, probes, progress=False)
+    recall = trained_recall(result["trained_model"], cfg, probes, progress=False)
     seconds = time.perf_counter() - started
     acc = result["accuracy"]
     print_table(

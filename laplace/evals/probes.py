@@ -34,7 +34,7 @@ def _str_keys(obj):
     return obj
 
 
-def _trained_recall(model, cfg: Config, p, progress: bool) -> dict:
+def trained_recall(model, cfg: Config, p, progress: bool) -> dict:
     """The recall suite's MQAR on the probe-trained GLA, through a serving engine at the padded
     ladder widths (eager: a second set of compiled graphs would cost more than it shows), at its
     easiest pair count per length: the suite is seen to measure something on a model that can recall."""
@@ -220,7 +220,7 @@ def _trained_mqar(model, cfg: Config, progress: bool, seconds: dict[str, float],
     p = cfg.probes
     trained = _timed(seconds, "mqar_train_and_eval", lambda: train_mqar(p, p.seed, progress=progress, like=model.cfg))
     recall = _timed(
-        seconds, "mqar_trained_recall", lambda: _trained_recall(trained.pop("trained_model"), cfg, p, progress)
+        seconds, "mqar_trained_recall", lambda: trained_recall(trained.pop("trained_model"), cfg, p, progress)
     )
     metrics.update(recall)
     metrics.update(
