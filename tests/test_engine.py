@@ -32,10 +32,13 @@ def model(seed=0):
     return LaplaceLM(cfg).eval()
 
 
-def engine(m, *, max_slots=4, widths=None, buckets=(16, 32), compile_scope=None, exact=False):
+def engine(m, *, max_slots=4, widths=None, buckets=(16, 32), compile_scope=None, exact=False, max_prompt_tokens=None):
     shapes = dict(max_slots=max_slots, widths=list(widths or []), prefill_buckets=list(buckets))
     params = dataclasses.replace(
-        EngineSection(), **shapes, max_prompt_tokens=max(buckets), compile_scope=compile_scope or "block"
+        EngineSection(),
+        **shapes,
+        max_prompt_tokens=max_prompt_tokens or max(buckets),
+        compile_scope=compile_scope or "block",
     )
     params = dataclasses.replace(params, prefix_cache_bytes=0)
     return DecodeEngine(m, params, "exact" if exact else "padded", compiled=compile_scope is not None)
@@ -110,6 +113,27 @@ def test_prefill_pieces_and_long_prompts_through_the_bucket_graphs():
     # the scheduler takes the same long prompts, so generation has no prompt-length limit of its own
     alone = generate_ids(m, prompt.tolist(), 5)
     assert alone == naive_greedy(m, prompt.tolist(), 5)
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_others_decode():
+    """vLLM's chunked prefill: a prompt over the largest bucket takes one chunk (that bucket's
+    tokens) per engine step, each followed by a decode step of the requests already streaming, so
+    they keep producing tokens while it is prefilled; every output still equals the request alone."""
+    m = model()
+    eng = engine(m, max_slots=4, buckets=(16, 32), max_prompt_tokens=1000)
+    rng = np.random.default_rng(3)
+    streaming = [Request(i, rng.integers(0, VOCAB, 5).tolist(), 12) for i in range(2)]
+    long = Request(2, rng.integers(0, VOCAB, 150).tolist(), 3)
+    done = replay(eng, [*streaming, long])
+    chunks = [s for s in eng.scheduler.steps if s.kind == "prefill"][2:]  # after the two short prompts'
+    assert [c.width for c in chunks] == [32, 32, 32, 32, 32]  # 150 tokens: 4 x 32, then 22 in the 32 bucket
+    kinds = [s.kind for s in eng.scheduler.steps[2:12]]
+    assert kinds == ["prefill", "decode"] * 5  # each chunk followed by a decode step of the others
+    first_long = done[2].token_times[0]
+    for c in done[:2]:  # tokens streamed while the long prompt was prefilled: one per chunk but the last
+        assert sum(t < first_long for t in c.token_times) == 1 + 4
+    for req, c in zip([*streaming, long], done):
+        assert c.status == "done" and c.output_ids == generate_ids(m, req.prompt_ids, req.max_new_tokens), req.id
 
 
 def test_decode_pads_to_the_ladder_on_the_dummy_slot_and_equals_the_unpadded_rows():
@@ -249,7 +273,7 @@ def test_bad_requests_are_rejected_while_others_are_served():
     reasons = {rid: done[rid].reason for rid in range(100, 105)}
     assert all(done[rid].status == "rejected" for rid in reasons)
     assert reasons[100] == "empty prompt"
-    assert reasons[101] == "prompt has 33 tokens, the limit is 32"
+    assert reasons[101] == "prompt has 33 tokens, the limit is 32 (engine.max_prompt_tokens)"
     assert reasons[102] == "max_new_tokens must be > 0, got 0"
     assert "outside the vocabulary" in reasons[103]
     assert "temperature must be >= 0" in reasons[104]
@@ -295,11 +319,13 @@ def test_arrival_processes():
 @pytest.mark.slow
 def test_compiled_engine_never_compiles_after_warmup_and_exact_compiles_each_width():
     m = model()
-    padded = engine(m, max_slots=4, buckets=(32,), compile_scope="block")
+    padded = engine(m, max_slots=4, buckets=(32,), compile_scope="block", max_prompt_tokens=100)
     configure_compiler(padded.runner.graphs_needed() + 4)
     seconds = padded.runner.warmup()
     assert set(seconds["decode"]) == {1, 2, 4} and set(seconds["prefill"]) == {32}
-    requests = staggered(n=9)
+    # and a prompt of three chunks among them: prefilled between decode steps through the same graph
+    long_prompt = np.random.default_rng(5).integers(0, VOCAB, 90).tolist()
+    requests = staggered(n=9) + [Request(9, long_prompt, 3, arrival_s=0.002)]
     with torch.compiler.set_stance("fail_on_recompile"):
         done = replay(padded, requests)
     assert not any(s.compiled for s in padded.scheduler.steps)

@@ -168,7 +168,10 @@ def good_and_bad_requests(cfg, text, vocab: int):
     outside = f"is outside the vocabulary [0, {vocab})"
     bad = [
         (Request(0, [], 4), "empty prompt"),
-        (Request(0, [5] * (limit + 1), 4), f"prompt has {limit + 1} tokens, the limit is {limit}"),
+        (
+            Request(0, [5] * (limit + 1), 4),
+            f"prompt has {limit + 1} tokens, the limit is {limit} (engine.max_prompt_tokens)",
+        ),
         (Request(0, [5, vocab, 7], 4), f"prompt token id {vocab} at position 1 {outside}"),
         (Request(0, [-1, 5], 4), f"prompt token id -1 at position 0 {outside}"),
         (Request(0, [5, 2**40], 4), f"prompt token id {2**40} at position 1 {outside}"),

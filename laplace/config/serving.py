@@ -39,7 +39,12 @@ class EngineSection:
     max_slots: int = knob(8, positive, "concurrent sequences; one more (dummy) slot takes the padding rows")
     widths: list[int] = knob([], doc="decode width ladder; [] = powers of two up to max_slots ([1, 2, 4, 8] for 8)")
     prefill_buckets: list[int] = knob([64, 256], doc="prompts are right-padded to one of these lengths")
-    max_prompt_tokens: int = knob(256, positive, "longer prompts are rejected")
+    max_prompt_tokens: int = knob(
+        32768,
+        positive,
+        "longer prompts are rejected (400 naming this knob); one longer than the largest bucket is prefilled a "
+        "bucket per engine step, between the decode steps of the others (attention layers: max_context bounds it too)",
+    )
     max_queue: int = knob(64, positive, "requests that may wait for a slot; one more is rejected at once")
     prefix_cache_bytes: int = knob(
         64 << 20, non_negative, "state prefix cache: bytes of cached prompt-prefix states (LRU; 0 = off)"

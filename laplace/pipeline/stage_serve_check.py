@@ -100,6 +100,8 @@ def combine(cfg: Config, results: dict) -> tuple[dict, dict]:
     warm = results["padded"]["warm_start_report"]
     metrics["warm_start_loaded_from_cache"] = f"{warm['loaded_from_cache']}/{warm['graphs']}"
     metrics["prefix_cache"] = prefix_cache_figures(results["padded"]["prefix_cache"])
+    # chunked prefill: a long prompt's TTFT and the other streams' decode gaps with it and without it
+    metrics["long_prompt"] = results["padded"].get("long_prompt")
     exact_tps = metrics["exact"]["output_tokens_per_s"]
     metrics["padded_speedup_vs_exact"] = metrics["padded"]["output_tokens_per_s"] / exact_tps if exact_tps else None
     padded_compiles = sum(w["compile_events"] for w in results["padded"]["workloads"].values())

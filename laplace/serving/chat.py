@@ -215,7 +215,7 @@ class ChatService:
             raise ApiError(
                 400,
                 f"messages: the rendered prompt's {len(text):,} characters are more than {limit} tokens, "
-                f"the limit is {limit}",
+                f"the limit is {limit} (engine.max_prompt_tokens)",
                 "messages",
                 reason="prompt_too_long",
             )

@@ -191,7 +191,8 @@ class CompletionsService:
                 if keep is None and len(p) > limit * self.max_chars_per_token:
                     raise ApiError(
                         400,
-                        f"{where[i]}: {len(p):,} characters are more than {limit} tokens, the limit is {limit}",
+                        f"{where[i]}: {len(p):,} characters are more than {limit} tokens, the limit is {limit} "
+                        "(engine.max_prompt_tokens)",
                         "prompt",
                         reason="prompt_too_long",
                     )
@@ -200,7 +201,7 @@ class CompletionsService:
                 if keep is None and len(p) > limit:
                     raise ApiError(
                         400,
-                        f"{where[i]}: prompt has {len(p)} tokens, the limit is {limit}",
+                        f"{where[i]}: prompt has {len(p)} tokens, the limit is {limit} (engine.max_prompt_tokens)",
                         "prompt",
                         reason="prompt_too_long",
                     )

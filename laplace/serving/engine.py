@@ -16,7 +16,10 @@ cache; its first token is sampled there), then one decode step of every running 
 smallest ladder width that holds them (`padded` policy; `exact` decodes at the live count,
 compiling every new width on first sight, the stall the article measured; `eager` runs no
 compiler). A step's outputs (tokens, finished requests, a StepRecord) are handed to the
-scheduler. `complete` serves a batch to the end; `reset` forgets a workload.
+scheduler. A prompt longer than the largest prefill bucket is prefilled a chunk (one largest
+bucket of tokens) per step, between the decode steps of the others, as vLLM's chunked prefill
+does: a long prompt does not stall the streams already running, and no new shape is compiled.
+`complete` serves a batch to the end; `reset` forgets a workload.
 
 `DecodeEngine(model, params, policy)` is the one way to build an engine (from an export:
 `DecodeEngine.from_export`).
@@ -36,7 +39,7 @@ from laplace.model.kernels import resolve_kernel
 from laplace.model.lm import LaplaceLM
 from laplace.runtime import compile_backend, compiled_graph_count, configure_compiler
 from laplace.serving.cache_manager import CacheManager
-from laplace.serving.model_runner import DecodeBatch, ModelRunner, token_logprobs
+from laplace.serving.model_runner import DecodeBatch, ModelRunner, PrefillJob, token_logprobs
 from laplace.serving.sampling import stream_key
 from laplace.serving.scheduler import Completion, DecodePlan, Request, Running, Scheduler
 
@@ -133,6 +136,7 @@ class DecodeEngine:
         """Forget requests, timings and cached prefixes (compiled graphs stay), for the next workload."""
         self.cache.reset()
         self.scheduler.reset()
+        self.prefilling: list[tuple[Running, PrefillJob]] = []  # admitted, prompt not yet all prefilled
 
     def complete(self, requests: list[Request]) -> list[Completion]:
         """Serve a batch to the end, all arriving now (as many wait as the queue takes), decoding
@@ -151,9 +155,15 @@ class DecodeEngine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Admit queued requests into free slots (prefilling each), then one decode step.
-        A request whose prefill or decode step raises is finished as "failed" (its slot freed)
-        and the error propagates: a replay stops, a server answers those requests with an error."""
+        """Prefill the next chunk of each prompt still being prefilled, admit queued requests into
+        free slots (prefilling each: a prompt within one chunk whole), then one decode step of the
+        requests past their prefill. A request whose prefill or decode step raises is finished as
+        "failed" (its slot freed) and the error propagates: a replay stops, a server answers those
+        requests with an error."""
+        # a request cancelled mid-prefill has left its slot (maybe to another request already)
+        self.prefilling = [(row, job) for row, job in self.prefilling if row.completion.finished_s is None]
+        for row, job in list(self.prefilling):
+            self._prefill_chunk(row, job)
         while (req := self.scheduler.next_admission(self.cache.free_slots)) is not None:
             self._prefill_request(req)
         if (plan := self.scheduler.decode_plan()) is not None:
@@ -165,19 +175,34 @@ class DecodeEngine:
     def _prefill_request(self, req: Request) -> None:
         row = self.scheduler.start(req, self.cache.admit(req.id))
         self.runner.graphs.set_history(row.slot, req.prompt_ids, req.stop_ids)
-        before = compiled_graph_count()
         try:
-            (token, padded_length), seconds = self.runner.timed(lambda: self._first_token(row))
+            job = PrefillJob(self.runner, row.slot, req.prompt_ids)  # the prefix cache's lookup
         except BaseException as exc:
             self.scheduler.finish(row, "failed", f"prefill of {len(req.prompt_ids)} tokens: {one_line(exc)}")
             raise
-        self.scheduler.record("prefill", seconds, padded_length, 1, self._compiled_since(before))
-        self.scheduler.emit(row, token)
+        self.prefilling.append((row, job))
+        self._prefill_chunk(row, job)
 
-    def _first_token(self, row: Running) -> tuple[int, int]:
-        """Prefill (through the prefix cache), then the first token by the same sampler the decode
-        graph runs (here eagerly, once). Returns (the token, the padded tokens prefilled)."""
-        logits, padded_length = self.runner.prefill_cached(row.slot, row.request.prompt_ids)
+    def _prefill_chunk(self, row: Running, job: PrefillJob) -> None:
+        """One chunk of the prompt (the largest bucket's tokens, in bucket pieces); after the last,
+        the first token. The row sits out decode steps until then."""
+        before = compiled_graph_count()
+        try:
+            padded, seconds = self.runner.timed(lambda: job.advance(self.runner.buckets[-1]))
+            token = self._first_token(row, job.logits) if job.done else None
+        except BaseException as exc:
+            self.prefilling.remove((row, job))
+            self.scheduler.finish(row, "failed", f"prefill of {len(row.request.prompt_ids)} tokens: {one_line(exc)}")
+            raise
+        row.prefilling = not job.done
+        self.scheduler.record("prefill", seconds, padded, 1, self._compiled_since(before))
+        if token is not None:
+            self.prefilling.remove((row, job))
+            self.scheduler.emit(row, token)
+
+    def _first_token(self, row: Running, logits: torch.Tensor) -> int:
+        """The first token from the prompt's last logits, by the same sampler the decode graph runs
+        (here eagerly, once)."""
         if self.on_logits is not None:
             self.on_logits(logits)
         r = row.request
@@ -185,7 +210,7 @@ class DecodeEngine:
         token = int(self.runner.graphs.sample(logits, batch.ints, batch.floats)[0])  # the decode graph's sampler
         if r.logprobs is not None:
             row.completion.logprobs.extend(token_logprobs(logits, [token], [r.logprobs]))
-        return token, padded_length
+        return token
 
     def _run_decode_step(self, plan: DecodePlan) -> None:
         rows, width = plan.rows, plan.width

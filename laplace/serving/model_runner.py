@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -260,14 +261,18 @@ class ModelRunner:
         if ids.numel() == 0:
             raise ValueError("prompt is empty: at least one token is needed")
         self.cache.check_room(slot, ids.numel())
-        slots = torch.tensor([slot], device=self.device)
         logits, start = None, 0
         for n, bucket in prefill_pieces(ids.numel(), self.buckets):
-            tokens = torch.full((1, bucket), self.pad_id, dtype=torch.long)
-            tokens[0, :n] = ids[start : start + n]
-            logits = self.prefill_piece(tokens.to(self.device), slots, torch.tensor([n], device=self.device))
+            logits = self.prefill_tokens(slot, ids[start : start + n], bucket)
             start += n
         return logits
+
+    def prefill_tokens(self, slot: int, ids: Tensor, bucket: int) -> Tensor:
+        """One bucket graph on `ids` (at most `bucket` of them, right-padded) into `slot`."""
+        tokens = torch.full((1, bucket), self.pad_id, dtype=torch.long)
+        tokens[0, : ids.numel()] = ids
+        lengths = torch.tensor([ids.numel()], device=self.device)
+        return self.prefill_piece(tokens.to(self.device), torch.tensor([slot], device=self.device), lengths)
 
     def padded_tokens(self, n: int) -> int:
         """Tokens the bucket graphs compute for an n-token prefill (its pieces, padded)."""
@@ -276,28 +281,11 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill_cached(self, slot: int, prompt_ids) -> tuple[Tensor, int]:
         """`prefill` of a request's prompt into its freshly admitted (zeroed) slot through the prefix
-        cache: the state of the longest cached prefix is copied into the slot and only the rest is
-        prefilled; the state at the split point the cache asks for and after the whole prompt is
-        stored (serving/prefix_cache.py says which). Returns (the last token's logits [1, V], the
+        cache, at once (a PrefillJob run to its end). Returns (the last token's logits [1, V], the
         padded tokens computed)."""
-        ids = np.asarray(prompt_ids, dtype=np.int64).ravel()
-        prefix_cache = self.cache.prefix_cache
-        if not prefix_cache.enabled:
-            return self.prefill(slot, ids), self.padded_tokens(len(ids))
-        plan = prefix_cache.plan(ids, self.padded_tokens)
-        if plan.state is not None:
-            self.cache.write_slot(slot, plan.state)
-        if plan.logits is not None:  # an exact repeat: the state and the last logits are cached
-            return plan.logits.clone(), 0
-        start, computed = plan.start, 0
-        if plan.split is not None:
-            logits = self.prefill(slot, ids[start : plan.split])
-            computed += self.padded_tokens(plan.split - start)
-            prefix_cache.put(ids[: plan.split], self.cache.read_slot(slot), logits.clone())
-            start = plan.split
-        logits = self.prefill(slot, ids[start:])
-        prefix_cache.put(ids, self.cache.read_slot(slot), logits.clone())
-        return logits, computed + self.padded_tokens(len(ids) - start)
+        job = PrefillJob(self, slot, prompt_ids)
+        job.advance(None)
+        return job.logits, job.padded
 
     @torch.inference_mode()
     def decode_rows(self, slots: Sequence[int], tokens, width: int | None = None) -> Tensor:
@@ -435,6 +423,64 @@ class ModelRunner:
             outcome = ("compiled ahead of time", "compiled")
         self._loaded[(kind, size)] = aot.load(self.graphs, path)
         return outcome
+
+
+class PrefillJob:
+    """A request's prompt prefilled into its freshly admitted (zeroed) slot through the prefix cache,
+    a chunk at a time, so the engine can run decode steps of the other requests between chunks
+    (vLLM's chunked prefill). Each chunk is whole bucket pieces (serving/shapes.py prefill_pieces)
+    through the graphs already compiled; the state (and, for attention layers, the K/V cache and its
+    positions) stays in the slot from one chunk to the next, so the chunks equal one prefill.
+
+    At creation the state of the longest cached prefix is copied into the slot; only the rest is
+    prefilled, and the state at the split point the cache asks for and after the whole prompt is
+    stored (serving/prefix_cache.py says which)."""
+
+    def __init__(self, runner: ModelRunner, slot: int, prompt_ids):
+        self.runner, self.slot = runner, slot
+        self.ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).flatten()
+        if self.ids.numel() == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        self.logits: Tensor | None = None
+        self.padded = 0  # padded tokens computed so far
+        # (first token, real tokens, bucket, store the state in the prefix cache after it)
+        self.pieces: deque[tuple[int, int, int, bool]] = deque()
+        prefix_cache = runner.cache.prefix_cache
+        ends, start = [self.ids.numel()], 0
+        if prefix_cache.enabled:
+            plan = prefix_cache.plan(self.ids.numpy(), runner.padded_tokens)
+            if plan.state is not None:
+                runner.cache.write_slot(slot, plan.state)
+            if plan.logits is not None:  # an exact repeat: the state and the last logits are cached
+                self.logits = plan.logits.clone()
+                return
+            start = plan.start
+            ends = [plan.split, self.ids.numel()] if plan.split is not None else ends
+        runner.cache.check_room(slot, self.ids.numel() - start)
+        for end in ends:
+            pieces = prefill_pieces(end - start, runner.buckets)
+            for i, (n, bucket) in enumerate(pieces):
+                self.pieces.append((start, n, bucket, prefix_cache.enabled and i == len(pieces) - 1))
+                start += n
+
+    @property
+    def done(self) -> bool:
+        return not self.pieces
+
+    @torch.inference_mode()
+    def advance(self, budget: int | None) -> int:
+        """Prefill pieces until at least `budget` prompt tokens ran this call (None: to the end).
+        Returns the padded tokens computed."""
+        ran, padded = 0, 0
+        while self.pieces and (budget is None or ran < budget):
+            start, n, bucket, store = self.pieces.popleft()
+            self.logits = self.runner.prefill_tokens(self.slot, self.ids[start : start + n], bucket)
+            if store:
+                cache = self.runner.cache
+                cache.prefix_cache.put(self.ids[: start + n].numpy(), cache.read_slot(self.slot), self.logits.clone())
+            ran, padded = ran + n, padded + bucket
+        self.padded += padded
+        return padded
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:

@@ -210,6 +210,34 @@ def decode_cost(engine: DecodeEngine, contexts: list[int], steps: int, text) -> 
     return out
 
 
+def long_prompt(engine: DecodeEngine, longest: int, text) -> dict:
+    """A long prompt (`longest` tokens, within the engine's limits) arriving while others stream:
+    its time to first token, and the streams' largest decode gap with it (chunked prefill: at most
+    about one chunk) and without it (the same streams alone)."""
+    import numpy as np
+
+    limit = engine.scheduler.max_prompt_tokens
+    if engine.cache.max_context is not None:  # attention layers: within the K/V cache, with room to decode
+        limit = min(limit, engine.cache.max_context - 8)
+    n, tokens = min(longest, limit), np.asarray(text, dtype=np.int64)
+    streams = max(1, min(3, engine.cache.max_slots - 1))
+    out: dict = {"prompt_tokens": n, "chunk_tokens": engine.runner.buckets[-1], "streams": streams}
+    for case in ("without", "with"):
+        requests = [Request(i, tokens[16 * i : 16 * i + 16].tolist(), 64) for i in range(streams)]
+        if case == "with":  # arrives once the streams have started
+            requests.append(Request(streams, np.resize(tokens, n).tolist(), 4, arrival_s=1e-9))
+        engine.reset()
+        done = replay(engine, requests)
+        gaps = [gap for c in done[:streams] for gap in c.itl_s]
+        out[f"streams_itl_max_s_{case}"] = max(gaps) if gaps else None
+        out[f"streams_itl_p50_s_{case}"] = percentile(gaps, 50)
+        if case == "with":
+            out["ttft_s"] = done[streams].ttft_s
+            out["compile_events"] = sum(s.compiled for s in engine.scheduler.steps)
+    engine.reset()
+    return out
+
+
 def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) -> dict:
     """Replay every workload of `cfg.serve_check` under one policy in this process (the serve-check
     worker): figures, traces and, for `padded`, the decode cost against context."""
@@ -270,6 +298,13 @@ def replay_policy(cfg: Config, policy: str, export_dir: Path, data_dir: Path) ->
                 f"{pc['on']['ttft_p50_s']:.4f}s with it ({pc['on']['prefix_cache']['hits']} hits)",
                 flush=True,
             )
+        with stance:
+            result["long_prompt"] = lp = long_prompt(engine, max(sc.decode_contexts), text)
+        print(
+            f"padded/long_prompt: {lp['prompt_tokens']} tokens, TTFT {lp['ttft_s']:.3f}s; the other streams' "
+            f"largest decode gap {lp['streams_itl_max_s_with']:.4f}s (alone {lp['streams_itl_max_s_without']:.4f}s)",
+            flush=True,
+        )
         with stance:
             result["decode_cost"] = decode_cost(
                 engine,

@@ -146,7 +146,11 @@ def tokenize(service: CompletionsService, chat: ChatService | None, raw: bytes) 
     else:
         text, special = req.prompt, req.add_special_tokens is not False
     if len(text) > 4 * limit * service.max_chars_per_token:  # bounded work: far more than any prompt served
-        raise ApiError(400, f"{len(text):,} characters: far over the {limit}-token prompt limit", "prompt")
+        raise ApiError(
+            400,
+            f"{len(text):,} characters: far over the {limit}-token prompt limit (engine.max_prompt_tokens)",
+            "prompt",
+        )
     if req.messages is not None:
         ids = chat.encode(text, special)  # as chat completions tokenize it
     else:

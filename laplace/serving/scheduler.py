@@ -111,6 +111,7 @@ class Running:
     request: Request
     completion: Completion
     slot: int
+    prefilling: bool = False  # its prompt is still being prefilled, a chunk per step: no decode yet
 
 
 @dataclass
@@ -172,7 +173,9 @@ class Scheduler:
         if not prompt:
             raise Rejected("empty prompt")
         if len(prompt) > self.max_prompt_tokens:
-            raise Rejected(f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}")
+            raise Rejected(
+                f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens} (engine.max_prompt_tokens)"
+            )
         if not _is_int(req.max_new_tokens):
             raise Rejected(f"max_new_tokens must be an integer, got {reprlib.repr(req.max_new_tokens)}")
         if req.max_new_tokens <= 0:
@@ -300,10 +303,11 @@ class Scheduler:
         return row
 
     def decode_plan(self) -> DecodePlan | None:
-        """Every running request, one token each, at the width for their count (None: nothing runs)."""
-        if not self.live:
+        """Every running request past its prefill, one token each, at the width for their count
+        (None: nothing runs)."""
+        rows = [row for row in self.live if not row.prefilling]
+        if not rows:
             return None
-        rows = list(self.live)
         return DecodePlan(rows, self.width_for(len(rows)))
 
     # -- the step's outputs -------------------------------------------------------------------------
