@@ -4,6 +4,7 @@ writes, the numbers checked against the model's own log-likelihoods (its paralle
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -250,3 +251,138 @@ def test_loglikelihoods_agree_with_lm_evals_hflm_per_request(layout, tmp_path):
             assert tuple(ours.encode_pair(*pair)) == tuple(theirs._encode_pair(*pair)), pair
     if layout is llama2:  # what went wrong before: the continuation encoded alone carries an extra ▁
         assert ours.encode(" fox")[0] != ours.encode_pair("The quick brown", " fox")[1][0]
+    if layout is metaspace:  # the windows of a tokenizer without BOS (laplace-bpe) and with one (llama2)
+        return
+    # rolling windows at max_length as HFLM computes them (lm-eval's get_rolling_token_windows over
+    # the text as HFLM encodes it), per document; and the same max_length left-truncates a long context
+    texts = [TEXT, " ".join([TEXT] * 2)]
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)]
+    long_context = [Instance("loglikelihood", {}, (" ".join([TEXT] * 2), " the value"), 0)]
+    windowed = LaplaceHarnessLM(export=str(tmp_path / "export"), device="cpu", compile="false", max_length=16)
+    with fla_on_cpu():
+        theirs = HFLM(pretrained=str(tmp_path / "hf"), device="cpu", batch_size=1, dtype="float32", max_length=16)
+        expected = theirs.loglikelihood_rolling(rolling, disable_tqdm=True)
+        expected_truncated = theirs.loglikelihood(long_context, disable_tqdm=True)
+    assert windowed.loglikelihood_rolling(rolling) == pytest.approx(expected, rel=1e-5, abs=1e-4)
+    assert windowed.loglikelihood(long_context)[0][0] == pytest.approx(expected_truncated[0][0], abs=1e-4)
+    assert len(windowed.rolling_pairs(texts[1])) > 3
+
+
+def test_the_laplace_model_refuses_what_it_cannot_honour_by_name():
+    from laplace.errors import ConfigError
+    from laplace.evals.harness import LaplaceHarnessLM
+
+    refused = [
+        ({"pretrained": "gpt2", "trust_remote_code": True}, "unknown model_args pretrained, trust_remote_code"),
+        ({"truncation": "true"}, "truncation=true is HFLM's tokenizer-side truncation"),
+        ({"rolling": "windows"}, "rolling=windows needs max_length"),
+        ({"rolling": "sliding"}, "rolling='sliding' (choose windows or document)"),
+        ({"max_length": "long"}, "max_length='long' is not an integer"),
+        ({"max_slots": 4, "batch_size": 2}, "max_slots=4 and batch_size=2 disagree"),
+        ({"dtype": "float8"}, "dtype='float8' (choose auto, float32, float16, bfloat16)"),
+    ]
+    for args, message in refused:  # each before the export is read: one line, naming the argument
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            LaplaceHarnessLM(export="/nonexistent", **args)
+
+
+# --------------------------------------------------------------------------- over HTTP: the same numbers
+# lm-eval's own OpenAI-completions client (`--model local-completions`: echo + logprobs, prompts as
+# token ids from the HF export's tokenizer, batched and concurrent) against a live `laplace serve` of
+# the export, and `--model laplace` in this process on the same export: the same score per document,
+# for rolling windows over documents longer than max_length and for a multiple-choice task.
+# TemplateAPI keeps one token of its max_length for generation and one more for the window's context
+# (lm_eval/models/api_models.py: max_length - 1, then max_seq_len = max_length - 1), so its
+# max_length = ours + 2 gives HFLM's windows at ours.
+
+MAX_LENGTH = 24
+LONG_DOCS = [
+    {"text": " ".join([TEXT] * 2), "q": "A key is", "choices": [" a word", " the value"]},
+    {"text": TEXT[::-1].capitalize() + " " + TEXT, "q": "The quick brown fox jumps over", "choices": [" the", " a"]},
+    {"text": " ".join(d["text"] for d in DOCS * 2), "q": "Gated linear attention", "choices": [" keeps", " reads"]},
+]
+
+
+@pytest.fixture(scope="module")
+def served(setup, tmp_path_factory):
+    """(server URL, HF export of the export, task folder): `laplace serve` eager, buckets [8, 16],
+    so the windows' prompts (up to MAX_LENGTH + 1 tokens) are prefilled in chunks."""
+    from laplace.pipeline.params import load_config
+    from laplace.pipeline.repro import subprocess_env
+    from laplace.pipeline.serve import ServerProcess
+
+    from project import ROOT
+
+    root = tmp_path_factory.mktemp("served")
+    export_hf(setup / "export", root / "hf")
+    data = root / "long.jsonl"
+    data.write_text("".join(json.dumps({**d, "gold": 0}) + "\n" for d in LONG_DOCS))
+    tasks = root / "tasks"
+    tasks.mkdir()
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    (tasks / "rolling.yaml").write_text(
+        "task: long_rolling\n" + common + "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+        "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n"
+    )
+    (tasks / "choice.yaml").write_text(
+        "task: long_choice\n" + common + "output_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    overrides = {"engine.max_slots": 4, "engine.prefill_buckets": [8, 16], "server.max_new_tokens": 16}
+    cfg = load_config(ROOT / "params.yaml", overrides)
+    env = subprocess_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    (root / "srv").mkdir()
+    server = ServerProcess(cfg, model=setup / "export", policy="eager", root=root / "srv", env=env)
+    server.start()
+    try:
+        server.wait_ready(180)
+        yield server.url, root / "hf", tasks
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_local_completions_against_laplace_serve_equals_the_laplace_model_per_document(served, setup, monkeypatch):
+    import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.tasks import TaskManager
+
+    from laplace.evals.harness import LaplaceHarnessLM, evaluate
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    url, hf_dir, tasks = served
+    names = ["long_rolling", "long_choice"]
+    model_args = (
+        f"base_url={url}/v1/completions,model=laplace-gla,tokenizer={hf_dir},tokenizer_backend=huggingface,"
+        f"add_bos_token=True,tokenized_requests=True,batch_size=4,num_concurrent=2,max_retries=1,"
+        f"max_length={MAX_LENGTH + 2}"
+    )
+    http = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=model_args,
+        tasks=names,
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+    )
+    args = {"compile": "false", "max_length": MAX_LENGTH, "add_bos_token": "true"}
+    local = evaluate(setup / "export", names, include_path=str(tasks), model_args=args, log_samples=True)
+    ours = LaplaceHarnessLM(export=str(setup / "export"), compile=False, max_length=MAX_LENGTH, add_bos_token=True)
+    for doc in LONG_DOCS:  # the documents are longer than max_length: several windows each
+        assert len(ours.rolling_pairs(doc["text"])) >= 3
+    for task in names:
+        theirs = {s["doc_id"]: [r[0] for r in s["resps"]] for s in http["samples"][task]}
+        mine = {s["doc_id"]: [r[0] for r in s["resps"]] for s in local["samples"][task]}
+        assert theirs.keys() == mine.keys() == {0, 1, 2}
+        for doc in mine:
+            for a, b in zip(theirs[doc], mine[doc]):
+                a, b = (a[0], b[0]) if isinstance(a, (list, tuple)) else (a, b)  # (log-likelihood, is_greedy)
+                assert a == pytest.approx(b, rel=1e-4), (task, doc)
+    assert http["results"]["long_choice"]["acc,none"] == local["results"]["long_choice"]["acc,none"]
+    # whole-document scoring (rolling=document, the default without max_length) sees every earlier
+    # token: a different number, the model's loss on <s> + the text
+    whole = LaplaceHarnessLM(export=str(setup / "export"), compile=False, max_length=MAX_LENGTH, rolling="document")
+    instances = [Instance("loglikelihood_rolling", {}, (doc["text"],), i) for i, doc in enumerate(LONG_DOCS)]
+    windows = {s["doc_id"]: s["resps"][0][0] for s in local["samples"]["long_rolling"]}
+    for i, total in enumerate(whole.loglikelihood_rolling(instances)):
+        assert total != pytest.approx(windows[i], rel=1e-3)
