@@ -238,3 +238,108 @@ def fla_logits(model_dir: Path, tokens: torch.Tensor, dtype=torch.float32) -> to
     with fla_on_cpu(), torch.no_grad():
         model = GLAForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
         return model(input_ids=tokens, use_cache=False).logits
+
+
+# --------------------------------------------------------------------------- Gated DeltaNet
+
+
+def _gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    state_v_first=False,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    **kw,
+):
+    """fla's chunk / fused_recurrent_gated_delta_rule as their docstrings define them, token by token
+    in the inputs' precision (fp32 at least): l2norm(x) = x / sqrt(sum x^2 + 1e-6), beta = sigmoid
+    (x2 with allow_neg_eigval), g = -exp(A_log) softplus(g + dt_bias), value head h reading q/k head
+    h // (HV/H); S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T (scale q)."""
+    assert kw.get("cu_seqlens") is None
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
+    if use_gate_in_kernel:
+        g = -A_log.to(dtype).exp() * torch.nn.functional.softplus(g + (0 if dt_bias is None else dt_bias.to(dtype)))
+    b, t, hv, dv = v.shape
+    q, k = (x.repeat_interleave(hv // x.shape[2], dim=2) for x in (q, k))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    state = q.new_zeros(b, hv, q.shape[-1], dv)
+    if initial_state is not None:
+        state = state + (initial_state.transpose(-1, -2) if state_v_first else initial_state).to(dtype)
+    out = []
+    for i in range(t):
+        state = state * g[:, i].exp()[..., None, None]
+        delta = beta[:, i, :, None] * (v[:, i] - torch.einsum("bhk,bhkv->bhv", k[:, i], state))
+        state = state + k[:, i, :, :, None] * delta[:, :, None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, i] * scale, state))
+    final = (state.transpose(-1, -2) if state_v_first else state) if output_final_state else None
+    return torch.stack(out, 1), final
+
+
+@contextlib.contextmanager
+def fla_gdn_on_cpu():
+    """fla's Gated DeltaNet modules with their Triton entry points replaced, as fla_on_cpu does GLA's."""
+    import fla.layers.gated_deltanet as gdn_layer
+
+    swaps = [
+        (gdn_layer, "chunk_gated_delta_rule", _gated_delta_rule),
+        (gdn_layer, "fused_recurrent_gated_delta_rule", _gated_delta_rule),
+        (gdn_layer, "causal_conv1d", _causal_conv1d),  # the fused q/k/v convolution of a cache-less forward
+    ]
+    with fla_on_cpu(), contextlib.ExitStack() as stack:
+        for module, name, fn in swaps:
+            stack.enter_context(mock.patch.object(module, name, fn))
+        yield
+
+
+def fla_gdn_checkpoint(out: Path, seed: int = 0, **overrides) -> Path:
+    """An fla GatedDeltaNetForCausalLM saved with save_pretrained (random weights; norms and the
+    decay parameters given some spread, so a swapped or ignored one shows)."""
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    fields = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_heads=2,
+        head_dim=16,
+        expand_v=2.0,
+        vocab_size=320,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    with fla_gdn_on_cpu(), fla_attention_on_cpu():
+        model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(**fields))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and not name.endswith(("A_log", "dt_bias")):
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0, 16).log())  # fla's own init, drawn again here
+    model.save_pretrained(str(out))
+    llama_style_tokenizer(out / "tokenizer.json")
+    return out
+
+
+def fla_gdn_logits(model_dir: Path, tokens: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """fla's own GatedDeltaNetForCausalLM (from_pretrained) run on CPU: the reference logits."""
+    from fla.models import GatedDeltaNetForCausalLM
+
+    with fla_gdn_on_cpu(), fla_attention_on_cpu(), torch.no_grad():
+        model = GatedDeltaNetForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        return model(input_ids=tokens, use_cache=False).logits

@@ -347,10 +347,6 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
         bad("gate_clamp_min", f"must be a finite number <= 0 or null (no clamp), got {m.gate_clamp_min}")
     if m.mlp_hidden < 0:
         bad("mlp_hidden", f"must be >= 0 (0 = automatic), got {m.mlp_hidden}")
-    if m.key_dim % m.n_heads or m.key_dim == 0:
-        bad("n_heads", f"key dim d_model*expand_k={m.key_dim} is not divisible by n_heads={m.n_heads}")
-    if m.value_dim % m.n_heads or m.value_dim == 0:
-        bad("n_heads", f"value dim d_model*expand_v={m.value_dim} is not divisible by n_heads={m.n_heads}")
     if m.chunk_size % m.sub_chunk_size:
         bad("sub_chunk_size", f"{m.sub_chunk_size} does not divide chunk_size={m.chunk_size}")
     if m.sub_chunk_size > 32:
@@ -367,6 +363,11 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
         bad("dtype", f"must be one of {', '.join(MODEL_DTYPES)}, got {m.dtype!r}")
     _check_attention(m, prefix)
     _check_gdn(m, prefix)
+    if m.gla_layers:  # the GLA sizes matter only where there is a GLA layer (not in an fla GDN import)
+        if m.key_dim % m.n_heads or m.key_dim == 0:
+            bad("n_heads", f"key dim d_model*expand_k={m.key_dim} is not divisible by n_heads={m.n_heads}")
+        if m.value_dim % m.n_heads or m.value_dim == 0:
+            bad("n_heads", f"value dim d_model*expand_v={m.value_dim} is not divisible by n_heads={m.n_heads}")
     if m.attn is not None:  # fla's normal form (defaults filled, lists): exports and fingerprints agree
         m = dataclasses.replace(m, attn=parse_attention_config(m.attn, m.n_layers))
     if m.gdn is not None:  # the same for the Gated DeltaNet spec

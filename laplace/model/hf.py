@@ -1,4 +1,5 @@
-"""The Hugging Face / flash-linear-attention layout of a GLA checkpoint, beside Laplace's export.
+"""The Hugging Face / flash-linear-attention layout of a GLA checkpoint, beside Laplace's export
+(Gated DeltaNet ones, `model_type: gated_deltanet`, through laplace.model.hf_gdn).
 
 Every checkpoint of the field enters and leaves through here:
 
@@ -28,7 +29,6 @@ import math
 import re
 import shutil
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,8 +36,19 @@ from safetensors.torch import save_file
 
 from laplace.errors import InputError, one_line
 from laplace.fileio import atomic_write_json, replace_dir, staging_dir
-from laplace.model.config import AttentionSpecError, ModelConfig, parse_attention_config, validate_model_config
+from laplace.model import hf_gdn
+from laplace.model.config import ModelConfig, validate_model_config
 from laplace.model.export import FORMAT, load_export_tensors, write_export
+from laplace.model.hf_fields import (
+    DTYPE_NAMES,
+    NEUTRAL_FIELDS,
+    TRANSFORMERS_COMMON_KEYS,
+    HFFormatError,
+    fla_intermediate_size,
+)
+from laplace.model.hf_fields import refuse as _refuse
+from laplace.model.hf_fields import split_attention as _split_attention
+from laplace.model.hf_fields import token_id as _token_id
 from laplace.model.lm import LaplaceLM
 from laplace.tokenizer_file import load_tokenizer, tokenizer_sha256
 
@@ -48,12 +59,7 @@ TOKENIZER = "tokenizer.json"
 FLA_GATE_LOW_RANK_DIM = 16
 FLA_GATE_LOGIT_NORMALIZER = 16
 FLA_ATTN_MODES = ("chunk", "fused_recurrent", "fused_chunk")  # three kernels of one function
-FLA_INTERMEDIATE_MULTIPLE = 256
 FLA_NORM_EPS = 1e-6  # GLAConfig's default norm_eps
-
-
-class HFFormatError(InputError):
-    pass
 
 
 # --------------------------------------------------------------------------- names
@@ -98,74 +104,6 @@ def from_fla_name(name: str) -> str:
 
 # --------------------------------------------------------------------------- config.json
 
-# transformers' own bookkeeping and fla's implementation switches: the same function either way
-NEUTRAL_FIELDS = {
-    "architectures",
-    "transformers_version",
-    "_name_or_path",
-    "use_cache",
-    "pad_token_id",
-    "max_position_embeddings",
-    "fuse_norm",
-    "fuse_swiglu",
-    "fuse_cross_entropy",
-    "fuse_linear_cross_entropy",
-    "use_l2warp",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-    "chunk_size_feed_forward",
-    "is_encoder_decoder",
-    "tie_encoder_decoder",
-    "keys_to_ignore_at_inference",
-    "laplace",
-}
-# transformers' PreTrainedConfig keys (v5, and the v4 ones older config.json files carry): a causal
-# LM's logits do not depend on them (labels and problem types are for classification heads, the
-# sampling defaults for generate(), the rest are switches GLAForCausalLM does not implement)
-TRANSFORMERS_COMMON_KEYS = {
-    "id2label",
-    "label2id",
-    "problem_type",
-    "num_labels",
-    "finetuning_task",
-    "tokenizer_class",
-    "prefix",
-    "sep_token_id",
-    "decoder_start_token_id",
-    "task_specific_params",
-    "torchscript",
-    "use_bfloat16",
-    "tf_legacy_loss",
-    "is_decoder",
-    "add_cross_attention",
-    "cross_attention_hidden_size",
-    "max_length",
-    "min_length",
-    "do_sample",
-    "early_stopping",
-    "num_beams",
-    "num_beam_groups",
-    "diversity_penalty",
-    "temperature",
-    "top_k",
-    "top_p",
-    "typical_p",
-    "repetition_penalty",
-    "length_penalty",
-    "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size",
-    "bad_words_ids",
-    "num_return_sequences",
-    "output_scores",
-    "return_dict_in_generate",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "remove_invalid_values",
-    "exponential_decay_length_penalty",
-    "suppress_tokens",
-    "begin_suppress_tokens",
-}
 # keys GLAConfig stores (or keeps as extra keys, PreTrainedConfig style) that no fla 0.6 layer reads:
 # GLABlock never passes them to GatedLinearAttention, which computes with the value given here
 # whatever config.json says. Laplace computes what fla computes, and the import names each one that
@@ -215,34 +153,29 @@ MAPPED_FIELDS = {
     "dtype",
     "torch_dtype",
 }
-DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
-
-
-def fla_intermediate_size(hidden_size: int, hidden_ratio: float | None) -> int:
-    """GatedMLP's rule when intermediate_size is null: 2/3 * hidden * ratio up to a multiple of 256."""
-    raw = int(hidden_size * (4 if hidden_ratio is None else hidden_ratio) * 2 / 3)
-    return FLA_INTERMEDIATE_MULTIPLE * ((raw + FLA_INTERMEDIATE_MULTIPLE - 1) // FLA_INTERMEDIATE_MULTIPLE)
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, int | None, int | None]:
     """(ModelConfig, bos id, eos id) from an fla GLA config.json; one-line HFFormatError naming the
     first field (and value) Laplace does not support."""
+    if hf.get("model_type") == hf_gdn.MODEL_TYPE:
+        return hf_gdn.config_from_hf(hf, where)
     hf, attn = _split_attention(hf, where)
     _check_supported(hf, where)
     cfg = _with_attention(_gla_model_config(hf, where), attn, where)
     return cfg, _token_id(hf, "bos_token_id", where), _token_id(hf, "eos_token_id", where)
 
 
-def _refuse(hf: dict, where: str, field: str, why: str) -> NoReturn:
-    """The one-line refusal of a config.json field, with its value."""
-    raise HFFormatError(f"{where}: {field}={json.dumps(hf.get(field))} {why}")
-
-
 def _check_supported(hf: dict, where: str) -> None:
     """Refuse, by name, the first field that is not a GLA's, that Laplace does not implement, that
     fla 0.6 does not build as written, or that Laplace does not know; then the sizes (positive)."""
     if hf.get("model_type") != "gla":
-        _refuse(hf, where, "model_type", "is not a GLA checkpoint (expected model_type: gla)")
+        _refuse(
+            hf,
+            where,
+            "model_type",
+            "is not a GLA checkpoint (expected model_type: gla, or gated_deltanet for Gated DeltaNet)",
+        )
     for field, allowed in REQUIRED_VALUES.items():
         if hf.get(field, allowed[0]) not in allowed:
             why = f"is not supported by Laplace (supported: {', '.join(json.dumps(a) for a in allowed)})"
@@ -350,19 +283,6 @@ def keys_fla_ignores(hf: dict) -> list[str]:
 # --------------------------------------------------------------------------- hybrid attention layers
 
 
-def _split_attention(hf: dict, where: str) -> tuple[dict, dict | list | None]:
-    """(config.json without `attn`, its AttentionSpec(s) parsed as fla's GLAConfig parses them):
-    a hybrid's softmax attention layers (fla.layers.attn.Attention) become Laplace's own."""
-    if hf.get("attn") is None:
-        return hf, None
-    n_layers = hf.get("num_hidden_layers")
-    try:
-        attn = parse_attention_config(hf["attn"], n_layers if isinstance(n_layers, int) else -1)
-    except AttentionSpecError as exc:
-        raise HFFormatError(f"{where}: attn: {exc}") from None
-    return {k: v for k, v in hf.items() if k != "attn"}, attn
-
-
 def _with_attention(cfg: ModelConfig, attn: dict | list | None, where: str) -> ModelConfig:
     if attn is None:
         return cfg
@@ -372,15 +292,6 @@ def _with_attention(cfg: ModelConfig, attn: dict | list | None, where: str) -> M
 def _attention_to_hf(cfg: ModelConfig) -> dict:
     """GLAConfig's `attn` for a Laplace architecture: the spec as Laplace keeps it (fla's normal form)."""
     return {"attn": cfg.attn}
-
-
-def _token_id(hf: dict, field: str, where: str) -> int | None:
-    value = hf.get(field)
-    if isinstance(value, list):  # transformers allows several end ids; Laplace stops on one
-        value = value[0] if value else None
-    if value is not None and not isinstance(value, int):
-        raise HFFormatError(f"{where}: {field}={json.dumps(value)} must be a token id")
-    return value
 
 
 def config_to_hf(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict:
@@ -611,12 +522,11 @@ def _laplace_config(carried: dict | None, cfg: ModelConfig, tokenizer, bos_id, e
         carried_cfg = validate_model_config(ModelConfig(**carried["model"]))
     except (TypeError, InputError):
         return fresh
-    # fields fla has no place for (chunking, init) come from the carried config; the function must agree
-    same = {k: v for k, v in carried_cfg.architecture().items() if k not in NOT_IN_FLA}
-    if (
-        same != {k: v for k, v in cfg.architecture().items() if k not in NOT_IN_FLA}
-        or carried_cfg.ffn_dim != cfg.ffn_dim
-    ):
+    # fields fla has no place for (chunking, init; a GDN model's GLA sizes) come from the carried
+    # config; the function must agree
+    skip = NOT_IN_FLA + (hf_gdn.GLA_ONLY_FIELDS if cfg.gdn_layers and not cfg.gla_layers else ())
+    same = {k: v for k, v in carried_cfg.architecture().items() if k not in skip}
+    if same != {k: v for k, v in cfg.architecture().items() if k not in skip} or carried_cfg.ffn_dim != cfg.ffn_dim:
         return fresh
     if carried.get("tokenizer_sha256") != fresh["tokenizer_sha256"]:
         return fresh
@@ -639,7 +549,10 @@ def export_hf(export_dir: Path, out_dir: Path) -> dict:
     cfg = validate_model_config(ModelConfig(**config["model"]))
     tokenizer = load_tokenizer(export_dir / TOKENIZER)
     bos_id, eos_id = config.get("bos_id"), config.get("eos_id")
-    hf = {**config_to_hf(cfg, bos_id, eos_id), **_attention_to_hf(cfg), "laplace": config}
+    if cfg.gdn_layers:
+        hf = {**hf_gdn.config_to_hf(cfg, bos_id, eos_id), "laplace": config}
+    else:
+        hf = {**config_to_hf(cfg, bos_id, eos_id), **_attention_to_hf(cfg), "laplace": config}
     fla = {to_fla_name(k): v.contiguous() for k, v in sorted(tensors.items())}
     tmp = staging_dir(out_dir)
     try:
