@@ -229,3 +229,11 @@ def test_the_plan_probes_one_block_per_kind_of_layer():
     assert which == [1, 2, 0, 1]  # layers 0 and 3 GDN, 1 attention, 2 GLA
     out = activation_bytes(mixed_config(), micro_batch=1, seq_len=32, dtype=torch.float32)
     assert out["peak_bytes"]["full"] < out["peak_bytes"]["none"] and out["attention_layers"] == 1
+
+
+def test_the_mqar_probe_refuses_a_gdn_model_rather_than_train_gla_in_its_place():
+    from laplace.evals.mqar import small_mqar_model
+
+    kw = dict(vocab_size=64, d_model=32, layers=2, heads=2, gate_bias=0.0, seq_len=64)
+    with pytest.raises(ConfigError, match="gated_deltanet layers are not measured by the MQAR probe yet"):
+        small_mqar_model(preset_model_config("tiny-gdn", vocab_size=64), **kw)

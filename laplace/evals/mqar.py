@@ -255,6 +255,8 @@ def small_mqar_model(
 ) -> ModelConfig:
     """A small model of `like`'s architecture (pure GLA where None) to train on MQAR: its attention
     layers placed by `placed_attention_layers`, heads as given."""
+    if like is not None and like.gdn_layers:  # the small model would silently be GLA in their place
+        raise ConfigError("MQAR: gated_deltanet layers are not measured by the MQAR probe yet (issue 44)")
     chunk = min(64, seq_len)
     attn = None
     if like is not None and like.attn_layers:
