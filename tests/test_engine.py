@@ -16,7 +16,7 @@ from laplace.runtime import configure_compiler
 from laplace.serving.engine import DecodeEngine
 from laplace.serving.generation import generate_ids
 from laplace.serving.model_runner import DecodeBatch
-from laplace.serving.replay import replay, summarize
+from laplace.serving.replay import long_prompt, replay, summarize
 from laplace.serving.scheduler import Rejected, Request, StepRecord
 from laplace.serving.shapes import fit, prefill_pieces
 from laplace.serving.workload import arrival_times, build_requests
@@ -134,6 +134,24 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_others_decode():
         assert sum(t < first_long for t in c.token_times) == 1 + 4
     for req, c in zip([*streaming, long], done):
         assert c.status == "done" and c.output_ids == generate_ids(m, req.prompt_ids, req.max_new_tokens), req.id
+
+    # cancelled between chunks: its prefill stops there, its slot serves the next request
+    eng.reset()
+    for req in [*streaming, long]:
+        eng.scheduler.submit(req)
+    eng.step()
+    assert eng.scheduler.cancel(long.id).status == "cancelled" and eng.cache.free_slots == 2
+    after = Request(3, streaming[0].prompt_ids, 4)
+    eng.scheduler.submit(after)
+    while eng.scheduler.has_work():
+        eng.step()
+    finished = {c.request_id: c for c in eng.scheduler.take_finished()}
+    assert finished[3].output_ids == generate_ids(m, after.prompt_ids, 4) and eng.cache.pool.owners == {}
+
+    # serve-check's figures of the same: the long prompt's TTFT, the streams' gaps with and without it
+    figures = long_prompt(eng, 150, np.asarray(long.prompt_ids))
+    assert figures["prompt_tokens"] == 150 and figures["chunk_tokens"] == 32 and figures["compile_events"] == 0
+    assert figures["ttft_s"] > 0 and figures["streams_itl_max_s_with"] > 0 and figures["streams_itl_max_s_without"] > 0
 
 
 def test_decode_pads_to_the_ladder_on_the_dummy_slot_and_equals_the_unpadded_rows():

@@ -269,7 +269,12 @@ def test_bad_input_is_a_400_naming_the_field_while_others_are_served(served):
             (b'{"model": "laplace-gla", "prompt": ""}', 400, "prompt", "empty prompt"),
             (b'{"model": "laplace-gla", "prompt": [1, 2, 999999]}', 400, "prompt", "outside the vocabulary"),
             (b'{"model": "laplace-gla", "prompt": [1, 2.5]}', 400, "prompt", "integer token ids"),
-            (json.dumps({"model": MODEL, "prompt": [5] * 65}).encode(), 400, "prompt", "the limit is 64"),
+            (
+                json.dumps({"model": MODEL, "prompt": [5] * 65}).encode(),
+                400,
+                "prompt",
+                "the limit is 64 (engine.max_prompt_tokens)",
+            ),
             (b'{"model": "laplace-gla", "prompt": "x", "max_tokens": 5000}', 400, "max_tokens", "[1, 4096]"),
             (b'{"prompt": "x"}', 400, "model", "required"),
             (b'{"model": "other", "prompt": "x"}', 404, "model", "does not exist"),
