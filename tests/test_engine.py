@@ -135,6 +135,22 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_others_decode():
     for req, c in zip([*streaming, long], done):
         assert c.status == "done" and c.output_ids == generate_ids(m, req.prompt_ids, req.max_new_tokens), req.id
 
+    # two long prompts waiting share one chunk of tokens per step (the first one's last piece may
+    # leave room for a piece of the next): the streams' decode gaps stay about one chunk
+    eng.reset()
+    other = Request(3, long.prompt_ids[::-1], 3)
+    done = replay(eng, [*streaming, long, other])
+    between, gaps = 0, []
+    for step in eng.scheduler.steps[4:]:  # after the step that admitted them all (a chunk each)
+        if step.kind == "decode":
+            gaps.append(between)
+            between = 0
+        else:
+            between += step.width
+    assert max(gaps) <= 2 * 32 and sum(gaps) == 2 * 5 * 32 - 2 * 32  # 5 chunks each, one at admission
+    for req, c in zip([*streaming, long, other], done):
+        assert c.output_ids == generate_ids(m, req.prompt_ids, req.max_new_tokens), req.id
+
     # cancelled between chunks: its prefill stops there, its slot serves the next request
     eng.reset()
     for req in [*streaming, long]:

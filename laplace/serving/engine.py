@@ -155,15 +155,20 @@ class DecodeEngine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Prefill the next chunk of each prompt still being prefilled, admit queued requests into
+        """Prefill the next chunk of the prompts still being prefilled, admit queued requests into
         free slots (prefilling each: a prompt within one chunk whole), then one decode step of the
         requests past their prefill. A request whose prefill or decode step raises is finished as
         "failed" (its slot freed) and the error propagates: a replay stops, a server answers those
         requests with an error."""
         # a request cancelled mid-prefill has left its slot (maybe to another request already)
         self.prefilling = [(row, job) for row, job in self.prefilling if row.completion.finished_s is None]
+        # the prompts admitted earlier share one chunk of tokens per step, first come first served (vLLM's
+        # token budget): the running requests' decode gap stays about one chunk however many prompts wait
+        budget = self.runner.buckets[-1]
         for row, job in list(self.prefilling):
-            self._prefill_chunk(row, job)
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(row, job, budget)
         while (req := self.scheduler.next_admission(self.cache.free_slots)) is not None:
             self._prefill_request(req)
         if (plan := self.scheduler.decode_plan()) is not None:
@@ -181,24 +186,25 @@ class DecodeEngine:
             self.scheduler.finish(row, "failed", f"prefill of {len(req.prompt_ids)} tokens: {one_line(exc)}")
             raise
         self.prefilling.append((row, job))
-        self._prefill_chunk(row, job)
+        self._prefill_chunk(row, job, self.runner.buckets[-1])
 
-    def _prefill_chunk(self, row: Running, job: PrefillJob) -> None:
-        """One chunk of the prompt (the largest bucket's tokens, in bucket pieces); after the last,
-        the first token. The row sits out decode steps until then."""
-        before = compiled_graph_count()
+    def _prefill_chunk(self, row: Running, job: PrefillJob, budget: int) -> int:
+        """The prompt's next `budget` tokens or more (whole bucket pieces); after the last, the first
+        token. The row sits out decode steps until then. Returns the prompt tokens prefilled."""
+        before, padded_before = compiled_graph_count(), job.padded
         try:
-            padded, seconds = self.runner.timed(lambda: job.advance(self.runner.buckets[-1]))
+            ran, seconds = self.runner.timed(lambda: job.advance(budget))
             token = self._first_token(row, job.logits) if job.done else None
         except BaseException as exc:
             self.prefilling.remove((row, job))
             self.scheduler.finish(row, "failed", f"prefill of {len(row.request.prompt_ids)} tokens: {one_line(exc)}")
             raise
         row.prefilling = not job.done
-        self.scheduler.record("prefill", seconds, padded, 1, self._compiled_since(before))
+        self.scheduler.record("prefill", seconds, job.padded - padded_before, 1, self._compiled_since(before))
         if token is not None:
             self.prefilling.remove((row, job))
             self.scheduler.emit(row, token)
+        return ran
 
     def _first_token(self, row: Running, logits: torch.Tensor) -> int:
         """The first token from the prompt's last logits, by the same sampler the decode graph runs

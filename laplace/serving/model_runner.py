@@ -470,17 +470,16 @@ class PrefillJob:
     @torch.inference_mode()
     def advance(self, budget: int | None) -> int:
         """Prefill pieces until at least `budget` prompt tokens ran this call (None: to the end).
-        Returns the padded tokens computed."""
-        ran, padded = 0, 0
+        Returns the prompt tokens that ran (`padded` counts the padded tokens computed)."""
+        ran = 0
         while self.pieces and (budget is None or ran < budget):
             start, n, bucket, store = self.pieces.popleft()
             self.logits = self.runner.prefill_tokens(self.slot, self.ids[start : start + n], bucket)
             if store:
                 cache = self.runner.cache
                 cache.prefix_cache.put(self.ids[: start + n].numpy(), cache.read_slot(self.slot), self.logits.clone())
-            ran, padded = ran + n, padded + bucket
-        self.padded += padded
-        return padded
+            ran, self.padded = ran + n, self.padded + bucket
+        return ran
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:
