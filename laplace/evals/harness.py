@@ -21,8 +21,8 @@ is served: padded ladder widths, bucketed prefill, the same state slots.
   whole text after the model's own start token (BOS where the model has one, else the end-of-text
   token that separates Laplace's training documents), one pass, so it equals the model's loss on
   that token sequence. A fixed state has no context window, so nothing is forgotten at a window's
-  edge: the document number is lower (better) than the windows' wherever later text depends on
-  earlier text more than max_length tokens back.
+  edge: for a trained model the document's perplexity is typically lower than the windows' wherever
+  later text depends on earlier text more than max_length tokens back.
 - generate_until(context, {until, max_gen_toks}): greedy through the engine's scheduler
   (DecodeEngine.complete), cut at the first stop string; with max_length, the context is
   left-truncated to max_length - max_gen_toks tokens, as HFLM does.
