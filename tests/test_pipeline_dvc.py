@@ -339,16 +339,6 @@ def test_plots_render_offline(repo, first_run):
     assert "vegaEmbed" in html and "training loss" in html and "train_curve.png" in html
 
 
-def test_push_and_pull_through_the_default_remote(repo, first_run):
-    run(DVC + ["push"], repo)
-    shutil.rmtree(repo / "data" / "tokenized")
-    shutil.rmtree(repo / ".dvc" / "cache")
-    run(DVC + ["pull"], repo)
-    assert (repo / "data" / "tokenized" / "manifest.json").exists()
-    assert (repo / "dvc-remote").is_dir()
-    assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
-
-
 def next_commands(summary_text: str) -> list[str]:
     """The command lines of the summary's `next` block (its # lines are notes)."""
     lines = summary_text.splitlines()
@@ -374,7 +364,7 @@ def in_session(sid: int) -> list[int]:
 
 
 def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run, tmp_path):
-    """Last in this module (its baseline commit and experiment come after the others'): every
+    """Last but push/pull (its baseline commit and experiment come after the others'): every
     command of `laplace summary`'s `next` block, in order, in one fresh bash with nothing of the
     venv on PATH, the project's .venv as `make setup` makes it (here a link to this checkout's).
     The servers go to the background as printed; `make stop` stops them and the flow run, and
@@ -465,3 +455,15 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     assert not survivors, f"make stop left processes running: {survivors}"
     assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
     assert "baseline run" in run(["git", "log", "--oneline"], repo).stdout
+
+
+def test_push_and_pull_through_the_default_remote(repo, first_run):
+    """Last: emptying .dvc/cache drops DVC's run cache (`dvc push` does not send it), which the
+    summary test's experiment restores stages from."""
+    run(DVC + ["push"], repo)
+    shutil.rmtree(repo / "data" / "tokenized")
+    shutil.rmtree(repo / ".dvc" / "cache")
+    run(DVC + ["pull"], repo)
+    assert (repo / "data" / "tokenized" / "manifest.json").exists()
+    assert (repo / "dvc-remote").is_dir()
+    assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
