@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gla_scaling import gla_inputs  # noqa: E402  (the GLA benchmark's inputs: the model's gate)
+
 from laplace.model.gated_deltanet import chunk_gated_delta_rule, gated_delta_step, l2_normalize  # noqa: E402
 from laplace.model.gla import chunk_gla, gla_step  # noqa: E402
 
@@ -45,15 +47,6 @@ def gdn_inputs(T: int, H: int, K: int, V: int, seed: int = 0, device="cpu"):
     g = -F.softplus(torch.randn(1, T, H, generator=gen)) / 8
     beta = torch.rand(1, T, H, generator=gen)
     return [x.to(device).requires_grad_() for x in (q, k, v, g, beta)]
-
-
-def gla_inputs(T: int, H: int, K: int, V: int, seed: int = 0, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, T, H, K, generator=gen)
-    k = torch.randn(1, T, H, K, generator=gen)
-    v = torch.randn(1, T, H, V, generator=gen)
-    g = F.logsigmoid(torch.randn(1, T, H, K, generator=gen)) / 16  # the model's gate
-    return [x.to(device).requires_grad_() for x in (q, k, v, g)]
 
 
 def gdn_forward_backward(inputs):
