@@ -27,12 +27,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gla_scaling import gla_inputs  # noqa: E402  (the GLA benchmark's inputs: the model's gate)
-
 from laplace.model.gated_deltanet import chunk_gated_delta_rule, gated_delta_step, l2_normalize  # noqa: E402
 from laplace.model.gla import chunk_gla, gla_step  # noqa: E402
 
 from common import add_device_argument, emit, machine, median_seconds, prepare_device, print_table  # noqa: E402
+from gla_scaling import gla_inputs  # noqa: E402  (the GLA benchmark's inputs: the model's gate)
 
 CHUNK, SUB_CHUNK = 64, 16
 
