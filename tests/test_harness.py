@@ -4,6 +4,7 @@ writes, the numbers checked against the model's own log-likelihoods (its paralle
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -386,3 +387,50 @@ def test_local_completions_against_laplace_serve_equals_the_laplace_model_per_do
     windows = {s["doc_id"]: s["resps"][0][0] for s in local["samples"]["long_rolling"]}
     for i, total in enumerate(whole.loglikelihood_rolling(instances)):
         assert total != pytest.approx(windows[i], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_local_completions_at_max_length_4096_scores_a_longer_document_against_laplace_serve(
+    served, setup, tmp_path, monkeypatch
+):
+    """lm-eval's default-sized windows against the server's defaults (engine.max_prompt_tokens 32768):
+    a window's prompt of 4095 tokens is prefilled in chunks, not refused."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from laplace.evals.harness import LaplaceHarnessLM
+    from laplace.pipeline.stage_serve_check import scrape
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    url, hf_dir, _ = served
+    text = " ".join([TEXT] * 50)  # about 5,100 tokens: two windows
+    ours = LaplaceHarnessLM(export=str(setup / "export"), compile=False, max_length=4094, add_bos_token=True)
+    assert len(ours.tok_encode(text)) > 4096 and len(ours.rolling_pairs(text)) == 2
+    (tmp_path / "doc.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (tmp_path / "rolling.yaml").write_text(
+        f"task: rolling_4096\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'doc.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n"
+    )
+    before = scrape(url)
+    http = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url={url}/v1/completions,model=laplace-gla,tokenizer={hf_dir},"
+        "tokenizer_backend=huggingface,add_bos_token=True,tokenized_requests=True,max_retries=1,max_length=4096",
+        tasks=["rolling_4096"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+    )
+    after = scrape(url)
+    refused = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("laplace_rejections_total")}
+    assert not any(refused.values()), refused
+    (sample,) = http["samples"]["rolling_4096"]
+    score = sample["resps"][0][0]
+    # lm-eval's max_length=4096 is ours at 4094 (module comment above): its windows, each scored by the
+    # model's parallel forward (`--model laplace` decodes 4,094 steps a window here: minutes). The server's
+    # prompt log-probs are that forward too, in fp32 per token: 2.4e-4 nats apart in 29,532 when written;
+    # 1e-6 relative (0.03 nats) leaves 100x for another thread count's sums
+    pairs = ours.rolling_pairs(text)
+    expected = sum(own_logprob(ours.model, context, continuation) for context, continuation in pairs)
+    assert math.isfinite(score) and score == pytest.approx(expected, rel=1e-6)

@@ -4,6 +4,8 @@
 - completions, streamed and not, equal `laplace generate` and the replay engine token for token;
 - bad input is a 400 naming the field while other requests are served;
 - a client that disconnects mid-stream frees its slot;
+- a prompt of 16 prefill chunks is answered as `laplace generate` answers it while two streams keep
+  receiving tokens between its chunks;
 - 2,000 requests at several times capacity: served or shed with 429 + Retry-After, no slot leak,
   flat memory, still healthy;
 - SIGTERM during load drains (or cancels at the grace period) and exits 0 without a traceback;
@@ -37,6 +39,7 @@ from laplace.pipeline.params import load_config
 from laplace.pipeline.serve import ServerProcess, free_port
 from laplace.pipeline.stage_serve_check import add_live, live_phase, scrape
 from laplace.serving.engine import ONE_SLOT, DecodeEngine
+from laplace.serving.generation import generate_ids
 from laplace.serving.loadgen import run_load, summarize_load
 from laplace.serving.replay import replay, summarize
 from laplace.serving.scheduler import Request
@@ -617,6 +620,77 @@ def test_metrics_are_prometheus_text(served):
     assert counts[f"vllm:generation_tokens_total{label}"] == counts["laplace_output_tokens_total"]
     assert counts[f"vllm:e2e_request_latency_seconds_count{label}"] >= 1
     assert families["vllm:inter_token_latency_seconds"].type == "histogram"
+
+
+# --------------------------------------------------------------------------- a long prompt among streams
+# Chunked prefill over HTTP (docs/serving.md): a prompt of P chunks (a chunk: the largest bucket's tokens)
+# is prefilled a chunk per engine step, the decode step of the running requests after each; its first
+# token comes in the step of its last chunk, so the streams get P - 1 decode steps before it.
+
+
+async def long_prompt_among_streams(url: str, long_body: dict, n_streams: int, too_long: list[int]) -> tuple:
+    """`n_streams` greedy streams; once each has a token, a streamed long prompt, then a prompt over
+    the limit; the streams are dropped (disconnected) after both. Returns the events in the order this
+    client read them, (who, token ids, finish reason), "sent" marking the long prompt's send, and the
+    over-the-limit answer."""
+    log: list[tuple] = []
+    flowing = [asyncio.Event() for _ in range(n_streams)]
+    done = asyncio.Event()
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def read(who, body: dict, first: asyncio.Event | None = None) -> None:
+            body = {"model": MODEL, "stream": True, "temperature": 0, "return_token_ids": True, **body}
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        log.append((who, choice.get("token_ids", []), choice["finish_reason"]))
+                        if first is not None:
+                            first.set()
+                    if who != "long" and done.is_set():
+                        return  # disconnect: the server cancels it at the next step
+
+        body = {"prompt": "The function", "max_tokens": 4000, "ignore_eos": True}
+        streams = [asyncio.create_task(read(i, body, flowing[i])) for i in range(n_streams)]
+        for event in flowing:
+            await event.wait()
+        log.append(("sent", [], None))
+        await read("long", long_body)
+        refused = await client.post(url + "/v1/completions", json={"model": MODEL, "prompt": too_long})
+        done.set()
+        await asyncio.gather(*streams)
+    return log, refused
+
+
+def test_streams_keep_flowing_while_a_long_prompt_is_prefilled_a_chunk_per_step(tiny_artifacts, tmp_path):
+    data_dir, export_dir = tiny_artifacts
+    cfg = config(**{"engine.max_prompt_tokens": 512})
+    chunk, n_streams, n = cfg.engine.prefill_buckets[-1], 2, 8
+    model, _, meta = load_export(export_dir)
+    # real text at the limit: 16 chunks of 32 tokens
+    long_ids = np.asarray(open_split(data_dir, "val"))[: cfg.engine.max_prompt_tokens].tolist()
+    # `laplace generate`'s engine (one slot, the default buckets: 2 pieces of 256, not chunks of 32)
+    expected = generate_ids(model, long_ids, n, stop_ids=(meta["eos_id"],))
+    server = start(cfg, export_dir, tmp_path)
+    try:
+        too_long = [5] * (cfg.engine.max_prompt_tokens + 1)
+        long_body = {"prompt": long_ids, "max_tokens": n}
+        log, refused = asyncio.run(long_prompt_among_streams(server.url, long_body, n_streams, too_long))
+        assert "Traceback" not in "\n".join(server.lines)
+    finally:
+        assert server.stop() == 0
+    answer = [t for who, ids, _ in log if who == "long" for t in ids]
+    assert answer == expected
+    sent = log.index(("sent", [], None))
+    first = next(k for k, (who, ids, _) in enumerate(log) if who == "long" and ids)
+    during = [sum(len(ids) for who, ids, _ in log[sent:first] if who == i) for i in range(n_streams)]
+    # P - 1 decode steps (above), less one: two connections' bytes may be read out of the server's order
+    assert min(during) >= len(long_ids) // chunk - 2, during
+    assert all(finish is None for who, _, finish in log[:first] if who != "long")  # the streams were running
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "prompt" and "the limit is 512 (engine.max_prompt_tokens)" in error["message"]
 
 
 # --------------------------------------------------------------------------- overload
