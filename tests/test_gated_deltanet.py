@@ -145,3 +145,25 @@ def test_the_chunked_form_traces_to_one_static_graph():
     o_c, S_c = compiled(q, k, v, g, beta)
     o_ref, S_ref = reference(q, k, v, g, beta)
     assert rel_rms(o_c, o_ref) <= FWD_TOL and rel_rms(S_c, S_ref) <= FWD_TOL
+
+
+def test_the_benchmark_against_gla_runs_as_bench_results_prints_it_and_reports_each_figure():
+    """bench/gdn_vs_gla.py, cut to short lengths, with its speed bounds lifted: a test checks the
+    report, not a speed (the bounds are the benchmark's, read on a quiet machine)."""
+    from project import run_bench
+
+    lengths, contexts = [64, 96], [32, 128]
+    report = run_bench(
+        "gdn_vs_gla.py",
+        *("--lengths", *map(str, lengths), "--decode-contexts", *map(str, contexts)),
+        *("--repeats", "1", "--heads", "2", "--head-k-dim", "16", "--head-v-dim", "32"),
+        *("--max-ratio", "1e9", "--max-decode-ratio", "1e9"),
+        timeout=300,
+    )
+    assert report["passed"] is True and (report["heads"], report["head_k_dim"], report["head_v_dim"]) == (2, 16, 32)
+    for T in map(str, lengths):
+        assert report["gdn_s"][T] > 0 and report["gla_s"][T] > 0
+        assert report["gdn_over_gla"][T] == report["gdn_s"][T] / report["gla_s"][T]
+    steps = report["decode_step_s"]
+    assert set(steps) == set(map(str, contexts)) and all(s["gdn"] > 0 and s["gla"] > 0 for s in steps.values())
+    assert report["decode_step_ratio"]["gdn"] == steps["128"]["gdn"] / steps["32"]["gdn"]
