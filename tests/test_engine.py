@@ -170,6 +170,54 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_others_decode():
     assert figures["ttft_s"] > 0 and figures["streams_itl_max_s_with"] > 0 and figures["streams_itl_max_s_without"] > 0
 
 
+@pytest.mark.parametrize("attn", [None, {"layers": [1], "num_heads": 2}], ids=["gla", "hybrid"])
+def test_an_echo_prompt_gets_its_log_probs_a_chunk_per_step_while_the_others_decode(attn):
+    """echo + logprobs (lm-eval's local-completions): the prompt's log-probs are computed as it is
+    prefilled, a chunk (the largest bucket's tokens, run eagerly for every position's logits) per
+    engine step, each followed by a decode step of the requests streaming; they equal the model's
+    parallel forward over the whole prompt, and the generation after them is the request's alone.
+    A hybrid carries its K/V from chunk to chunk. No cached prefix serves an echo (it needs every
+    position's logits); it stores its whole prompt for the requests after it."""
+    torch.manual_seed(0)
+    m = LaplaceLM(tiny_model_config(VOCAB, n_layers=2, init_std=0.3, attn=attn)).eval()
+    shapes = dict(max_slots=4, widths=[], prefill_buckets=[16, 32], max_prompt_tokens=1000, max_context=200)
+    eng = DecodeEngine(m, dataclasses.replace(EngineSection(), **shapes), "padded", compiled=False)
+    rng = np.random.default_rng(3)
+    streaming = [Request(i, rng.integers(0, VOCAB, 5).tolist(), 12) for i in range(2)]
+    echo = Request(2, rng.integers(0, VOCAB, 150).tolist(), 3, logprobs=2, prompt_logprobs=2)
+    done = replay(eng, [*streaming, echo])
+    chunks = [s for s in eng.scheduler.steps if s.kind == "prefill"][2:]  # after the two short prompts'
+    assert [c.width for c in chunks] == [32, 32, 32, 32, 22]  # 150 tokens, unpadded (eager)
+    assert [s.kind for s in eng.scheduler.steps[2:12]] == ["prefill", "decode"] * 5
+    first_echo = done[2].token_times[0]
+    for c in done[:2]:  # tokens streamed while the echo was prefilled: one per chunk but the last
+        assert sum(t < first_echo for t in c.token_times) == 1 + 4
+    assert all(c.status == "done" for c in done) and done[0].prompt_logprobs is None and len(done[2].logprobs) == 3
+    assert done[2].output_ids == generate_ids(m, echo.prompt_ids, 3)  # its state in its slot, as a plain prefill's
+
+    lp = done[2].prompt_logprobs
+    assert len(lp) == 150 and lp[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(m(torch.tensor([echo.prompt_ids]))[0, :-1], -1)  # fp32, as the engine's
+    targets = torch.tensor(echo.prompt_ids[1:])
+    chosen = torch.tensor([e[0] for e in lp[1:]])
+    # fp32, the forward split at chunk boundaries (summation order only): log-probs of up to ~13 nats
+    # here, whose ulp is 1e-6, differ by a few ulps (3.8e-6 at most, GLA, when written): within
+    # assert_close's fp32 defaults (1e-5 + 1.3e-6 |x|)
+    torch.testing.assert_close(chosen, ref[torch.arange(149), targets])
+    top = ref.topk(2)
+    torch.testing.assert_close(torch.tensor([[v for _, v in e[1]] for e in lp[1:]]), top.values)
+    assert [[t for t, _ in e[1]] for e in lp[1:]] == top.indices.tolist()
+
+    # the same echo again: computed again (no cached prefix has per-position logits), equal; the
+    # whole prompt it stored serves a plain request of it (an exact repeat: nothing to prefill)
+    hits = eng.cache.stats()["hits"]
+    again = dataclasses.replace(echo, id=3)
+    plain = dataclasses.replace(echo, id=4, logprobs=None, prompt_logprobs=None)
+    assert replay(eng, [again])[-1].prompt_logprobs == lp and eng.cache.stats()["hits"] == hits
+    assert replay(eng, [plain])[-1].output_ids == done[2].output_ids and eng.cache.stats()["hits"] == hits + 1
+
+
 def test_decode_pads_to_the_ladder_on_the_dummy_slot_and_equals_the_unpadded_rows():
     m = model()
     eng = engine(m, max_slots=4)  # ladder 1, 2, 4

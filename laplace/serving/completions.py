@@ -244,8 +244,9 @@ class CompletionsService:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
+                prompt_logprobs=params.prompt_logprobs,
             )
-            tickets.append(Ticket(request, k, events, prompt_logprobs=params.prompt_logprobs))
+            tickets.append(Ticket(request, k, events))
         return tickets, events
 
     def prompt_text(self, params: CompletionParams, choice: int) -> str:
@@ -441,14 +442,18 @@ class Answer:
         return self._early.pop(0) if self._early else await self.events_queue.get()
 
     async def prompt_logprobs(self) -> None:
-        """Echo with log-probs: wait for every choice's prompt log-probs (they come first per choice;
-        other choices' events that arrive meanwhile are kept for `deltas`)."""
-        while any(ch.prompt_logprobs is None for ch in self.choices):
+        """Echo with log-probs: wait for every choice's prompt log-probs (they come first per choice,
+        once its prompt is prefilled; other choices' events that arrive meanwhile are kept for
+        `deltas`). A choice that ends before (failed, cancelled) has none: its end is waited for."""
+        ended: set[int] = set()
+        while any(ch.prompt_logprobs is None and i not in ended for i, ch in enumerate(self.choices)):
             event = await self.events_queue.get()
             if event[1] == "prompt":
                 self.choices[event[0]].prompt_logprobs = event[2]
-            else:
-                self._early.append(event)
+                continue
+            if event[1] == "end":
+                ended.add(event[0])
+            self._early.append(event)
 
     async def deltas(self):
         """The engine's events for this request as Deltas, until every choice has ended: the one

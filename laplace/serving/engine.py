@@ -18,7 +18,9 @@ compiling every new width on first sight, the stall the article measured; `eager
 compiler). A step's outputs (tokens, finished requests, a StepRecord) are handed to the
 scheduler. A prompt longer than the largest prefill bucket is prefilled a chunk (one largest
 bucket of tokens) per step, between the decode steps of the others, as vLLM's chunked prefill
-does: a long prompt does not stall the streams already running, and no new shape is compiled.
+does: a long prompt does not stall the streams already running, and no new shape is compiled. A
+request with `prompt_logprobs` (echo with logprobs) is chunked the same way, its prompt's
+log-probs computed chunk by chunk (PrefillJob) and put on its Completion before its first token.
 `complete` serves a batch to the end; `reset` forgets a workload.
 
 `DecodeEngine(model, params, policy)` is the one way to build an engine (from an export:
@@ -181,7 +183,8 @@ class DecodeEngine:
         row = self.scheduler.start(req, self.cache.admit(req.id))
         self.runner.graphs.set_history(row.slot, req.prompt_ids, req.stop_ids)
         try:
-            job = PrefillJob(self.runner, row.slot, req.prompt_ids)  # the prefix cache's lookup
+            # the prefix cache's lookup (none for an echo: its every position's logits are computed)
+            job = PrefillJob(self.runner, row.slot, req.prompt_ids, echo=req.prompt_logprobs)
         except BaseException as exc:
             self.scheduler.finish(row, "failed", f"prefill of {len(req.prompt_ids)} tokens: {one_line(exc)}")
             raise
@@ -203,6 +206,7 @@ class DecodeEngine:
         self.scheduler.record("prefill", seconds, job.padded - padded_before, 1, self._compiled_since(before))
         if token is not None:
             self.prefilling.remove((row, job))
+            row.completion.prompt_logprobs = job.prompt_logprobs  # an echo's, set before its first token
             self.scheduler.emit(row, token)
         return ran
 

@@ -25,7 +25,7 @@ import torch
 from laplace.errors import one_line
 from laplace.serving.engine import DecodeEngine
 from laplace.serving.metrics import ServerMetrics
-from laplace.serving.scheduler import Completion, Request, StepRecord
+from laplace.serving.scheduler import Completion, Request, StepRecord, TokenLogprobs
 
 log = logging.getLogger("laplace.serving.server")
 
@@ -45,12 +45,12 @@ class Ticket:
     """One engine request seen from the HTTP side: its events arrive on `events` (shared by the
     choices of one HTTP request) as (index, "token", id) and (index, "end", Completion); with
     log-probs asked for, (index, "logprobs", TokenLogprobs) before each token, and with prompt
-    log-probs (index, "prompt", [None, TokenLogprobs...]) before anything else."""
+    log-probs (`request.prompt_logprobs`: echo) (index, "prompt", [None, TokenLogprobs...]) before
+    anything else, once its prompt is prefilled (none for a request that ends before that)."""
 
     request: Request
     index: int
     events: asyncio.Queue
-    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's log-probs, top N, first of all
 
 
 @dataclass
@@ -175,7 +175,7 @@ class EngineLoop:
         self._graphs_after_warmup = compiled_graph_count()
         engine = self.engine
         engine.scheduler.on_token = self._on_token
-        self._emitted: list[tuple[Completion, int]] = []
+        self._emitted: list[tuple[Completion, int, TokenLogprobs | None, list | None]] = []
         self.ready.set()
         self.metrics.ready.set(1)
         compiled = engine.runner.compiled
@@ -270,17 +270,12 @@ class EngineLoop:
         return True
 
     def _admit(self, inbox: deque[Ticket], cancels: list[tuple[int, str]]) -> None:
-        """Hand the new requests (their prompt log-probs first, where asked) and the cancellations
-        to the scheduler."""
-        scheduler, runner = self.engine.scheduler, self.engine.runner
-        scored = []
+        """Hand the new requests and the cancellations to the scheduler (an echo's prompt log-probs
+        are computed by its prefill, a chunk per step, and sent before its first token)."""
+        scheduler = self.engine.scheduler
         for t in inbox:
             self._tickets[t.request.id] = t
-            if t.prompt_logprobs is not None:
-                scored.append((t, (t.index, "prompt", runner.prompt_logprobs(t.request.prompt_ids, t.prompt_logprobs))))
             scheduler.submit(t.request)  # checked on the HTTP side already; a rejection ends it below
-        if scored and self._aio is not None:
-            self._aio.call_soon_threadsafe(_deliver, scored)
         for rid, reason in cancels:
             scheduler.cancel(rid, reason)
 
@@ -312,7 +307,9 @@ class EngineLoop:
     def _on_token(self, completion: Completion, token: int) -> None:
         # the token's log-probs, when asked for, were appended just before it was emitted
         asked = completion.logprobs and len(completion.logprobs) == len(completion.output_ids)
-        self._emitted.append((completion, token, completion.logprobs[-1] if asked else None))
+        # an echo's prompt log-probs, set as its prefill ended, go out just before its first token
+        prompt = completion.prompt_logprobs if len(completion.output_ids) == 1 else None
+        self._emitted.append((completion, token, completion.logprobs[-1] if asked else None, prompt))
 
     def _publish(self, steps: list[StepRecord], finished: list[Completion]) -> None:
         m = self.metrics
@@ -324,8 +321,10 @@ class EngineLoop:
         emitted, self._emitted = self._emitted, []
         if emitted:
             m.count_tokens(len(emitted))
-        for c, token, logprobs in emitted:
+        for c, token, logprobs, prompt in emitted:
             if (t := self._tickets.get(c.request_id)) is not None:
+                if prompt is not None:
+                    events.append((t, (t.index, "prompt", prompt)))
                 if logprobs is not None:
                     events.append((t, (t.index, "logprobs", logprobs)))
                 events.append((t, (t.index, "token", token)))

@@ -8,8 +8,9 @@ state rows in place (they are its module buffers) and knows nothing of requests.
 
 Over slots: `prefill` (a prompt of any length, in bucket pieces), `prefill_cached` (through the
 cache manager's prefix cache), `decode_rows` (one greedy step of given slots at a decode width)
-and `prompt_logprobs`. The engine's step runs them for requests; the probes, the numerics check
-and the lm-eval harness run them by hand on slots leased from the cache manager.
+and `prefill_logits` (a piece's logits at every position, for an echo's prompt log-probs). The
+engine's step runs them for requests, a long prompt a chunk per step (`PrefillJob`); the probes,
+the numerics check and the lm-eval harness run them by hand on slots leased from the cache manager.
 """
 
 from __future__ import annotations
@@ -304,18 +305,15 @@ class ModelRunner:
         rows = torch.tensor(list(slots) + [self.cache.dummy] * pad, device=self.device)
         return self.decode_step(DecodeBatch.greedy(tokens, rows))[1].clone()[:n]
 
-    def prompt_logprobs(self, prompt_ids: list[int], top_n: int) -> list[TokenLogprobs | None]:
-        """The log-prob of each prompt token given the ones before it, and the top N there (None for
-        the first token, which nothing predicts), from the model's parallel forward over the whole
-        prompt, eagerly (`force_eager`: no graph is compiled for this, whatever the serving stance;
-        the same forward lm-eval's `--model laplace` numbers are checked against in
-        tests/test_harness.py). No slot is used."""
-        if len(prompt_ids) < 2:
-            return [None] * len(prompt_ids)
-        ids = torch.tensor([prompt_ids], device=self.device)
+    def prefill_logits(self, slot: int, ids: Tensor) -> Tensor:
+        """Run `ids` [n] into `slot`, continuing its state (and K/V), by the model's chunked form,
+        eagerly (`force_eager`: no graph is compiled for this, whatever the serving stance; the
+        bucket graphs return only the last logits). Returns the logits at every position [n, V]:
+        an echo's prompt log-probs, a chunk at a time (PrefillJob)."""
         with torch.compiler.set_stance("force_eager"), torch.inference_mode():
-            logits = self.model(ids)[0, :-1]
-        return [None] + token_logprobs(logits, prompt_ids[1:], [top_n] * (len(prompt_ids) - 1))
+            tokens = ids.view(1, -1).to(self.device)
+            slots = torch.tensor([slot], device=self.device)
+            return self.model.prefill(tokens, self.graphs.state(), slots, all_logits=True)[0]
 
     def timed(self, fn):
         """(fn(), its seconds), the device synchronised before the clock stops."""
@@ -434,20 +432,27 @@ class PrefillJob:
 
     At creation the state of the longest cached prefix is copied into the slot; only the rest is
     prefilled, and the state at the split point the cache asks for and after the whole prompt is
-    stored (serving/prefix_cache.py says which)."""
+    stored (serving/prefix_cache.py says which).
 
-    def __init__(self, runner: ModelRunner, slot: int, prompt_ids):
-        self.runner, self.slot = runner, slot
+    With `echo` (top N: a request with echo and logprobs), the prompt's log-probs are computed as
+    it goes, into `prompt_logprobs` ([None, TokenLogprobs...]: each token's given all before it):
+    the same pieces, unpadded, run eagerly for every position's logits (`prefill_logits`), a
+    piece's first token predicted by the previous piece's last logits. Every position is needed,
+    so no cached prefix is used; the whole prompt is stored after it as for any prompt."""
+
+    def __init__(self, runner: ModelRunner, slot: int, prompt_ids, echo: int | None = None):
+        self.runner, self.slot, self.echo = runner, slot, echo
         self.ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).flatten()
         if self.ids.numel() == 0:
             raise ValueError("prompt is empty: at least one token is needed")
         self.logits: Tensor | None = None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None if echo is None else [None]
         self.padded = 0  # padded tokens computed so far
         # (first token, real tokens, bucket, store the state in the prefix cache after it)
         self.pieces: deque[tuple[int, int, int, bool]] = deque()
         prefix_cache = runner.cache.prefix_cache
         ends, start = [self.ids.numel()], 0
-        if prefix_cache.enabled:
+        if prefix_cache.enabled and echo is None:
             plan = prefix_cache.plan(self.ids.numpy(), runner.padded_tokens)
             if plan.state is not None:
                 runner.cache.write_slot(slot, plan.state)
@@ -474,12 +479,28 @@ class PrefillJob:
         ran = 0
         while self.pieces and (budget is None or ran < budget):
             start, n, bucket, store = self.pieces.popleft()
-            self.logits = self.runner.prefill_tokens(self.slot, self.ids[start : start + n], bucket)
+            piece = self.ids[start : start + n]
+            if self.echo is None:
+                self.logits = self.runner.prefill_tokens(self.slot, piece, bucket)
+            else:
+                self.logits, bucket = self._echo_piece(piece), n  # eager: no padding
             if store:
                 cache = self.runner.cache
                 cache.prefix_cache.put(self.ids[: start + n].numpy(), cache.read_slot(self.slot), self.logits.clone())
             ran, self.padded = ran + n, self.padded + bucket
         return ran
+
+    def _echo_piece(self, piece: Tensor) -> Tensor:
+        """Prefill one piece for its every position's logits, its tokens' log-probs appended to
+        `prompt_logprobs`; returns its last logits [1, V]."""
+        logits = self.runner.prefill_logits(self.slot, piece)
+        if self.logits is not None:  # the previous piece's last position predicts this piece's first token
+            predicting, targets = torch.cat([self.logits, logits[:-1]]), piece
+        else:  # the prompt's first token: nothing predicts it
+            predicting, targets = logits[:-1], piece[1:]
+        if targets.numel():
+            self.prompt_logprobs += token_logprobs(predicting, targets.tolist(), [self.echo] * targets.numel())
+        return logits[-1:]
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:

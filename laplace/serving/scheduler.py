@@ -56,6 +56,8 @@ class Request:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # echo with logprobs: each prompt token's log-prob and the top N there, computed by its prefill
+    prompt_logprobs: int | None = None
 
 
 # one generated token's log-probs: (its own, [(token id, log-prob) of the top N])
@@ -74,6 +76,8 @@ class Completion:
     token_times: list[float] = field(default_factory=list)
     finished_s: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, when asked for
+    # the prompt's (None for its first token), when asked for: set as its prefill ends, before its first token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def ttft_s(self) -> float | None:
