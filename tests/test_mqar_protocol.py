@@ -10,12 +10,15 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from laplace.config import config_from_dict
 from laplace.errors import ConfigError, InputError
 from laplace.evals import mqar_protocol
 from laplace.pipeline import compare_mqar, compare_table
 from laplace.pipeline.layout import Paths
+
+from project import PIPELINE_TIMEOUT_S
 
 # A protocol that trains in seconds per cell on 2 cores (12 cells): 32 tokens, 4 pairs, vocabulary 32
 # (12 key ids, 16 values: chance 1/16), one width, so the gate's third check (GLA rises with width) is
@@ -42,18 +45,30 @@ SMALL = {
 }
 
 
+# 12 trained cells: 174 s in a fresh-clone run, over 600 s (the default limit) in two others
+pytestmark = pytest.mark.timeout(PIPELINE_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 def protocol(tmp_path_factory):
-    """Every cell of SMALL trained and tested (the stage's own function, in process), then the summary."""
+    """Every cell of SMALL trained and tested (the stage's own function, in process), then the summary.
+    One intra-op thread, whatever an earlier test of this worker left: two fresh-clone runs on 2
+    loaded cores spent over 600 s (688 CPU-s) here, against 174 s before, so more than one thread
+    ran, and OpenMP threads waiting for a descheduled sibling stall each step."""
     cfg = config_from_dict(copy.deepcopy(SMALL))
     paths = Paths.at(tmp_path_factory.mktemp("mqar"))
     m = cfg.mqar
-    for arm in m.arms:
-        for width in m.widths:
-            for lr in m.lrs:
-                for seed in m.seeds:
-                    compare_mqar.run_cell(cfg, paths, arm, width, lr, seed, progress=False)
-    return cfg, paths, compare_mqar.run_protocol(cfg, paths)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for arm in m.arms:
+            for width in m.widths:
+                for lr in m.lrs:
+                    for seed in m.seeds:
+                        compare_mqar.run_cell(cfg, paths, arm, width, lr, seed, progress=False)
+        return cfg, paths, compare_mqar.run_protocol(cfg, paths)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
