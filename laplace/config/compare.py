@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from laplace.config.knobs import knob, non_negative, positive, unit_interval
+from laplace.config.knobs import knob, log_range, non_negative, positive, unit_interval
 
 
 def _arms(v):
@@ -42,6 +42,8 @@ class CompareSection:
             "hybrid-1in4": {"preset": "tiny-hybrid"},
             "hybrid-1in2": {"preset": "tiny", "attn": {"layers": [1, 3], "num_heads": 4}},
             "softmax": {"preset": "tiny-attn"},
+            "gdn": {"preset": "tiny-gdn"},
+            "gdn-hybrid": {"preset": "tiny-gdn-hybrid"},
         },
         _arms,
         "arm name -> its model.* overrides (model.attn: fla's AttentionSpec); adding one reruns only that arm",
@@ -109,7 +111,7 @@ class MqarSection:
     seeds, behind a validity gate that first reproduces the known result."""
 
     arms: list[str] = knob(
-        ["gla", "hybrid-1in4", "hybrid-1in2", "softmax"],
+        ["gla", "hybrid-1in4", "hybrid-1in2", "softmax", "gdn", "gdn-hybrid"],
         doc="the architectures: arms of compare.arms (each arm's attention layers at the same relative depth in "
         "mqar.layers layers; every arm needs its recall for the pick)",
     )
@@ -134,6 +136,12 @@ class MqarSection:
     )
     heads: int = knob(2, positive, doc="GLA and attention heads of every MQAR model")
     gate_bias: float = knob(4.0, doc="GLA forget gates start near 1 (long memory)")
+    gdn_dt_init: list[float] = knob(
+        [0.0001, 0.001],
+        log_range,
+        "Gated DeltaNet layers' model.gdn.dt_init_range: dt log-uniform in it at init, so the decays start near 1 "
+        "(long memory, as gate_bias for GLA; with fla's [0.001, 0.1] a small GDN stays at chance)",
+    )
     vocab: int = knob(128, positive, doc="MQAR vocabulary: 48 key ids, 64 value ids (chance 1/64)")
     seq_len: int = knob(64, positive, doc="training sequence length (and the gate's reference context)")
     train_pairs: int = knob(16, positive, doc="each training batch mixes 1..this many key-value pairs")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from laplace.config.knobs import knob, non_negative, positive, unit_interval
+from laplace.config.knobs import knob, log_range, non_negative, positive, unit_interval
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,11 @@ class ProbesSection:
     mqar_train_layers: int = knob(2, positive, doc="its layers")
     mqar_train_heads: int = knob(2, positive, doc="its heads")
     mqar_train_gate_bias: float = knob(4.0, doc="forget gates start near 1 (long memory)")
+    mqar_train_gdn_dt_init: list[float] = knob(
+        [0.0001, 0.001],
+        log_range,
+        doc="Gated DeltaNet layers' model.gdn.dt_init_range (decays start near 1: long memory, as the gate bias)",
+    )
     mqar_train_vocab: int = knob(
         64,
         positive,

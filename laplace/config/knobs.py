@@ -37,3 +37,9 @@ def knob(default, check=None, doc: str = "", key: str | None = None):
 def yaml_key(f: dataclasses.Field) -> str:
     """A field's key in params.yaml (its Python name unless the knob says otherwise)."""
     return f.metadata.get("key") or f.name
+
+
+def log_range(v) -> str | None:
+    """A [low, high] range of positive numbers (drawn from log-uniformly)."""
+    ok = isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+    return None if ok and 0 < v[0] <= v[1] else f"must be [low, high] with 0 < low <= high, got {v!r}"

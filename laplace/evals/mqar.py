@@ -226,8 +226,8 @@ class RandomGuesser(torch.nn.Module):
 
 def mqar_model_config(probes: ProbesSection, like: ModelConfig | None = None) -> ModelConfig:
     """The small model trained on MQAR (the knobs are `probes.mqar_train_*`): a GLA, or, `like` a
-    model with attention layers, the same pattern at this size (`placed_attention_layers`), so a
-    hybrid's or a softmax model's MQAR is measured on a model that learned the task."""
+    model with attention or Gated DeltaNet layers, the same pattern at this size (`small_mqar_model`),
+    so a hybrid's, a softmax or a GDN model's MQAR is measured on a model that learned the task."""
     return small_mqar_model(
         like,
         vocab_size=probes.mqar_train_vocab,
@@ -236,6 +236,7 @@ def mqar_model_config(probes: ProbesSection, like: ModelConfig | None = None) ->
         heads=probes.mqar_train_heads,
         gate_bias=probes.mqar_train_gate_bias,
         seq_len=probes.mqar_train_seq_len,
+        gdn_dt_init=probes.mqar_train_gdn_dt_init,
     )
 
 
@@ -251,16 +252,38 @@ def placed_attention_layers(like: ModelConfig, layers: int) -> list[int]:
 
 
 def small_mqar_model(
-    like: ModelConfig | None, *, vocab_size: int, d_model: int, layers: int, heads: int, gate_bias: float, seq_len: int
+    like: ModelConfig | None,
+    *,
+    vocab_size: int,
+    d_model: int,
+    layers: int,
+    heads: int,
+    gate_bias: float,
+    seq_len: int,
+    gdn_dt_init: list[float] | None = None,
 ) -> ModelConfig:
     """A small model of `like`'s architecture (pure GLA where None) to train on MQAR: its attention
-    layers placed by `placed_attention_layers`, heads as given."""
-    if like is not None and like.gdn_layers:  # the small model would silently be GLA in their place
-        raise ConfigError("MQAR: gated_deltanet layers are not measured by the MQAR probe yet (issue 44)")
+    layers placed by `placed_attention_layers`, its Gated DeltaNet layers by `placed_gdn_layers`, heads
+    as given. A Gated DeltaNet layer has a GLA layer's key and value widths and heads (so the same
+    recurrent state bytes: head_dim = d_model * expand_k / heads, expand_v = GLA's expand_v / expand_k)
+    and its decays start from dt drawn in `gdn_dt_init` (model.gdn.dt_init_range; None: fla's init)."""
     chunk = min(64, seq_len)
     attn = None
-    if like is not None and like.attn_layers:
-        attn = {"layers": placed_attention_layers(like, layers), "num_heads": heads}
+    attn_layers = placed_attention_layers(like, layers) if like is not None and like.attn_layers else []
+    if attn_layers:
+        attn = {"layers": attn_layers, "num_heads": heads}
+    gla = preset_model_config("tiny", vocab_size=vocab_size, d_model=d_model, n_layers=layers, n_heads=heads)
+    gdn = None
+    gdn_layers = placed_gdn_layers(like, layers, attn_layers) if like is not None and like.gdn_layers else []
+    if gdn_layers:
+        gdn = {
+            "layers": gdn_layers,
+            "num_heads": heads,
+            "head_dim": gla.key_dim // heads,
+            "expand_v": gla.value_dim / gla.key_dim,
+        }
+        if gdn_dt_init is not None:
+            gdn["dt_init_range"] = list(gdn_dt_init)
     return preset_model_config(
         "tiny",
         vocab_size=vocab_size,
@@ -272,12 +295,30 @@ def small_mqar_model(
         sub_chunk_size=min(16, chunk),
         mlp_hidden=d_model,  # recall needs the GLA, not a wide MLP: steps 1.4x cheaper
         attn=attn,
+        gdn=gdn,
     )
 
 
+def placed_gdn_layers(like: ModelConfig, layers: int, attn_layers: list[int]) -> list[int]:
+    """`like`'s Gated DeltaNet layers in a model of `layers` layers whose attention layers are
+    `attn_layers`: with no GLA layer in `like` (a pure GDN model, or GDN + attention) every layer that is
+    not attention; else each at the same relative depth (layer i of n -> floor(i * layers / n)), the
+    lowest remaining layer kept GLA where that would leave none, so a GLA + GDN mix stays a mix."""
+    free = [i for i in range(layers) if i not in attn_layers]
+    if not like.gla_layers:
+        return free
+    placed = sorted({i * layers // like.n_layers for i in like.gdn_layers} & set(free))
+    return placed[1:] if len(placed) == len(free) else placed
+
+
 def state_floats(cfg: ModelConfig) -> int:
-    """Numbers in the recurrent matrix state of one sequence (all layers; the conv cache excluded)."""
-    return cfg.n_layers * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim
+    """Numbers in the recurrent matrix state of one sequence (its GLA and Gated DeltaNet layers; the conv
+    cache and attention K/V excluded)."""
+    total = len(cfg.gla_layers) * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim
+    if cfg.gdn_layers:
+        d = cfg.gdn_dims()
+        total += len(cfg.gdn_layers) * d["HV"] * d["Kh"] * d["Vh"]
+    return total
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ def cell_name(model: str, lr: float, seed: int) -> str:
 
 
 def protocol_model_config(mqar: MqarSection, arm_model: ModelConfig, width: int) -> ModelConfig:
-    """The MQAR model of an arm at `width`: the arm's pattern of attention layers in mqar.layers layers."""
+    """The MQAR model of an arm at `width`: the arm's pattern of attention and Gated DeltaNet layers in
+    mqar.layers layers, a GDN layer with a GLA layer's state bytes and its decays started near 1."""
     return small_mqar_model(
         arm_model,
         vocab_size=mqar.vocab,
@@ -62,6 +63,7 @@ def protocol_model_config(mqar: MqarSection, arm_model: ModelConfig, width: int)
         heads=mqar.heads,
         gate_bias=mqar.gate_bias,
         seq_len=mqar.seq_len,
+        gdn_dt_init=mqar.gdn_dt_init,
     )
 
 

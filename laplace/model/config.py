@@ -17,6 +17,11 @@ from laplace.errors import ConfigError
 ATTN_DEFAULTS = {"qkv_bias": False, "window_size": None, "rope_theta": 10000.0}
 # fla 0.6's GatedDeltaNetConfig defaults for what a Gated DeltaNet layer is (laplace.model.gated_deltanet)
 GDN_DEFAULTS = {"num_heads": 6, "head_dim": 256, "num_v_heads": None, "expand_v": 2.0, "allow_neg_eigval": False}
+# Laplace's init-only Gated DeltaNet knob (no fla config field): the range dt is drawn from, log-uniformly, to
+# initialise dt_bias. The default is fla's (Mamba2's) [1e-3, 0.1]; [1e-4, 1e-3] starts every decay near 1 (long
+# memory, as GLA's gate_bias_init does). Kept out of a spec's normal form at its default, so the
+# architectures, exports and fingerprints of models that never set it are unchanged.
+GDN_DT_INIT_DEFAULT = [1e-3, 0.1]
 
 
 def _doc(default=dataclasses.MISSING, doc: str = ""):
@@ -60,8 +65,9 @@ class ModelConfig:
     gdn: Any = _doc(
         None,
         "Gated DeltaNet layers (fla's gated_deltanet): {layers: [i, ...], num_heads: 6, head_dim: 256, "
-        "num_v_heads: null (= num_heads; more: GVA), expand_v: 2.0, allow_neg_eigval: false}; they share "
-        "use_short_conv, conv_size, norm_eps, chunk_size and segment_len; null: none",
+        "num_v_heads: null (= num_heads; more: GVA), expand_v: 2.0, allow_neg_eigval: false, dt_init_range: [0.001, "
+        "0.1] (dt_bias's init: dt log-uniform in this range, fla's; [0.0001, 0.001] starts the decays near 1, long "
+        "memory)}; they share use_short_conv, conv_size, norm_eps, chunk_size and segment_len; null: none",
     )
     # How the GLA core runs, not what the model is (laplace.model.kernels). Left out of exports
     # and of the training run's fingerprint.
@@ -111,7 +117,7 @@ class ModelConfig:
     @property
     def gdn_spec(self) -> dict | None:
         """The Gated DeltaNet spec with fla's defaults filled in, or None."""
-        return None if self.gdn is None else {**GDN_DEFAULTS, **self.gdn}
+        return None if self.gdn is None else {**GDN_DEFAULTS, "dt_init_range": GDN_DT_INIT_DEFAULT, **self.gdn}
 
     @property
     def gdn_layers(self) -> tuple[int, ...]:
@@ -293,7 +299,7 @@ def _check_gdn(m: ModelConfig, prefix: str) -> None:
     where = f"{prefix}.gdn"
     if not isinstance(m.gdn, dict):
         raise ConfigError(f"{where}: must be a mapping {{layers: [...], num_heads: ..}} or null, got {m.gdn!r}")
-    unknown = sorted(set(m.gdn) - {"layers", *GDN_DEFAULTS})
+    unknown = sorted(set(m.gdn) - {"layers", "dt_init_range", *GDN_DEFAULTS})
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: not a Gated DeltaNet field Laplace implements")
     layers = m.gdn.get("layers")
@@ -321,6 +327,21 @@ def _check_gdn(m: ModelConfig, prefix: str) -> None:
         raise ConfigError(f"{where}.num_v_heads: {HV} is not a multiple of num_heads={H} (GVA)")
     if not isinstance(spec["allow_neg_eigval"], bool):
         raise ConfigError(f"{where}.allow_neg_eigval: must be a Boolean, got {spec['allow_neg_eigval']!r}")
+    dt = spec["dt_init_range"]
+    if (
+        not isinstance(dt, (list, tuple))
+        or len(dt) != 2
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in dt)
+        or not 0 < dt[0] <= dt[1]
+    ):
+        raise ConfigError(f"{where}.dt_init_range: must be [low, high] with 0 < low <= high, got {dt!r}")
+
+
+def _gdn_normal_form(m: ModelConfig) -> dict:
+    """The Gated DeltaNet spec with fla's defaults filled in; dt_init_range only where it is not the default."""
+    spec = {**GDN_DEFAULTS, **m.gdn, "layers": list(m.gdn["layers"])}
+    dt = [float(v) for v in spec.pop("dt_init_range", GDN_DT_INIT_DEFAULT)]
+    return spec if dt == GDN_DT_INIT_DEFAULT else {**spec, "dt_init_range": dt}
 
 
 def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
@@ -371,7 +392,7 @@ def validate_model_config(m: ModelConfig, prefix: str = "model") -> ModelConfig:
     if m.attn is not None:  # fla's normal form (defaults filled, lists): exports and fingerprints agree
         m = dataclasses.replace(m, attn=parse_attention_config(m.attn, m.n_layers))
     if m.gdn is not None:  # the same for the Gated DeltaNet spec
-        m = dataclasses.replace(m, gdn={**m.gdn_spec, "layers": list(m.gdn["layers"])})
+        m = dataclasses.replace(m, gdn=_gdn_normal_form(m))
     return m
 
 

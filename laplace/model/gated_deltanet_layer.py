@@ -21,9 +21,10 @@ def init_a_log(t: Tensor, generator: torch.Generator) -> Tensor:
     return t.uniform_(0, 16, generator=generator).clamp_min_(1e-4).log_()
 
 
-def init_dt_bias(t: Tensor, generator: torch.Generator) -> Tensor:
-    """fla's dt_bias: softplus^-1(dt), dt log-uniform in [1e-3, 0.1] floored at 1e-4 (Mamba2)."""
-    lo, hi = math.log(1e-3), math.log(0.1)
+def init_dt_bias(t: Tensor, generator: torch.Generator, dt_range: tuple[float, float] = (1e-3, 0.1)) -> Tensor:
+    """fla's dt_bias: softplus^-1(dt), dt log-uniform in `dt_range` (fla's: [1e-3, 0.1]) floored at 1e-4
+    (Mamba2); model.gdn.dt_init_range sets the range."""
+    lo, hi = math.log(dt_range[0]), math.log(dt_range[1])
     dt = (t.uniform_(0, 1, generator=generator) * (hi - lo) + lo).exp().clamp_min(1e-4)
     return dt + torch.log(-torch.expm1(-dt))
 

@@ -438,7 +438,8 @@ class LaplaceLM(nn.Module):
             elif name.endswith("attn.A_log"):
                 _seeded_fill_(p, base, name, init_a_log)
             elif name.endswith("attn.dt_bias"):
-                _seeded_fill_(p, base, name, init_dt_bias)
+                dt_range = cfg.gdn_spec["dt_init_range"]  # model.gdn.dt_init_range: fla's by default
+                _seeded_fill_(p, base, name, lambda t, g, r=dt_range: init_dt_bias(t, g, r))
             else:
                 local_rows(p)[0].zero_()
 
