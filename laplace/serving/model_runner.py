@@ -227,9 +227,9 @@ class ModelRunner:
     def graphs_needed(self) -> int:
         """Graphs one compiled function may hold: sets the recompile limit. One per decode width and
         prefill bucket; under compile_scope "block" every block shares one forward, compiled for each
-        shape once per kind of block (GLA, and each distinct attention spec of a hybrid)."""
+        shape once per kind of block (GLA, Gated DeltaNet, and each distinct attention spec of a hybrid)."""
         cfg = self.model.cfg
-        kinds = len({repr(cfg.attention_spec(layer)) for layer in range(cfg.n_layers)})
+        kinds = len({"gdn" if i in cfg.gdn_layers else repr(cfg.attention_spec(i)) for i in range(cfg.n_layers)})
         return (len(self.widths) + len(self.buckets)) * kinds
 
     # -- the two graphs (over the state buffers, mutated in place) -----------------------------
