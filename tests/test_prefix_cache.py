@@ -1,6 +1,7 @@
 """The state prefix cache (laplace/serving/prefix_cache.py, used by ModelRunner.prefill_cached):
 greedy and seeded outputs with the cache equal those without it token for token, hits / misses /
-bytes / evictions are counted exactly, a shared system prompt is cached where prompts diverge."""
+bytes / evictions are counted exactly, a shared system prompt is cached where prompts diverge.
+The equality tests run on a Gated DeltaNet model too (its state cached at any token, as GLA's)."""
 
 import dataclasses
 
@@ -21,10 +22,22 @@ from laplace.serving.workload import SHARED_PREFIX, build_requests
 VOCAB = 97
 
 
-def model(seed=0):
+# a Gated DeltaNet model of the same shape (model.gdn: every layer GDN, GVA): the cache holds its state alike
+GDN = {"layers": [0, 1], "num_heads": 1, "num_v_heads": 2, "head_dim": 16, "expand_v": 1.5}
+
+
+def model(seed=0, gdn=None):
     torch.manual_seed(seed)
     cfg = preset_model_config(
-        "tiny", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, chunk_size=16, sub_chunk_size=8, init_std=0.3
+        "tiny",
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        chunk_size=16,
+        sub_chunk_size=8,
+        init_std=0.3,
+        gdn=gdn,
     )  # wide logits: no near-ties for greedy
     return LaplaceLM(cfg).eval()
 
@@ -54,9 +67,9 @@ def shared_system_prompt(n=6, system_len=37, seed=0, temperature=0.0):
     ]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_outputs_with_the_cache_equal_those_without_and_hits_are_counted(temperature):
-    m = model()
+@pytest.mark.parametrize("temperature,gdn", [(0.0, None), (1.0, None), (0.0, GDN)], ids=["0.0", "1.0", "gdn-0.0"])
+def test_outputs_with_the_cache_equal_those_without_and_hits_are_counted(temperature, gdn):
+    m = model(gdn=gdn)
     requests = shared_system_prompt(temperature=temperature)
     plain = replay(engine(m, 0), requests)
     cached_engine = engine(m, 1 << 20)
@@ -78,10 +91,11 @@ def test_outputs_with_the_cache_equal_those_without_and_hits_are_counted(tempera
     assert prefill[2] < cached_engine.runner.padded_tokens(len(requests[2].prompt_ids))
 
 
-def test_first_token_logits_equal_a_whole_prefill_within_rounding():
+@pytest.mark.parametrize("gdn", [None, GDN], ids=["gla", "gdn"])
+def test_first_token_logits_equal_a_whole_prefill_within_rounding(gdn):
     """The state after a cached prefix and the rest equals one prefill of the whole prompt up to
     float rounding (the chunked form splits at other positions), far below any greedy margin."""
-    m = model()
+    m = model(gdn=gdn)
     requests = shared_system_prompt(n=4)
     eng = engine(m, 1 << 20)
     for r in requests:
@@ -93,8 +107,9 @@ def test_first_token_logits_equal_a_whole_prefill_within_rounding():
     assert eng.cache.stats()["hits"] == 2
 
 
-def test_a_conversation_continues_from_its_whole_previous_prompt():
-    m = model()
+@pytest.mark.parametrize("gdn", [None, GDN], ids=["gla", "gdn"])
+def test_a_conversation_continues_from_its_whole_previous_prompt(gdn):
+    m = model(gdn=gdn)
     eng = engine(m, 1 << 20)
     rng = np.random.default_rng(3)
     turn1 = rng.integers(0, VOCAB, 20).tolist()
