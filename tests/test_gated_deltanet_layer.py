@@ -231,12 +231,43 @@ def test_the_plan_probes_one_block_per_kind_of_layer():
     assert out["peak_bytes"]["full"] < out["peak_bytes"]["none"] and out["attention_layers"] == 1
 
 
-def test_the_mqar_probe_refuses_a_gdn_model_rather_than_train_gla_in_its_place():
-    from laplace.evals.mqar import small_mqar_model
+def test_dt_init_range_sets_the_decays_init_and_leaves_default_models_unchanged():
+    """model.gdn.dt_init_range: dt = softplus(dt_bias) drawn log-uniformly in it (fla's [1e-3, 0.1] by
+    default); at its default it is not part of the spec's normal form, so a model that never set it
+    keeps its architecture (exports, fingerprints) and its initial weights."""
+    plain = mixed_config()
+    assert "dt_init_range" not in plain.gdn
+    assert mixed_config(gdn={"layers": [0, 3], **GDN, "dt_init_range": [0.001, 0.1]}) == plain
+    long = mixed_config(gdn={"layers": [0, 3], **GDN, "dt_init_range": [1e-4, 1e-3]})
+    assert long.gdn["dt_init_range"] == [1e-4, 1e-3] and long.architecture() != plain.architecture()
+    torch.manual_seed(0)
+    a = LaplaceLM(plain)
+    torch.manual_seed(0)
+    b = LaplaceLM(long)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        if not name.endswith("dt_bias"):
+            assert torch.equal(p, q), name  # only dt_bias draws from the range
+    dt = F.softplus(b.blocks[0].attn.dt_bias)
+    assert 1e-4 * 0.999 <= dt.min() and dt.max() <= 1e-3 * 1.001
+    with pytest.raises(ConfigError, match=r"model\.gdn\.dt_init_range: must be \[low, high\]"):
+        mixed_config(gdn={"layers": [0], **GDN, "dt_init_range": [1e-3, 1e-4]})
 
-    kw = dict(vocab_size=64, d_model=32, layers=2, heads=2, gate_bias=0.0, seq_len=64)
-    with pytest.raises(ConfigError, match="gated_deltanet layers are not measured by the MQAR probe yet"):
-        small_mqar_model(preset_model_config("tiny-gdn", vocab_size=64), **kw)
+
+def test_the_mqar_probe_trains_a_gdn_model_with_glas_state_and_long_memory():
+    """The probe's small model of a GDN architecture is GDN (not GLA in its place), with a GLA layer's
+    key/value widths and heads (the same state) and probes.mqar_train_gdn_dt_init's decays."""
+    from laplace.config import ProbesSection
+    from laplace.evals.mqar import mqar_model_config, state_floats
+
+    probes = ProbesSection()
+    gla = mqar_model_config(probes)
+    for preset, layers, attn in (("tiny-gdn", (0, 1), ()), ("tiny-gdn-hybrid", (0,), (1,))):
+        cfg = mqar_model_config(probes, like=preset_model_config(preset, vocab_size=64))
+        assert cfg.gdn_layers == layers and cfg.attn_layers == attn and not cfg.gla_layers, preset
+        assert cfg.gdn["dt_init_range"] == probes.mqar_train_gdn_dt_init
+        assert state_floats(cfg) == state_floats(gla) * len(layers) // 2
+    pure = mqar_model_config(probes, like=preset_model_config("tiny-gdn", vocab_size=64))
+    assert analytic_state_bytes(pure) == analytic_state_bytes(gla)
 
 
 def test_the_fla_decode_step_through_our_dispatch_equals_the_torch_step():

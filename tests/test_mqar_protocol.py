@@ -301,3 +301,81 @@ def test_the_step_benchmark_measures_a_protocol_model_and_projects_its_grid():
     assert model["step_s"] > 0
     assert model["cell_s"] == pytest.approx(model["step_s"] * cfg.mqar.steps)
     assert model["grid_s"] == pytest.approx(model["cell_s"] * len(cfg.mqar.lrs) * len(cfg.mqar.seeds))
+
+
+def test_a_gdn_arms_cell_trains_a_gdn_model_at_glas_state_bytes_with_long_memory():
+    """The protocol's model of a GDN arm is GDN (every non-attention layer; not GLA in its place), its
+    decays started by mqar.gdn_dt_init, and it holds the GLA model's serving bytes at every width; a
+    cell of it trains a few steps and is tested on the protocol's queries."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from laplace.model.lm import LaplaceLM, sequence_bytes
+
+    cfg = config_from_dict({})
+    m, archs = cfg.mqar, compare_mqar.arm_models(cfg)
+    for width in m.widths:
+        gla, hybrid = (mqar_protocol.protocol_model_config(m, archs[a], width) for a in ("gla", "hybrid-1in4"))
+        gdn, gdn_hybrid = (mqar_protocol.protocol_model_config(m, archs[a], width) for a in ("gdn", "gdn-hybrid"))
+        assert mqar_protocol.layer_kinds(gdn) == ("gdn", "gdn") and gdn.gdn["dt_init_range"] == m.gdn_dt_init
+        assert mqar_protocol.layer_kinds(gdn_hybrid) == ("gdn", "attn")
+        assert mqar_protocol.layer_kinds(hybrid) == ("gla", "attn")
+        for ctx in m.contexts:
+            assert sequence_bytes(gdn, ctx) == sequence_bytes(gla, ctx), width
+            assert sequence_bytes(gdn_hybrid, ctx) == sequence_bytes(hybrid, ctx), width
+    torch.manual_seed(0)
+    dt = F.softplus(LaplaceLM(gdn).blocks[0].attn.dt_bias)
+    assert m.gdn_dt_init[0] * 0.999 <= dt.min() and dt.max() <= m.gdn_dt_init[1] * 1.001
+    few = dataclasses.replace(m, steps=3, contexts=[32], pairs=[4], seq_len=32, train_pairs=4, reference_pairs=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cell = mqar_protocol.train_cell(few, "gdn", archs["gdn"], 16, 0.005, 0, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert cell["family"] == "gated_deltanet" and cell["queries"]["32"]["4"] >= 1000
+    assert 0.0 <= cell["accuracy"]["32"]["4"] <= 1.0 and math.isfinite(cell["final_loss"]) and len(cell["losses"]) == 3
+    assert cell["computed"]["model"]["gdn"]["dt_init_range"] == m.gdn_dt_init
+
+
+def test_equal_state_pairs_each_gdn_model_with_its_gla_twin_and_the_headline_states_the_verdict():
+    """matched_state: pure GDN against pure GLA and GDN + attention against GLA + attention at the same
+    width and bytes (the two GLA hybrids, one model at 2 layers, paired once), with the difference in
+    standard errors; the headline states it at the widest width and the reference cell."""
+    from laplace.model.lm import sequence_bytes
+
+    cfg = config_from_dict({})
+    m, archs = cfg.mqar, compare_mqar.arm_models(cfg)
+
+    def model(arm, width, values):
+        c = mqar_protocol.protocol_model_config(m, archs[arm], width)
+        return {
+            "arm": arm,
+            "width": width,
+            "family": "x",
+            "bytes_per_sequence": {str(n): sequence_bytes(c, n)["total_bytes"] for n in m.contexts},
+            "accuracy": {"64": {"16": mqar_protocol.estimate(values, 1008)}},
+        }
+
+    summary = {}
+    for w in m.widths:
+        summary |= {
+            f"gla-w{w}": model("gla", w, [0.30, 0.40, 0.50]),
+            f"hybrid-1in4-w{w}": model("hybrid-1in4", w, [1.0, 1.0, 1.0]),
+            f"hybrid-1in2-w{w}": model("hybrid-1in2", w, [1.0, 1.0, 1.0]),
+            f"softmax-w{w}": model("softmax", w, [1.0, 1.0, 1.0]),
+            f"gdn-w{w}": model("gdn", w, [0.90, 0.95, 1.0]),
+            f"gdn-hybrid-w{w}": model("gdn-hybrid", w, [1.0, 1.0, 1.0]),
+        }
+    pairs = mqar_protocol.matched_state(m, summary, archs)
+    assert [(p["gdn"], p["gla"]) for p in pairs] == [
+        (f"{a}-w{w}", f"{b}-w{w}") for w in m.widths for a, b in (("gdn", "gla"), ("gdn-hybrid", "hybrid-1in4"))
+    ]
+    wide = [p for p in pairs if p["width"] == max(m.widths)]
+    assert wide[0]["cells"]["64"]["16"]["verdict"] == "above" and wide[0]["cells"]["64"]["16"]["z"] > 2
+    assert wide[1]["cells"]["64"]["16"]["verdict"] == "indistinguishable"
+    protocol = {"models": summary, "matched_state": pairs}
+    text = "; ".join(compare_table._equal_state(protocol, max(m.widths), "64", "16"))
+    assert f"gdn-w{max(m.widths)} 0.95 ± 0.03 vs gla-w{max(m.widths)} 0.40 ± 0.06: above by 0.55" in text, text
+    assert f"gdn-hybrid-w{max(m.widths)}" in text and "indistinguishable" in text

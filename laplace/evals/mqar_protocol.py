@@ -339,6 +339,58 @@ def validity_gate(mqar: MqarSection, summary: dict) -> dict:
     return {"passed": not failed, "checks": checks, "reason": reason}
 
 
+# --------------------------------------------------------------------------- equal state bytes
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """Each layer's kind: gla, gdn (Gated DeltaNet) or attn."""
+    return tuple(
+        "attn" if i in cfg.attn_layers else "gdn" if i in cfg.gdn_layers else "gla" for i in range(cfg.n_layers)
+    )
+
+
+def matched_state(mqar: MqarSection, summary: dict, arm_models: dict[str, ModelConfig]) -> list[dict]:
+    """Which fixed-state family buys more recall per byte: every model with Gated DeltaNet layers
+    beside the model of the same width whose GDN layers are GLA layers instead (pure GDN against pure
+    GLA, GDN + attention against GLA + attention at the same attention layers), where the two hold
+    the same serving bytes per sequence at every test length (the protocol's GDN layer has a GLA
+    layer's key and value widths and heads). Per test cell: GDN's mean minus GLA's, that difference in
+    standard errors (seed spread included) and a verdict at mqar.significance_se. Two GLA arms that are
+    one model at mqar.layers (both hybrids at 2 layers) are paired once, with the first of them."""
+    kinds = {
+        name: layer_kinds(protocol_model_config(mqar, arm_models[s["arm"]], s["width"])) for name, s in summary.items()
+    }
+    out, seen = [], set()
+    for name, s in summary.items():
+        if "gdn" not in kinds[name]:
+            continue
+        as_gla = tuple("gla" if k == "gdn" else k for k in kinds[name])
+        for other, o in summary.items():
+            key = (name, as_gla)
+            if kinds[other] != as_gla or o["width"] != s["width"] or key in seen:
+                continue
+            if o["bytes_per_sequence"] != s["bytes_per_sequence"]:
+                continue  # not a like-for-like pair: its bytes differ
+            seen.add(key)
+            cells: dict[str, dict[str, dict]] = {}
+            for ctx, row in s["accuracy"].items():
+                for pairs, e in row.items():
+                    b = o["accuracy"][ctx][pairs]
+                    z = differs(e, b)
+                    verdict = "indistinguishable" if abs(z) <= mqar.significance_se else "above" if z > 0 else "below"
+                    cells.setdefault(ctx, {})[pairs] = {"difference": e["mean"] - b["mean"], "z": z, "verdict": verdict}
+            out.append(
+                {
+                    "gdn": name,
+                    "gla": other,
+                    "width": s["width"],
+                    "bytes_per_sequence": s["bytes_per_sequence"],
+                    "cells": cells,
+                }
+            )
+    return out
+
+
 # --------------------------------------------------------------------------- the frontier
 
 

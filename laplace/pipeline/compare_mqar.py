@@ -20,6 +20,7 @@ from laplace.evals.mqar_protocol import (
     cell_name,
     check_protocol,
     frontier,
+    matched_state,
     model_name,
     models,
     same_computation,
@@ -106,12 +107,14 @@ def run_protocol(cfg: Config, paths: Paths) -> dict:
     from laplace.pipeline.plots import mqar_plots, write_rows
 
     m = cfg.mqar
-    check_protocol(m, arm_models(cfg))
+    archs = arm_models(cfg)
+    check_protocol(m, archs)
     summary = summarize(m, read_cells(cfg, paths))
     result = {
         "models": summary,
         "gate": validity_gate(m, summary),
         "frontier": frontier(summary),
+        "matched_state": matched_state(m, summary, archs),
         "settings": {
             k: getattr(m, k)
             for k in ("vocab", "seq_len", "train_pairs", "steps", "batch_size", "layers", "heads", "lrs", "seeds")
@@ -174,6 +177,13 @@ def format_protocol(result: dict) -> str:
             f"* best rate at an end of mqar.lrs ({', '.join(edges)}): the grid does not bracket their optimum; "
             "extend it there"
         )
+    for pair in result.get("matched_state", []):
+        diffs = ", ".join(
+            f"{p}p@{c} {d['difference']:+.3f} ({d['z']:+.1f} SE, {d['verdict']})"
+            for c, row in pair["cells"].items()
+            for p, d in row.items()
+        )
+        lines.append(f"equal state  {pair['gdn']} - {pair['gla']}: {diffs}")
     gate = result["gate"]
     lines.append(f"gate        {'passed' if gate['passed'] else 'FAILED'}")
     lines += [f"  {'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}" for c in gate["checks"]]

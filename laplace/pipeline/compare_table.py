@@ -166,7 +166,28 @@ def headline(rows: dict, protocol: dict, memory_context: int) -> str:
             text += f", for {mine / base:.1f}x {gla['arm']}'s serving bytes at {memory_context}"
             text += f" ({top / mine:.1f}x less than {soft['arm']})"
         parts.append(text)
-    return "; ".join(parts)
+    return "; ".join(parts + _equal_state(protocol, width, ctx, pairs))
+
+
+def _equal_state(protocol: dict, width: int, ctx: str, pairs: str) -> list[str]:
+    """The headline's recall-per-byte sentences: each Gated DeltaNet model against the GLA model of the
+    same state bytes (the protocol's `matched_state`) at `width` and the reference cell."""
+    out = []
+    for pair in protocol.get("matched_state", []):
+        if pair["width"] != width:
+            continue
+        a, b = (protocol["models"][pair[k]]["accuracy"][ctx][pairs] for k in ("gdn", "gla"))
+        d = pair["cells"][ctx][pairs]
+        verdict = (
+            "indistinguishable"
+            if d["verdict"] == "indistinguishable"
+            else f"{d['verdict']} by {abs(d['difference']):.2f} ({abs(d['z']):.1f} SE)"
+        )
+        out.append(
+            f"at equal state ({pair['bytes_per_sequence'][ctx]:,} B per sequence) {pair['gdn']} {_shown(a)} vs "
+            f"{pair['gla']} {_shown(b)}: {verdict}"
+        )
+    return out
 
 
 def pick(rows: dict, protocol: dict, memory_context: int, candidates: list[str] | None = None) -> dict:
