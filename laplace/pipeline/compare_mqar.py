@@ -179,9 +179,9 @@ def format_protocol(result: dict) -> str:
         )
     for pair in result.get("matched_state", []):
         diffs = ", ".join(
-            f"{p}p@{c} {d['difference']:+.3f} ({d['z']:+.1f} SE, {d['verdict']})"
-            for c, row in pair["cells"].items()
-            for p, d in row.items()
+            f"{p}p@{c} {pair['cells'][str(c)][str(p)]['difference']:+.3f} "
+            f"({pair['cells'][str(c)][str(p)]['z']:+.1f} SE, {pair['cells'][str(c)][str(p)]['verdict']})"
+            for c, p in cells
         )
         lines.append(f"equal state  {pair['gdn']} - {pair['gla']}: {diffs}")
     gate = result["gate"]
