@@ -35,6 +35,9 @@ pytest.importorskip("fla", reason="flash-linear-attention (dev) builds the fla-f
 # the tests' tiny pipeline, less its model.* keys: with model.init the architecture is the init's
 PARAMS = {k: v for k, v in TINY_PARAMS.items() if not (k.startswith("model.") or k.startswith("tokenizer."))}
 PARAMS["probes.train_mqar"] = False  # the MQAR-trained GLA is not this test's subject (tests/test_probes.py)
+# serve-check's live phase (a `laplace serve` and a load generator) is the tiny pipeline's subject
+# (test_pipeline_dvc); the import's champion is served live by the openai client test below
+PARAMS["serve_check.live"] = False
 # Most of this pipeline's time is Inductor compiling from cold, for a model twice the tiny one's
 # depth (measured at load 16-19: warmup's 3 graphs 635 s, the first 321 s; serve-check's exact replay,
 # an empty cache by design, 3 compile events in 1025 s). Past project.run's 900 s under CI's load (the
