@@ -181,13 +181,16 @@ def pytest_collection_modifyitems(config, items):
     )
     if strays:
         raise pytest.UsageError(f"{', '.join(strays)} use tiny_pipeline: add them to TINY_PIPELINE_MODULES (conftest)")
-    weights = suite_timing.recorded_walls()
+    weights, units = suite_timing.recorded_walls(), suite_timing.recorded_units()
     groups: dict[str, list] = {}
     for item in items:
         groups.setdefault(group_of(item.nodeid), []).append(item)
 
-    def weight(group: list) -> tuple[float, int]:  # recorded seconds; without a record, slow tests
-        return sum(weights.get(i.nodeid, 0.0) for i in group), sum(bool(i.get_closest_marker("slow")) for i in group)
+    def weight(group: list) -> tuple[float, int]:  # the unit's recorded seconds; without a record, slow tests
+        recorded = units.get(group_of(group[0].nodeid))
+        if recorded is None:  # a new unit, or a record without units: its tests among the slowest
+            recorded = sum(weights.get(i.nodeid, 0.0) for i in group)
+        return recorded, sum(bool(i.get_closest_marker("slow")) for i in group)
 
     ranked = sorted(groups.values(), key=weight, reverse=True)
     items[:] = [item for group in ranked for item in group]
@@ -232,7 +235,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workerinput") or not TIMINGS.tests:  # an xdist worker (the controller reports); no test ran
         return
     if config.getoption("--record-durations"):
-        suite_timing.record(TIMINGS, workers_of(config))
+        suite_timing.record(TIMINGS, workers_of(config), group_of)
         terminalreporter.write_line(f"wrote {suite_timing.RECORD}")
     suite_timing.summary(TIMINGS, terminalreporter.write_line)
 

@@ -60,7 +60,15 @@ class Timings:
         }
 
 
-def record(timings: Timings, workers: int) -> dict:
+def unit_walls(timings: Timings, unit_of) -> dict[str, float]:
+    """Each work unit's (unit_of: nodeid -> unit) wall seconds, all of its tests, heaviest first."""
+    units: dict[str, float] = {}
+    for nodeid, entry in timings.tests.items():
+        units[unit_of(nodeid)] = units.get(unit_of(nodeid), 0.0) + entry["wall_s"]
+    return {u: round(w, 1) for u, w in sorted(units.items(), key=lambda kv: kv[1], reverse=True)}
+
+
+def record(timings: Timings, workers: int, unit_of=None) -> dict:
     data = {
         "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "how": "make test PYTEST_ARGS=--record-durations (pytest -n 2, tests/conftest.py's work units); a full run",
@@ -69,6 +77,8 @@ def record(timings: Timings, workers: int) -> dict:
         "totals": timings.totals(),
         "slowest": timings.slowest(),
     }
+    if unit_of is not None:  # what the scheduler orders by (tests/conftest.py): every unit, not the slowest tests
+        data["units"] = unit_walls(timings, unit_of)
     RECORD.write_text(json.dumps(data, indent=1) + "\n")
     return data
 
@@ -135,4 +145,12 @@ def recorded_walls() -> dict[str, float]:
     try:
         return {k: e["wall_s"] for k, e in json.loads(RECORD.read_text()).get("slowest", {}).items()}
     except (OSError, ValueError, KeyError):
+        return {}
+
+
+def recorded_units() -> dict[str, float]:
+    """work unit -> recorded wall seconds of all its tests (empty without a record, or an older one)."""
+    try:
+        return {k: float(w) for k, w in json.loads(RECORD.read_text()).get("units", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError):
         return {}

@@ -42,3 +42,17 @@ def test_the_group_suffix_of_loadgroup_is_not_part_of_the_id():
     assert suite_timing.plain_nodeid("tests/a.py::t@tiny_pipeline") == "tests/a.py::t"
     assert suite_timing.plain_nodeid("tests/a.py::t[x@y]") == "tests/a.py::t[x@y]"  # a parameter's @ stays
     assert suite_timing.plain_nodeid("tests/a.py::t[x@y]@g") == "tests/a.py::t[x@y]"
+
+
+def test_the_record_sums_every_test_of_a_work_unit_heaviest_first():
+    t = suite_timing.Timings()
+    for nodeid, wall in (
+        ("tests/a.py::x", 10.0),
+        ("tests/a.py::y", 5.5),
+        ("tests/b.py::z", 30.0),
+        ("tests/c.py::w", 1),
+    ):
+        t.add(SimpleNamespace(nodeid=nodeid, duration=wall, user_properties=[("cpu_s", 1.0)]))
+    units = suite_timing.unit_walls(t, lambda nodeid: "ab" if nodeid.startswith("tests/b") else nodeid.split("::")[0])
+    assert units == {"ab": 30.0, "tests/a.py": 15.5, "tests/c.py": 1.0}
+    assert list(units) == ["ab", "tests/a.py", "tests/c.py"]
