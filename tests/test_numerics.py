@@ -91,3 +91,36 @@ def test_eager_mode_is_bitwise_reproducible_across_processes(tiny_artifacts):
     first = fingerprint_in_subprocess(export_dir, data_dir)
     second = fingerprint_in_subprocess(export_dir, data_dir)
     assert first == second
+
+
+@pytest.mark.slow  # 120 CPU-s with Inductor's cache cold (5 graphs of ~25 s each on 2 cores), 12 s warm
+def test_a_gated_deltanet_export_passes_the_fp32_gates(tiny_artifacts, tmp_path):
+    """The gates on a Gated DeltaNet export (docs/model.md: checked by hand before): a 1-layer GDN
+    model (GVA, random weights with wide logits) through check_dtype at fp32, eager and compiled
+    (Inductor: the engine's decode and prefill graphs, the train step's forward and backward),
+    against its fp64 reference; every gate passes."""
+    from laplace.model.export import load_export
+    from laplace.model.lm import LaplaceLM
+    from laplace.runtime import configure_compiler
+
+    from project import tiny_model_config, write_model_export
+
+    data_dir, trained = tiny_artifacts
+    vocab = load_export(trained)[0].cfg.vocab_size
+    gdn = {"layers": [0], "num_heads": 1, "num_v_heads": 2, "head_dim": 16, "expand_v": 1.5}
+    torch.manual_seed(0)
+    export_dir = write_model_export(
+        LaplaceLM(tiny_model_config(vocab, init_std=0.3, gdn=gdn)), trained / "tokenizer.json", tmp_path / "gdn"
+    )
+    # one slot (decode width 1), one chunk of 16 tokens per prefill: each graph is an Inductor compile
+    engine = {"max_slots": 1, "prefill_buckets": [16], "max_prompt_tokens": 16}
+    cfg = config_from_dict({"engine": engine, "numerics": {**SMALL["numerics"], "seq_len": 16, "prompt_tokens": 8}})
+    configure_compiler(40)
+    tokens = held_out(data_dir)
+    ref_model, _, _ = load_export(export_dir, dtype=torch.float64)
+    assert ref_model.blocks[0].is_delta
+    report = check_dtype(cfg, export_dir, torch.float32, tokens, reference(cfg, ref_model, tokens))
+    g = dtype_gates(cfg, "fp32", report)
+    assert all(ok for ok, _, _ in g.values()), gate_table(g)
+    assert list(report["decode"]) == ["1"] and report["prefill"]["rel_rms_compiled_vs_fp64"] < 1e-5
+    assert report["greedy"]["mean_agreement"] == 1.0
