@@ -434,3 +434,37 @@ def test_local_completions_at_max_length_4096_scores_a_longer_document_against_l
     pairs = ours.rolling_pairs(text)
     expected = sum(own_logprob(ours.model, context, continuation) for context, continuation in pairs)
     assert math.isfinite(score) and score == pytest.approx(expected, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- a Gated DeltaNet export
+
+
+def test_lm_eval_scores_a_gated_deltanet_export_by_its_own_log_likelihoods(setup, tmp_path, monkeypatch):
+    """`--model laplace` on a Gated DeltaNet export (an fla GatedDeltaNetForCausalLM imported: 2 GDN
+    layers, GVA), its prompts through the engine's slots: the rolling and multiple-choice numbers
+    are the model's own log-likelihoods (its parallel forward)."""
+    from laplace.evals.harness import evaluate
+
+    from hf_fixture import fla_gdn_checkpoint
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import_checkpoint(fla_gdn_checkpoint(tmp_path / "fla", num_heads=1, num_v_heads=2), tmp_path / "export")
+    results = evaluate(
+        tmp_path / "export",
+        ["local_rolling", "local_choice"],
+        include_path=str(setup / "tasks"),
+        model_args={"compile": "false", "max_slots": "2"},
+        log_samples=True,
+    )
+    model, tokenizer, config = load_export(tmp_path / "export")
+    assert model.cfg.gdn_layers == (0, 1) and not model.cfg.gla_layers and config["bos_id"] == 1
+    for sample in results["samples"]["local_rolling"]:
+        tokens = torch.tensor([[1] + tokenizer.encode(sample["doc"]["text"], add_special_tokens=False).ids])
+        with torch.no_grad():
+            loss = F.cross_entropy(model(tokens)[0, :-1].double(), tokens[0, 1:], reduction="sum")
+        assert sample["resps"][0][0] == pytest.approx(-float(loss), rel=1e-5, abs=1e-4)
+    for sample in results["samples"]["local_choice"]:
+        for (context, continuation), response in zip(_arguments(sample), sample["resps"]):
+            prompt = [1] + tokenizer.encode(context, add_special_tokens=False).ids
+            cont = tokenizer.encode(continuation, add_special_tokens=False).ids
+            assert response[0][0] == pytest.approx(own_logprob(model, prompt, cont), rel=1e-5, abs=1e-4)
