@@ -223,6 +223,9 @@ def compared(tmp_path_factory):
         {
             **TINY_PARAMS,
             **ARM_LAYERS,
+            # one slot: each arm's warmup compiles 2 graphs, not 3 (decode width 1, prefill 64), ~20 CPU-s
+            # less per arm; the arms' figures use one slot anyway (laplace/evals/architectures.py)
+            "engine.max_slots": 1,
             "engine.max_context": 1024,
             "compare.arms": E2E_ARMS,
             "compare.overrides": E2E_OVERRIDES,
