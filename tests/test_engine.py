@@ -16,7 +16,7 @@ from laplace.runtime import configure_compiler
 from laplace.serving.engine import DecodeEngine
 from laplace.serving.generation import generate_ids
 from laplace.serving.model_runner import DecodeBatch
-from laplace.serving.replay import long_prompt, replay, summarize
+from laplace.serving.replay import decode_cost, long_prompt, replay, summarize
 from laplace.serving.scheduler import Rejected, Request, StepRecord
 from laplace.serving.shapes import fit, prefill_pieces
 from laplace.serving.workload import arrival_times, build_requests
@@ -216,6 +216,20 @@ def test_an_echo_prompt_gets_its_log_probs_a_chunk_per_step_while_the_others_dec
     plain = dataclasses.replace(echo, id=4, logprobs=None, prompt_logprobs=None)
     assert replay(eng, [again])[-1].prompt_logprobs == lp and eng.cache.stats()["hits"] == hits
     assert replay(eng, [plain])[-1].output_ids == done[2].output_ids and eng.cache.stats()["hits"] == hits + 1
+
+
+def test_decode_cost_times_every_context_with_one_slot_or_several():
+    """serve-check's decode-cost check leases a slot per context and alternates between them; an
+    engine of one slot (engine.max_slots: 1) times the contexts in turn, with every slot freed."""
+    text = list(range(1, VOCAB))
+    for max_slots in (1, 4):
+        eng = engine(model(), max_slots=max_slots, buckets=(16, 32))
+        cost = decode_cost(eng, [40, 100, 70], steps=3, text=text)
+        assert set(cost["decode_s_per_token"]) == {"40", "100", "70"}, max_slots
+        assert all(t > 0 for t in cost["decode_s_per_token"].values())
+        assert cost["ratio"] == cost["decode_s_per_token"]["100"] / cost["decode_s_per_token"]["40"]
+        assert len(set(cost["state_bytes_per_sequence"].values())) == 1
+        assert eng.cache.pool.owners == {}
 
 
 def test_decode_pads_to_the_ladder_on_the_dummy_slot_and_equals_the_unpadded_rows():

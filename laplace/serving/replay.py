@@ -185,7 +185,8 @@ def decode_cost(engine: DecodeEngine, contexts: list[int], steps: int, text) -> 
 
     Each context is prefilled (in bucket pieces: only warmed graphs) into its own slot; the timed
     decode steps then alternate between the slots (generation.decode_step_times), so both contexts
-    are measured under the same machine conditions."""
+    are measured under the same machine conditions. An engine with fewer slots than contexts times
+    them in turn, as many side by side as it has slots."""
     import numpy as np
     import psutil
 
@@ -195,9 +196,12 @@ def decode_cost(engine: DecodeEngine, contexts: list[int], steps: int, text) -> 
     # a model with attention layers is timed at the contexts its slots hold (engine.max_context)
     limit, asked = engine.cache.max_context, list(contexts)
     contexts = [c for c in asked if limit is None or c + steps + 8 <= limit]
-    with engine.cache.leased(-ctx for ctx in contexts) as slots:
-        prompts = {ctx: np.resize(np.asarray(text, dtype=np.int64), ctx) for ctx in contexts}
-        times = decode_step_times({c: (engine.runner, slot, prompts[c]) for c, slot in zip(contexts, slots)}, steps)
+    prompts = {ctx: np.resize(np.asarray(text, dtype=np.int64), ctx) for ctx in contexts}
+    times: dict[int, list[float]] = {}
+    per_turn = engine.cache.max_slots
+    for turn in [contexts[i : i + per_turn] for i in range(0, len(contexts), per_turn)]:
+        with engine.cache.leased(-ctx for ctx in turn) as slots:
+            times |= decode_step_times({c: (engine.runner, slot, prompts[c]) for c, slot in zip(turn, slots)}, steps)
     out = {
         "decode_s_per_token": {str(c): statistics.median(t) for c, t in times.items()},
         "state_bytes_per_sequence": {str(c): engine.cache.state.bytes_per_sequence for c in contexts},
