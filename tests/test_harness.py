@@ -269,6 +269,48 @@ def test_loglikelihoods_agree_with_lm_evals_hflm_per_request(layout, tmp_path):
     assert len(windowed.rolling_pairs(texts[1])) > 3
 
 
+# --------------------------------------------------------------------------- the scoring forward
+# Each continuation is scored from one chunked forward's logits, the rows of a group right-padded
+# together: pieces (SCORE_LOGITS), fp64 blocks (LOGPROB_ROWS) and padding leave every number the
+# parallel forward's; an attention layer's K/V cache (max_context) bounds a pair.
+
+PAIRS = [([1, 5, 9], [17, 4, 33, 8, 21, 6, 40]), ([1], [12, 7]), ([1, 3, 3, 50, 2, 7, 90], [11]), ([1, 8], [])]
+
+
+def test_pieces_blocks_and_padded_rows_leave_each_score_the_parallel_forwards(setup, monkeypatch):
+    from laplace.evals import harness
+
+    ours = harness.LaplaceHarnessLM(export=str(setup / "export"), device="cpu", compile="false", max_slots=3)
+    monkeypatch.setattr(harness, "SCORE_LOGITS", 3 * ours.model.cfg.vocab_size * 2)  # 3 rows: pieces of 2 tokens
+    monkeypatch.setattr(harness, "LOGPROB_ROWS", 3)
+    for (total, greedy), (prompt, cont) in zip(ours.score(PAIRS), PAIRS):
+        assert total == pytest.approx(own_logprob(ours.model, prompt, cont), rel=1e-5, abs=1e-5)
+        with torch.no_grad():
+            argmax = ours.model(torch.tensor([prompt + cont]))[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+        assert greedy == (argmax == cont)
+
+
+def test_an_attention_hybrid_is_scored_within_max_context(tmp_path):
+    from laplace.errors import ConfigError
+    from laplace.evals.harness import LaplaceHarnessLM
+    from laplace.model.lm import LaplaceLM
+
+    from hf_fixture import llama_style_tokenizer
+    from project import tiny_model_config, write_model_export
+
+    attn = {"layers": [1], "num_heads": 2, "window_size": 4}  # GLA, then sliding-window attention
+    torch.manual_seed(0)
+    model = LaplaceLM(tiny_model_config(300, n_layers=2, attn=attn)).eval()
+    export = write_model_export(
+        model, llama_style_tokenizer(tmp_path / "tokenizer.json"), tmp_path / "export", bos_id=1
+    )
+    ours = LaplaceHarnessLM(export=str(export), device="cpu", compile="false", max_slots=2, max_context=10)
+    for (total, _), (prompt, cont) in zip(ours.score(PAIRS), PAIRS):
+        assert total == pytest.approx(own_logprob(ours.model, prompt, cont), rel=1e-5, abs=1e-5)
+    with pytest.raises(ConfigError, match=re.escape("a request of 11 tokens does not fit max_context=10")):
+        ours.score([([1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12])])
+
+
 def test_the_laplace_model_refuses_what_it_cannot_honour_by_name():
     from laplace.errors import ConfigError
     from laplace.evals.harness import LaplaceHarnessLM
@@ -396,6 +438,7 @@ def test_local_completions_at_max_length_4096_scores_a_longer_document_against_l
     """lm-eval's default-sized windows against the server's defaults (engine.max_prompt_tokens 32768):
     a window's prompt of 4095 tokens is prefilled in chunks, not refused."""
     import lm_eval
+    from lm_eval.api.instance import Instance
     from lm_eval.tasks import TaskManager
 
     from laplace.evals.harness import LaplaceHarnessLM
@@ -428,12 +471,15 @@ def test_local_completions_at_max_length_4096_scores_a_longer_document_against_l
     (sample,) = http["samples"]["rolling_4096"]
     score = sample["resps"][0][0]
     # lm-eval's max_length=4096 is ours at 4094 (module comment above): its windows, each scored by the
-    # model's parallel forward (`--model laplace` decodes 4,094 steps a window here: minutes). The server's
-    # prompt log-probs are that forward too, in fp32 per token: 2.4e-4 nats apart in 29,532 when written;
-    # 1e-6 relative (0.03 nats) leaves 100x for another thread count's sums
+    # model's parallel forward, as `--model laplace` scores them (one chunked forward a window: seconds;
+    # one decode step a token took minutes). The server's prompt log-probs are that forward too, in fp32
+    # per token: 2.4e-4 nats apart in 29,532 when written; 1e-6 relative (0.03 nats) leaves 100x for
+    # another thread count's sums
     pairs = ours.rolling_pairs(text)
     expected = sum(own_logprob(ours.model, context, continuation) for context, continuation in pairs)
     assert math.isfinite(score) and score == pytest.approx(expected, rel=1e-6)
+    (local,) = ours.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    assert local == pytest.approx(expected, rel=1e-6)
 
 
 # --------------------------------------------------------------------------- a Gated DeltaNet export

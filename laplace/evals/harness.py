@@ -8,8 +8,9 @@ is served: padded ladder widths, bucketed prefill, the same state slots.
   the context's trailing spaces moved to the continuation, context+continuation encoded together and
   split after the context's tokens, the tokenizer's own special tokens, an empty context replaced by
   the prefix token), so the numbers are comparable with lm-eval's HFLM on the same checkpoint. The
-  context is prefilled into a slot, then the continuation is fed one token per decode step; up
-  to max_slots (a model_arg) requests decode together at the smallest ladder width that holds them.
+  context is prefilled into a slot, then the continuation (all but its last token) runs through the
+  model's chunked (parallel) form from that state, scored from the logits at every position: one
+  forward per continuation, however long, up to max_slots (a model_arg) requests in it together.
   With max_length, the context is left-truncated as HFLM truncates it (the last max_length + 1
   tokens of context + continuation are kept).
 - loglikelihood_rolling(text), two ways (model_arg `rolling`):
@@ -50,7 +51,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from laplace.config import EngineSection
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, InputError
 from laplace.serving.engine import DecodeEngine
 from laplace.serving.scheduler import Request
 
@@ -75,6 +76,10 @@ def _optional_int(name: str, value) -> int | None:
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ROLLING = ("windows", "document")
+# logits (rows x positions x vocab) one scoring forward holds at most (1 GiB in fp32): two 4,094-token
+# windows of a 32k vocabulary in one forward
+SCORE_LOGITS = 2**28
+LOGPROB_ROWS = 1024  # positions whose fp64 log-probs are computed at once
 
 
 def slots_of(max_slots, batch_size, max_batch_size) -> int:
@@ -108,9 +113,11 @@ def torch_device(device: str | None) -> torch.device:
 @register_model("laplace")
 class LaplaceHarnessLM(LM):
     """model_args: export=PATH (required), device=auto (cpu, cuda, cuda:N), kernel=auto, max_slots=8
-    (lm-eval's batch_size means the same: the rows scored together), compile=true (false: the same
-    ladder widths, eager), max_gen_toks=256, max_context=2048 (models with attention layers: the
-    tokens a sequence may reach, as engine.max_context), max_length (HFLM's: the tokens one
+    (lm-eval's batch_size means the same: the rows scored together), compile=true (the prefill
+    buckets and generate_until's decode widths compiled; false: the same shapes, eager; the
+    continuations' scoring forward is eager either way), max_gen_toks=256, max_context=2048 (models
+    with attention layers: the tokens a sequence may reach, as engine.max_context; a scored context
+    + continuation longer is refused), max_length (HFLM's: the tokens one
     forward sees; none by default: a fixed state needs no limit), rolling=windows|document (see
     the module docstring), add_bos_token (HFLM's: None = the tokenizer's own special tokens,
     true / false = add_special_tokens), dtype=float32|bfloat16|float16 (default: the export's),
@@ -225,28 +232,75 @@ class LaplaceHarnessLM(LM):
     @torch.inference_mode()
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | prompt), every continuation token the argmax) for each
-        (prompt ids, continuation ids), max_slots at a time, decoded at the ladder widths."""
-        out: list[tuple[float, bool]] = []
-        cache, runner = self.engine.cache, self.engine.runner
-        for first in range(0, len(pairs), cache.max_slots):
-            group = pairs[first : first + cache.max_slots]
-            totals, greedy = [0.0] * len(group), [True] * len(group)
-            with cache.leased(range(len(group))) as slots:
-                last = [runner.prefill(slot, prompt)[0] for slot, (prompt, _) in zip(slots, group)]
-                for t in range(max(len(cont) for _, cont in group)):
-                    live = [i for i, (_, cont) in enumerate(group) if t < len(cont)]
-                    for i in live:
-                        target = group[i][1][t]
-                        logp = F.log_softmax(last[i].double(), -1)
-                        totals[i] += float(logp[target])
-                        greedy[i] = greedy[i] and int(last[i].argmax()) == target
-                    more = [i for i in live if t + 1 < len(group[i][1])]
-                    if more:
-                        logits = runner.decode_rows([slots[i] for i in more], [group[i][1][t] for i in more])
-                        for row, i in enumerate(more):
-                            last[i] = logits[row]
-            out.extend(zip(totals, greedy))
+        (prompt ids, continuation ids): max_slots pairs at a time, the longest continuations together
+        (as HFLM orders its batches), each through `score_rows`."""
+        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][1]))
+        out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
+        rows = self.engine.cache.max_slots
+        for first in range(0, len(pairs), rows):
+            group = order[first : first + rows]
+            for i, result in zip(group, self.score_rows([pairs[i] for i in group])):
+                out[i] = result
         return out
+
+    def score_rows(self, group: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """`score` of up to max_slots pairs, one slot each: every prompt prefilled into its slot through
+        the bucket graphs (its last logits predict the continuation's first token), then every
+        continuation but its last token run together, right-padded, through the model's chunked
+        (parallel) form continuing the slots, and scored from the logits at every position; a window
+        of n tokens costs one forward of n - 1 (in pieces only where the rows' logits would pass
+        SCORE_LOGITS). Attention layers: a pair must fit the slot's K/V cache (max_context)."""
+        cache, runner = self.engine.cache, self.engine.runner
+        totals, greedy = [0.0] * len(group), [True] * len(group)
+
+        def add(row: int, logits: torch.Tensor, targets: list[int]) -> None:
+            for start in range(0, len(targets), LOGPROB_ROWS):  # fp64 log-probs, a block of positions at a time
+                block = logits[start : start + LOGPROB_ROWS]
+                target = torch.as_tensor(targets[start : start + LOGPROB_ROWS], device=block.device)
+                logp = F.log_softmax(block.double(), -1).gather(-1, target.view(-1, 1))
+                totals[row] += float(logp.sum())
+                greedy[row] = greedy[row] and bool((block.argmax(-1) == target).all())
+
+        with cache.leased(range(len(group))) as slots:
+            for slot, (prompt, cont) in zip(slots, group):
+                self._check_room(slot, len(prompt) + len(cont) - 1)
+            for row, (slot, (prompt, cont)) in enumerate(zip(slots, group)):
+                last = runner.prefill(slot, prompt)
+                add(row, last, cont[:1])
+            inputs = [cont[:-1] for _, cont in group]
+            piece = max(1, SCORE_LOGITS // (len(group) * self.model.cfg.vocab_size))
+            for start in range(0, max(map(len, inputs), default=0), piece):
+                live = [row for row, ids in enumerate(inputs) if len(ids) > start]
+                ids = [inputs[row][start : start + piece] for row in live]
+                logits = self.all_logits([slots[row] for row in live], ids)
+                for b, row in enumerate(live):
+                    add(row, logits[b, : len(ids[b])], group[row][1][start + 1 : start + 1 + len(ids[b])])
+        return list(zip(totals, greedy))
+
+    def all_logits(self, slots: list[int], ids: list[list[int]]) -> torch.Tensor:
+        """The model's chunked form over `ids` (one row per slot, right-padded), continuing the slots'
+        states (and K/V), eagerly (as the server's echo: no graph is compiled for this). Returns the
+        logits at every position [rows, longest, V]."""
+        runner = self.engine.runner
+        longest = max(map(len, ids))
+        tokens = torch.full((len(ids), longest), runner.pad_id, dtype=torch.long)
+        for b, row in enumerate(ids):
+            tokens[b, : len(row)] = torch.as_tensor(row)
+        device = runner.device
+        lengths = None if all(len(row) == longest for row in ids) else torch.tensor(list(map(len, ids)), device=device)
+        with torch.compiler.set_stance("force_eager"):
+            rows = torch.tensor(slots, device=device)
+            return self.model.prefill(tokens.to(device), runner.graphs.state(), rows, lengths, all_logits=True)
+
+    def _check_room(self, slot: int, tokens: int) -> None:
+        try:
+            self.engine.cache.check_room(slot, tokens)
+        except InputError as e:
+            raise ConfigError(
+                f"lm-eval --model laplace: a request of {tokens} tokens does not fit max_context="
+                f"{self.engine.cache.max_context} (the attention layers' K/V cache): give a larger max_context, "
+                "or a max_length below it"
+            ) from e
 
     def truncated(self, prompt: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
         """HFLM's left-truncation at max_length: the last max_length + 1 tokens of prompt +
