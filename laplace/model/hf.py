@@ -44,6 +44,7 @@ from laplace.model.hf_fields import (
     NEUTRAL_FIELDS,
     TRANSFORMERS_COMMON_KEYS,
     HFFormatError,
+    common_to_hf,
     fla_intermediate_size,
 )
 from laplace.model.hf_fields import refuse as _refuse
@@ -327,17 +328,7 @@ def config_to_hf(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> di
         "use_gk": True,
         "use_gv": False,
         "attn": None,
-        "fuse_norm": True,
-        "fuse_swiglu": True,
-        "fuse_cross_entropy": True,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "vocab_size": cfg.vocab_size,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "dtype": cfg.dtype,
-        "use_cache": True,
+        **common_to_hf(cfg, bos_id, eos_id),
     }
 
 

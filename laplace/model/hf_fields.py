@@ -1,6 +1,7 @@
 """What the checkpoint formats of flash-linear-attention's model families share (laplace.model.hf for
 GLA and its hybrids, laplace.model.hf_gdn for Gated DeltaNet): the error, transformers' and fla's
-keys that do not change the function, dtypes, the MLP's size rule, token ids and the hybrid's `attn`."""
+keys that do not change the function, dtypes, the MLP's size rule, token ids, the hybrid's `attn`, and
+the fields every export writes alike."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from typing import NoReturn
 
 from laplace.errors import InputError
-from laplace.model.config import AttentionSpecError, parse_attention_config
+from laplace.model.config import AttentionSpecError, ModelConfig, parse_attention_config
 
 FLA_INTERMEDIATE_MULTIPLE = 256
 
@@ -119,3 +120,21 @@ def token_id(hf: dict, field: str, where: str) -> int | None:
     if value is not None and not isinstance(value, int):
         raise HFFormatError(f"{where}: {field}={json.dumps(value)} must be a token id")
     return value
+
+
+def common_to_hf(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict:
+    """The config.json fields every family's export ends with, in this order: fla's fused-kernel
+    switches (on, fla's defaults), the embeddings, the vocabulary and its token ids, the dtype."""
+    return {
+        "fuse_norm": True,
+        "fuse_swiglu": True,
+        "fuse_cross_entropy": True,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "vocab_size": cfg.vocab_size,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "dtype": cfg.dtype,
+        "use_cache": True,
+    }
