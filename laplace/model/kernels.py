@@ -138,6 +138,53 @@ OP_IMPLS = {"torch": (_torch_chunk, _torch_step), "fla": (_fla_chunk, _fla_step)
 # --------------------------------------------------------------------------- the custom ops
 
 
+@contextlib.contextmanager
+def _autograd_inside_an_op():
+    """A custom op's implementation runs below the autograd dispatch keys (autograd excluded);
+    the backward op re-enables them to differentiate its recomputed forward."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
+        exclude = exclude.remove(getattr(torch._C.DispatchKey, key))
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
+
+
+def _op_outputs(o: Tensor, final: Tensor, initial_state: Tensor) -> tuple[Tensor, Tensor]:
+    """A chunk op's (o, final state) as an op must return them: contiguous, and never an input (a
+    chunk of no tokens hands its initial state back: a copy)."""
+    return o.contiguous(), final.clone() if final is initial_state else final.contiguous()
+
+
+def _recomputed_grads(chunk, tensors, settings, grad_o: Tensor, grad_final: Tensor) -> tuple[Tensor, ...]:
+    """A chunk backward op's body: `chunk(*tensors, *settings)` recomputed under enable_grad, then the
+    implementation's own backward through torch.autograd.grad (fla: its Triton backward kernels);
+    one grad per tensor, in its dtype (zeros where it does not reach)."""
+    inputs = [t.detach().requires_grad_(True) for t in tensors]
+    with _autograd_inside_an_op(), torch.enable_grad():
+        o, final = chunk(*inputs, *settings)
+        grads = torch.autograd.grad((o, final), inputs, (grad_o, grad_final), allow_unused=True)
+    return tuple(torch.zeros_like(x) if d is None else d.to(x.dtype).contiguous() for x, d in zip(inputs, grads))
+
+
+def _register_chunk_autograd(op, backward_op, n_tensors: int) -> None:
+    """`op`'s autograd formula through `backward_op`: op's first n_tensors inputs (v third, the
+    initial state last) and `lengths` after them are saved, the rest are settings passed on; a missing
+    output grad is zeros (o is shaped as v, the final state as the initial one)."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[: n_tensors + 1])
+        ctx.settings = inputs[n_tensors + 1 :]
+
+    def backward(ctx, grad_o, grad_final):
+        *tensors, lengths = ctx.saved_tensors
+        grad_o = torch.zeros_like(tensors[2]) if grad_o is None else grad_o
+        grad_final = torch.zeros_like(tensors[-1]) if grad_final is None else grad_final
+        grads = backward_op(*tensors, lengths, grad_o.contiguous(), grad_final.contiguous(), *ctx.settings)
+        return (*grads, *[None] * (1 + len(ctx.settings)))
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
 @torch.library.custom_op("laplace::gla_chunk", mutates_args=())
 def gla_chunk_op(
     q: Tensor,
@@ -153,9 +200,8 @@ def gla_chunk_op(
     impl: str,
 ) -> tuple[Tensor, Tensor]:
     """Chunked GLA through OP_IMPLS[impl]: (o [B,T,H,V] in v's dtype, final state [B,H,K,V] fp32/fp64)."""
-    chunk = OP_IMPLS[impl][0]
-    o, final = chunk(q, k, v, g, initial_state, lengths, scale, chunk_size, sub_chunk_size, segment_len)
-    return o.contiguous(), final.clone() if final is initial_state else final.contiguous()
+    o, final = OP_IMPLS[impl][0](q, k, v, g, initial_state, lengths, scale, chunk_size, sub_chunk_size, segment_len)
+    return _op_outputs(o, final, initial_state)
 
 
 @gla_chunk_op.register_fake
@@ -163,17 +209,6 @@ def _(q, k, v, g, initial_state, lengths, scale, chunk_size, sub_chunk_size, seg
     B, T, H, K = q.shape
     V = v.shape[-1]
     return v.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=accum_dtype(q, k, v, g))
-
-
-@contextlib.contextmanager
-def _autograd_inside_an_op():
-    """A custom op's implementation runs below the autograd dispatch keys (autograd excluded);
-    the backward op re-enables them to differentiate its recomputed forward."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
-        exclude = exclude.remove(getattr(torch._C.DispatchKey, key))
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
-        yield
 
 
 @torch.library.custom_op("laplace::gla_chunk_backward", mutates_args=())
@@ -194,12 +229,8 @@ def gla_chunk_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, d initial_state): the forward recomputed under enable_grad, then the
     implementation's own backward through torch.autograd.grad (fla: its Triton backward kernels)."""
-    chunk = OP_IMPLS[impl][0]
-    inputs = [t.detach().requires_grad_(True) for t in (q, k, v, g, initial_state)]
-    with _autograd_inside_an_op(), torch.enable_grad():
-        o, final = chunk(*inputs[:5], lengths, scale, chunk_size, sub_chunk_size, segment_len)
-        grads = torch.autograd.grad((o, final), inputs, (grad_o, grad_final), allow_unused=True)
-    return tuple(torch.zeros_like(x) if d is None else d.to(x.dtype).contiguous() for x, d in zip(inputs, grads))
+    settings = (lengths, scale, chunk_size, sub_chunk_size, segment_len)
+    return _recomputed_grads(OP_IMPLS[impl][0], (q, k, v, g, initial_state), settings, grad_o, grad_final)
 
 
 @gla_chunk_backward_op.register_fake
@@ -207,25 +238,7 @@ def _(q, k, v, g, initial_state, lengths, grad_o, grad_final, scale, chunk_size,
     return tuple(torch.empty_like(x) for x in (q, k, v, g, initial_state))
 
 
-def _setup_chunk(ctx, inputs, output):
-    q, k, v, g, initial_state, lengths, scale, chunk_size, sub_chunk_size, segment_len, impl = inputs
-    ctx.save_for_backward(q, k, v, g, initial_state, lengths)
-    ctx.settings = (scale, chunk_size, sub_chunk_size, segment_len, impl)
-
-
-def _chunk_backward(ctx, grad_o, grad_final):
-    q, k, v, g, initial_state, lengths = ctx.saved_tensors
-    o_shape = (*v.shape[:3], v.shape[-1])
-    grad_o = torch.zeros(o_shape, dtype=v.dtype, device=v.device) if grad_o is None else grad_o
-    if grad_final is None:
-        grad_final = torch.zeros(*q.shape[:1], q.shape[2], q.shape[3], v.shape[3], device=q.device)
-    dq, dk, dv, dg, dh0 = gla_chunk_backward_op(
-        q, k, v, g, initial_state, lengths, grad_o.contiguous(), grad_final.contiguous(), *ctx.settings
-    )
-    return dq, dk, dv, dg, dh0, None, None, None, None, None, None
-
-
-gla_chunk_op.register_autograd(_chunk_backward, setup_context=_setup_chunk)
+_register_chunk_autograd(gla_chunk_op, gla_chunk_backward_op, n_tensors=5)
 
 
 @torch.library.custom_op("laplace::gla_step", mutates_args=())
@@ -361,7 +374,7 @@ def gdn_chunk_op(
 ) -> tuple[Tensor, Tensor]:
     """Chunked gated delta rule through GDN_OP_IMPLS[impl]: (o [B,T,HV,V] in v's dtype, final state)."""
     o, final = GDN_OP_IMPLS[impl][0](q, k, v, g, beta, initial_state, lengths, scale, chunk_size, segment_len)
-    return o.contiguous(), final.clone() if final is initial_state else final.contiguous()
+    return _op_outputs(o, final, initial_state)
 
 
 @gdn_chunk_op.register_fake
@@ -388,12 +401,8 @@ def gdn_chunk_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dbeta, d initial_state): the forward recomputed under enable_grad, then the
     implementation's own backward (fla: its Triton kernels), as gla_chunk_backward_op does."""
-    chunk = GDN_OP_IMPLS[impl][0]
-    inputs = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, initial_state)]
-    with _autograd_inside_an_op(), torch.enable_grad():
-        o, final = chunk(*inputs, lengths, scale, chunk_size, segment_len)
-        grads = torch.autograd.grad((o, final), inputs, (grad_o, grad_final), allow_unused=True)
-    return tuple(torch.zeros_like(x) if d is None else d.to(x.dtype).contiguous() for x, d in zip(inputs, grads))
+    settings = (lengths, scale, chunk_size, segment_len)
+    return _recomputed_grads(GDN_OP_IMPLS[impl][0], (q, k, v, g, beta, initial_state), settings, grad_o, grad_final)
 
 
 @gdn_chunk_backward_op.register_fake
@@ -401,23 +410,7 @@ def _(q, k, v, g, beta, initial_state, lengths, grad_o, grad_final, scale, chunk
     return tuple(torch.empty_like(x) for x in (q, k, v, g, beta, initial_state))
 
 
-def _setup_gdn_chunk(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, lengths, scale, chunk_size, segment_len, impl = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, lengths)
-    ctx.settings = (scale, chunk_size, segment_len, impl)
-
-
-def _gdn_chunk_backward(ctx, grad_o, grad_final):
-    q, k, v, g, beta, initial_state, lengths = ctx.saved_tensors
-    grad_o = torch.zeros_like(v) if grad_o is None else grad_o
-    grad_final = torch.zeros_like(initial_state) if grad_final is None else grad_final
-    grads = gdn_chunk_backward_op(
-        q, k, v, g, beta, initial_state, lengths, grad_o.contiguous(), grad_final.contiguous(), *ctx.settings
-    )
-    return (*grads, None, None, None, None, None)
-
-
-gdn_chunk_op.register_autograd(_gdn_chunk_backward, setup_context=_setup_gdn_chunk)
+_register_chunk_autograd(gdn_chunk_op, gdn_chunk_backward_op, n_tensors=6)
 
 
 @torch.library.custom_op("laplace::gdn_step", mutates_args=())
