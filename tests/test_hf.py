@@ -21,7 +21,15 @@ from laplace.model.hf import FLA_FIXED, FLA_IGNORES, config_from_hf, export_hf, 
 from laplace.model.lm import LaplaceLM
 from laplace.pipeline import cli
 
-from hf_fixture import TEXT, fla_checkpoint, fla_logits, llama_style_tokenizer, read_json
+from hf_fixture import (
+    TEXT,
+    fla_checkpoint,
+    fla_gdn_checkpoint,
+    fla_gdn_logits,
+    fla_logits,
+    llama_style_tokenizer,
+    read_json,
+)
 from project import write_model_export
 
 fla = pytest.importorskip("fla", reason="flash-linear-attention (the dev extra) builds the fla-format checkpoints")
@@ -447,35 +455,26 @@ def test_the_real_models_doc_commands_and_figures_for_the_published_checkpoints(
 
 
 # --------------------------------------------------------------------------- every config.json key against fla
-# Each GLAConfig field and each known extra key is set to a value other than its default, saved with
-# fla's own save_pretrained, and imported with `laplace import`: the import either computes fla's
+# Each config field of fla's GLAConfig and GatedDeltaNetConfig (the gated_deltanet importer,
+# laplace/model/hf_gdn.py), and each known extra key, is set to a value other than its default, saved
+# with fla's own save_pretrained, and imported with `laplace import`: the import either computes fla's
 # function (logits against fla's own forward, in fp64) or is refused with one line naming the key. A
 # key fla stores but never reads (gate_logit_normalizer ...) is not obeyed: fla does not obey it.
 
 SAME, REFUSED = "computes fla's function", "refused by name"
-# key -> (the config fields that set it, what the import must do)
-CASES = {
-    # GLAConfig's own fields
+# key -> (the config fields that set it, what the import must do): the keys both families share
+COMMON_CASES = {
     "hidden_size": ({"hidden_size": 96}, SAME),
-    "expand_k": ({"expand_k": 1.0}, SAME),
-    "expand_v": ({"expand_v": 0.5}, SAME),
     "hidden_ratio": ({"hidden_ratio": 2}, SAME),
     "intermediate_size": ({"intermediate_size": 96}, SAME),
     "num_hidden_layers": ({"num_hidden_layers": 3}, SAME),
     "num_heads": ({"num_heads": 4}, SAME),
-    "num_kv_heads": ({"num_kv_heads": 1}, REFUSED),
-    "feature_map": ({"feature_map": "relu"}, REFUSED),
     "attn_mode": ({"attn_mode": "fused_recurrent"}, SAME),
     "use_short_conv": ({"use_short_conv": False}, SAME),
     "conv_size": ({"conv_size": 3}, SAME),
-    "use_output_gate": ({"use_output_gate": False}, REFUSED),
-    "clamp_min": ({"clamp_min": -0.2}, SAME),
     "hidden_act": ({"hidden_act": "relu"}, REFUSED),
     "max_position_embeddings": ({"max_position_embeddings": 16}, SAME),
-    "elementwise_affine": ({"elementwise_affine": False}, REFUSED),
     "norm_eps": ({"norm_eps": 0.05}, SAME),
-    "use_gk": ({"use_gk": False}, SAME),  # fla 0.6 reads neither: always gk, never gv
-    "use_gv": ({"use_gv": True}, SAME),
     "use_cache": ({"use_cache": False}, SAME),
     "pad_token_id": ({"pad_token_id": 0}, SAME),
     "bos_token_id": ({"bos_token_id": 5}, SAME),
@@ -489,6 +488,23 @@ CASES = {
     "use_l2warp": ({"use_l2warp": True}, SAME),
     "vocab_size": ({"vocab_size": 400}, SAME),
     "attnres_block_size": ({"attnres_block_size": 2}, REFUSED),
+    # transformers' common keys, and one nobody knows
+    "id2label": ({"id2label": {"0": "no", "1": "yes"}}, SAME),
+    "dtype": ({"dtype": "float32"}, SAME),
+    "use_rope": ({"use_rope": True}, REFUSED),
+}
+GLA_CASES = {
+    **COMMON_CASES,
+    # GLAConfig's own fields
+    "expand_k": ({"expand_k": 1.0}, SAME),
+    "expand_v": ({"expand_v": 0.5}, SAME),
+    "num_kv_heads": ({"num_kv_heads": 1}, REFUSED),
+    "feature_map": ({"feature_map": "relu"}, REFUSED),
+    "use_output_gate": ({"use_output_gate": False}, REFUSED),
+    "clamp_min": ({"clamp_min": -0.2}, SAME),
+    "elementwise_affine": ({"elementwise_affine": False}, REFUSED),
+    "use_gk": ({"use_gk": False}, SAME),  # fla 0.6 reads neither: always gk, never gv
+    "use_gv": ({"use_gv": True}, SAME),
     # extra keys GLAConfig keeps (PreTrainedConfig style) and fla's layers never read
     "gate_logit_normalizer": ({"gate_logit_normalizer": 8}, SAME),
     "gate_low_rank_dim": ({"gate_low_rank_dim": 8}, REFUSED),
@@ -497,43 +513,87 @@ CASES = {
     "rms_norm_eps": ({"rms_norm_eps": 1e-3}, REFUSED),
     "rms_norm_eps-agrees": ({"rms_norm_eps": 1e-6}, SAME),
     "share_conv_kernel": ({"share_conv_kernel": True}, REFUSED),
-    # transformers' common keys, and one nobody knows
-    "id2label": ({"id2label": {"0": "no", "1": "yes"}}, SAME),
     "problem_type": ({"problem_type": "single_label_classification"}, SAME),
-    "dtype": ({"dtype": "float32"}, SAME),
-    "use_rope": ({"use_rope": True}, REFUSED),
 }
-# hybrid attention layers (`attn`) are issue 31's, tested with the hybrid models
+GDN_CASES = {
+    **COMMON_CASES,
+    # GatedDeltaNetConfig's own fields
+    "expand_v": ({"expand_v": 1.5}, SAME),
+    "use_gate": ({"use_gate": False}, REFUSED),
+    "allow_neg_eigval": ({"allow_neg_eigval": True}, SAME),
+    "head_dim": ({"head_dim": 8}, SAME),
+    "num_v_heads": ({"num_v_heads": 4}, SAME),
+    "num_v_heads-not-a-multiple": ({"num_v_heads": 3}, REFUSED),
+    "output_gate_activation": ({"output_gate_activation": "sigmoid"}, REFUSED),
+    # a key the gated_deltanet importer has no rule for
+    "conv_bias": ({"conv_bias": True}, REFUSED),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    cases: dict
+    config: str  # fla's config class
+    save: object  # (out, **fields) -> an fla checkpoint
+    logits: object  # fla_logits / fla_gdn_logits
+    tokens: torch.Tensor
+
+
+FAMILIES = {
+    # > 64 tokens: fla's chunk mode; gates drawn strong, so a key that changes the gate shows
+    "gla": Family(
+        GLA_CASES,
+        "GLAConfig",
+        lambda out, **fields: fla_checkpoint(out, strong_gates=True, **fields),
+        fla_logits,
+        torch.randint(0, 300, (2, 80), generator=torch.Generator().manual_seed(0)),
+    ),
+    "gdn": Family(
+        GDN_CASES,
+        "GatedDeltaNetConfig",
+        fla_gdn_checkpoint,
+        fla_gdn_logits,
+        torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0)),
+    ),
+}
+TOKENS = FAMILIES["gla"].tokens
+# hybrid attention layers (`attn`) are issue 31's, tested with the hybrid models (and test_hf_gdn.py's)
 ELSEWHERE = {"attn"}
-TOKENS = torch.randint(0, 300, (2, 80), generator=torch.Generator().manual_seed(0))  # > 64: fla's chunk mode
 
 
-def test_every_glaconfig_field_and_known_extra_key_has_a_case():
-    from fla.models import GLAConfig
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_config_field_and_known_extra_key_has_a_case(family):
+    import fla.models
 
-    fields = set(inspect.signature(GLAConfig.__init__).parameters) - {"self", "kwargs"}
-    assert fields - ELSEWHERE <= set(CASES), sorted(fields - ELSEWHERE - set(CASES))
-    assert set(FLA_IGNORES) | set(FLA_FIXED) <= set(CASES)
+    cases = FAMILIES[family].cases
+    fields = set(inspect.signature(getattr(fla.models, FAMILIES[family].config).__init__).parameters)
+    fields -= {"self", "kwargs"}
+    assert fields - ELSEWHERE <= set(cases), sorted(fields - ELSEWHERE - set(cases))
+    if family == "gla":
+        assert set(FLA_IGNORES) | set(FLA_FIXED) <= set(cases)
 
 
-def _saved_by_fla(out: Path, fields: dict) -> Path:
+def _saved_by_fla(family: Family, out: Path, fields: dict) -> Path:
     """fla builds and saves the model with `fields`; where fla itself refuses to build it, fla's
     default model is saved and config.json given the fields, as a hand-edited checkpoint would be."""
     try:
-        return fla_checkpoint(out, strong_gates=True, **fields)
+        return family.save(out, **fields)
     except (ValueError, AssertionError, KeyError, TypeError):
-        fla_checkpoint(out, strong_gates=True)
+        family.save(out)
         config = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**config, **fields}))
         return out
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_each_config_key_computes_flas_function_or_is_refused_by_name(case, tmp_path, capsys):
-    fields, expected = CASES[case]
-    src = _saved_by_fla(tmp_path / "fla", fields)
+@pytest.mark.parametrize(
+    "name, case", [(name, case) for name in sorted(FAMILIES) for case in sorted(FAMILIES[name].cases)]
+)
+def test_each_config_key_computes_flas_function_or_is_refused_by_name(name, case, tmp_path, capsys):
+    family = FAMILIES[name]
+    fields, expected = family.cases[case]
+    src = _saved_by_fla(family, tmp_path / "fla", fields)
     key = next(iter(fields))
-    assert key in json.loads((src / "config.json").read_text())  # fla wrote it (GLAConfig keeps extra keys)
+    assert key in json.loads((src / "config.json").read_text())  # fla wrote it (its configs keep extra keys)
     capsys.readouterr()  # what saving printed
     status = cli.main(["import", str(src), "--out", str(tmp_path / "imported")])
     out, err = capsys.readouterr()
@@ -543,10 +603,10 @@ def test_each_config_key_computes_flas_function_or_is_refused_by_name(case, tmp_
         assert not (tmp_path / "imported").exists()
         return
     assert status == 0, err
-    theirs = fla_logits(src, TOKENS, dtype=torch.float64)
-    ours = load_export(tmp_path / "imported")[0].double()(TOKENS)
+    theirs = family.logits(src, family.tokens, dtype=torch.float64)
+    ours = load_export(tmp_path / "imported")[0].double()(family.tokens)
     assert (ours - theirs).abs().max() <= 1e-10 * theirs.abs().max(), case
-    if key in FLA_IGNORES:  # named, as not obeyed
+    if name == "gla" and key in FLA_IGNORES:  # named, as not obeyed
         assert f"note: config.json {key}=" in out, out
 
 
