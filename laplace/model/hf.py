@@ -40,6 +40,7 @@ from laplace.model import hf_gdn
 from laplace.model.config import ModelConfig, validate_model_config
 from laplace.model.export import FORMAT, load_export_tensors, write_export
 from laplace.model.hf_fields import (
+    COMMON_MAPPED_FIELDS,
     DTYPE_NAMES,
     NEUTRAL_FIELDS,
     TRANSFORMERS_COMMON_KEYS,
@@ -133,27 +134,7 @@ REQUIRED_VALUES = {
 # fields of earlier fla releases that fla 0.6 no longer reads, and the public fla-hub checkpoints
 # (gla-1.3B-100B, gla-2.7B-100B) still carry: accepted only where fla 0.6 computes the same with them
 LEGACY_FIELDS = {"rms_norm_eps", "share_conv_kernel"}
-MAPPED_FIELDS = {
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_heads",
-    "num_kv_heads",
-    "expand_k",
-    "expand_v",
-    "hidden_ratio",
-    "intermediate_size",
-    "use_short_conv",
-    "conv_size",
-    "norm_eps",
-    "clamp_min",
-    "tie_word_embeddings",
-    "initializer_range",
-    "bos_token_id",
-    "eos_token_id",
-    "dtype",
-    "torch_dtype",
-}
+MAPPED_FIELDS = COMMON_MAPPED_FIELDS | {"num_kv_heads", "expand_k", "clamp_min"}
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, int | None, int | None]:

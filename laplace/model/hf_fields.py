@@ -86,6 +86,25 @@ TRANSFORMERS_COMMON_KEYS = {
     "suppress_tokens",
     "begin_suppress_tokens",
 }
+# config.json fields both families' importers map onto ModelConfig fields (each adds its own)
+COMMON_MAPPED_FIELDS = {
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_heads",
+    "expand_v",
+    "hidden_ratio",
+    "intermediate_size",
+    "use_short_conv",
+    "conv_size",
+    "norm_eps",
+    "tie_word_embeddings",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "dtype",
+    "torch_dtype",
+}
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 

@@ -14,6 +14,7 @@ import math
 from laplace.errors import InputError, one_line
 from laplace.model.config import GDN_DEFAULTS, ModelConfig, validate_model_config
 from laplace.model.hf_fields import (
+    COMMON_MAPPED_FIELDS,
     DTYPE_NAMES,
     NEUTRAL_FIELDS,
     TRANSFORMERS_COMMON_KEYS,
@@ -46,27 +47,7 @@ REQUIRED_VALUES = {
     "attn_mode": ("chunk", "fused_recurrent"),  # two kernels of one function
     "pruned_heads": ({},),
 }
-MAPPED_FIELDS = {
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_heads",
-    "num_v_heads",
-    "head_dim",
-    "expand_v",
-    "allow_neg_eigval",
-    "hidden_ratio",
-    "intermediate_size",
-    "use_short_conv",
-    "conv_size",
-    "norm_eps",
-    "tie_word_embeddings",
-    "initializer_range",
-    "bos_token_id",
-    "eos_token_id",
-    "dtype",
-    "torch_dtype",
-}
+MAPPED_FIELDS = COMMON_MAPPED_FIELDS | {"num_v_heads", "head_dim", "allow_neg_eigval"}
 # ModelConfig fields of GLA layers only: an fla gated_deltanet config.json has no place for them
 GLA_ONLY_FIELDS = (
     "n_heads",
