@@ -309,6 +309,10 @@ def test_an_attention_hybrid_is_scored_within_max_context(tmp_path):
         assert total == pytest.approx(own_logprob(ours.model, prompt, cont), rel=1e-5, abs=1e-5)
     with pytest.raises(ConfigError, match=re.escape("a request of 11 tokens does not fit max_context=10")):
         ours.score([([1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12])])
+    # without max_context: 2,048 (engine.max_context's default), or room for a whole max_length window
+    for max_length, cache in ((None, 2048), (1000, 2048), (4094, 4095)):
+        lm = LaplaceHarnessLM(export=str(export), device="cpu", compile="false", max_slots=1, max_length=max_length)
+        assert lm.engine.cache.max_context == cache, max_length
 
 
 def test_the_laplace_model_refuses_what_it_cannot_honour_by_name():

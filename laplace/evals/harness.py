@@ -115,9 +115,10 @@ class LaplaceHarnessLM(LM):
     """model_args: export=PATH (required), device=auto (cpu, cuda, cuda:N), kernel=auto, max_slots=8
     (lm-eval's batch_size means the same: the rows scored together), compile=true (the prefill
     buckets and generate_until's decode widths compiled; false: the same shapes, eager; the
-    continuations' scoring forward is eager either way), max_gen_toks=256, max_context=2048 (models
-    with attention layers: the tokens a sequence may reach, as engine.max_context; a scored context
-    + continuation longer is refused), max_length (HFLM's: the tokens one
+    continuations' scoring forward is eager either way), max_gen_toks=256, max_context (models with
+    attention layers: the tokens a sequence may reach, as engine.max_context; default 2048, or
+    max_length + 1 where that is more, so every window fits; a scored context + continuation longer
+    is refused), max_length (HFLM's: the tokens one
     forward sees; none by default: a fixed state needs no limit), rolling=windows|document (see
     the module docstring), add_bos_token (HFLM's: None = the tokenizer's own special tokens,
     true / false = add_special_tokens), dtype=float32|bfloat16|float16 (default: the export's),
@@ -132,7 +133,7 @@ class LaplaceHarnessLM(LM):
         max_slots: int | str | None = None,
         compile: bool | str = True,
         max_gen_toks: int | str = 256,
-        max_context: int | str = EngineSection().max_context,
+        max_context: int | str | None = None,
         max_length: int | str | None = None,
         rolling: str | None = None,
         add_bos_token: bool | str | None = None,
@@ -166,6 +167,8 @@ class LaplaceHarnessLM(LM):
         if dtype not in (None, "", "auto") and dtype not in DTYPES:
             raise ConfigError(f"lm-eval --model laplace: dtype={dtype!r} (choose auto, {', '.join(DTYPES)})")
         self.add_special_tokens = None if add_bos_token in (None, "") else _truthy(add_bos_token)
+        if max_context in (None, ""):  # room for a whole window (max_length tokens scored, one of context)
+            max_context = max(EngineSection().max_context, (self.max_length or 0) + 1)
         self.engine, self.tokenizer, self.config = DecodeEngine.from_export(
             export,
             self._engine_params(slots_of(max_slots, batch_size, max_batch_size), max_context),
