@@ -38,6 +38,9 @@ PARAMS["probes.train_mqar"] = False  # the MQAR-trained GLA is not this test's s
 # serve-check's live phase (a `laplace serve` and a load generator) is the tiny pipeline's subject
 # (test_pipeline_dvc); the import's champion is served live by the openai client test below
 PARAMS["serve_check.live"] = False
+# one slot: the decode width ladder is [1], so warmup compiles 2 graphs, not 3 (each ~20-30 CPU-s cold
+# at this depth); the padded ladder's widths are the tiny pipeline's subject
+PARAMS["engine.max_slots"] = 1
 # Most of this pipeline's time is Inductor compiling from cold, for a model twice the tiny one's
 # depth (measured at load 16-19: warmup's 3 graphs 635 s, the first 321 s; serve-check's exact replay,
 # an empty cache by design, 3 compile events in 1025 s). Past project.run's 900 s under CI's load (the
