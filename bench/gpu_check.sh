@@ -50,9 +50,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >
 "$py" -c 'import fla; print("fla", fla.__version__)' >>"$out/gpu.txt" 2>&1
 cat "$out/gpu.txt" >&2
 step test tests 170 "$py" -m pytest -q -p no:cacheprovider -rs -k "cuda or fla" tests/test_kernels.py \
-  tests/test_decode_step.py tests/test_muon.py tests/test_gla.py tests/test_model.py
+  tests/test_decode_step.py tests/test_muon.py tests/test_gla.py tests/test_lm.py tests/test_gated_deltanet_layer.py
 step bench gla_scaling_fla 110 "$py" bench/gla_scaling.py --device cuda --kernel fla --repeats 10 \
   --lengths 512 2048 8192 32768 --recurrent-repeats 0
+step bench gdn_vs_gla 60 "$py" bench/gdn_vs_gla.py --device cuda --lengths 2048 8192 --repeats 5
 step bench decode_engine 90 "$py" bench/decode.py --device cuda --engine --widths 1 8 32 --rounds 2
 step bench train_step_bf16 200 "$py" bench/train_step.py --distributed --device cuda --worlds 1 --presets small \
   --precision bf16 --compile --batch 32 --seq-len 1024 --steps 5

@@ -575,3 +575,13 @@ def test_the_params_check_reads_what_flat_and_digest_leave_out(tmp_path):
     guessed.write_text("def log(cfg, keys):\n    return cfg.flat(without=keys)\n")
     with pytest.raises(AssertionError, match="module-level tuple of strings"):
         params_read(guessed, sections)
+
+
+def test_every_test_file_and_bench_the_gpu_check_runs_exists():
+    """bench/gpu_check.sh runs only where a GPU is lent, so a renamed file there fails nowhere else."""
+    import re
+
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    named = set(re.findall(r"\b((?:tests|bench)/[\w/]+\.py)\b", script))
+    assert {"tests/test_kernels.py", "bench/gdn_vs_gla.py"} <= named
+    assert not [path for path in sorted(named) if not (ROOT / path).is_file()]
