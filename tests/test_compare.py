@@ -20,9 +20,23 @@ def test_every_default_arm_is_a_valid_config_of_its_family():
     cfg = config_from_dict({})
     arms = compare.check_arms(cfg)
     families = {arm: architecture_family(c.model_config()) for arm, c in arms.items()}
-    assert families == {"gla": "gla", "hybrid-1in4": "hybrid", "hybrid-1in2": "hybrid", "softmax": "softmax"}
-    layers = {arm: c.model_config().attn_layers for arm, c in arms.items()}
-    assert layers == {"gla": (), "hybrid-1in4": (3,), "hybrid-1in2": (1, 3), "softmax": (0, 1, 2, 3)}
+    assert families == {
+        "gla": "gla",
+        "hybrid-1in4": "hybrid",
+        "hybrid-1in2": "hybrid",
+        "softmax": "softmax",
+        "gdn": "gated_deltanet",
+        "gdn-hybrid": "hybrid",
+    }
+    layers = {arm: (c.model_config().attn_layers, c.model_config().gdn_layers) for arm, c in arms.items()}
+    assert layers == {
+        "gla": ((), ()),
+        "hybrid-1in4": ((3,), ()),
+        "hybrid-1in2": ((1, 3), ()),
+        "softmax": ((0, 1, 2, 3), ()),
+        "gdn": ((), (0, 1, 2, 3)),
+        "gdn-hybrid": ((3,), (0, 1, 2)),  # hybrid-1in4's attention layer, Gated DeltaNet in GLA's place
+    }
     # the shared settings are the same for every arm: only model.* differs
     shared = {arm: {k: v for k, v in c.to_dict().items() if k not in ("model", "compare")} for arm, c in arms.items()}
     assert all(s == shared["gla"] for s in shared.values())
