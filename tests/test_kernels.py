@@ -286,7 +286,7 @@ def test_fla_and_torch_agree_on_the_gated_delta_rule_in_fp32(T):
 @needs_fla
 def test_a_gated_deltanet_model_on_fla_matches_the_torch_kernel():
     torch.manual_seed(0)
-    cfg = preset_model_config("tiny-gdn", vocab_size=512, n_layers=2, kernel="torch")
+    cfg = preset_model_config("tiny-gdn", vocab_size=512, kernel="torch")  # 4 GDN layers
     ref = LaplaceLM(cfg).cuda()
     fla = LaplaceLM(dataclasses.replace(cfg, kernel="fla")).cuda()
     fla.load_state_dict(ref.state_dict())
