@@ -72,7 +72,8 @@ def _grads(fn, inputs, lengths=None):
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     o, S = fn(*leaves, lengths)
     gen = torch.Generator().manual_seed(1)
-    (o * torch.randn(o.shape, generator=gen)).sum().add((S * torch.randn(S.shape, generator=gen)).sum()).backward()
+    o_w, S_w = (torch.randn(x.shape, generator=gen).to(x.device) for x in (o, S))  # a CUDA run's weights too
+    (o * o_w).sum().add((S * S_w).sum()).backward()
     return (o.detach(), S.detach()), [x.grad for x in leaves]
 
 
@@ -213,24 +214,31 @@ def test_fla_padding_is_an_exact_no_op_and_decode_continues_a_prefill():
     assert rel_rms(o[:1], ref) <= 1e-4
 
 
-@needs_fla
-def test_the_model_on_fla_matches_the_torch_kernel_and_compiles_in_one_graph():
+def _fla_model_matches_torch(cfg) -> tuple[LaplaceLM, torch.Tensor, torch.Tensor]:
+    """The model on fla's kernels against the same weights on the torch forms: logits and every
+    parameter's gradient within 1e-4. Returns (the fla model, its input tokens, the torch logits)."""
     torch.manual_seed(0)
-    cfg = preset_model_config("tiny", vocab_size=512, n_layers=2, kernel="torch")
     ref = LaplaceLM(cfg).cuda()
     fla = LaplaceLM(dataclasses.replace(cfg, kernel="fla")).cuda()
     fla.load_state_dict(ref.state_dict())
-    tokens = torch.randint(0, 512, (2, 200), device="cuda")
-    losses = []
+    tokens = torch.randint(0, cfg.vocab_size, (2, 200), device="cuda")
+    outputs = []
     for m in (ref, fla):
         logits = m(tokens)
         logits.float().logsumexp(-1).mean().backward()
-        losses.append(logits.detach())
-    assert rel_rms(losses[1], losses[0]) <= 1e-4
+        outputs.append(logits.detach())
+    assert rel_rms(outputs[1], outputs[0]) <= 1e-4
     for (name, a), (_, b) in zip(fla.named_parameters(), ref.named_parameters()):
         assert rel_rms(a.grad, b.grad) <= 1e-4, name
+    return fla, tokens, outputs[0]
+
+
+@needs_fla
+def test_the_model_on_fla_matches_the_torch_kernel_and_compiles_in_one_graph():
+    cfg = preset_model_config("tiny", vocab_size=512, n_layers=2, kernel="torch")
+    fla, tokens, reference = _fla_model_matches_torch(cfg)
     compiled = torch.compile(fla, fullgraph=True, dynamic=False)
-    assert rel_rms(compiled(tokens).detach(), losses[0]) <= 1e-4
+    assert rel_rms(compiled(tokens).detach(), reference) <= 1e-4
 
 
 # --------------------------------------------------------------------------- Gated DeltaNet: fla against torch, on CUDA
@@ -263,12 +271,7 @@ def test_fla_and_torch_agree_on_the_gated_delta_rule_in_fp32(T):
                 kernel, q, k, v, g, beta, initial_state=h0, lengths=lengths, chunk_size=64, segment_len=2048
             )
 
-        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-        o, S = fn(*leaves, lengths)
-        gen = torch.Generator().manual_seed(1)
-        o_w, S_w = torch.randn(o.shape, generator=gen).cuda(), torch.randn(S.shape, generator=gen).cuda()
-        ((o * o_w).sum() + (S * S_w).sum()).backward()
-        return (o.detach(), S.detach()), [x.grad for x in leaves]
+        return _grads(fn, inputs, lengths)
 
     ((o, S), grads), ((o_ref, S_ref), grads_ref) = run("fla"), run("torch")
     assert rel_rms(o, o_ref) <= 1e-4 and rel_rms(S, S_ref) <= 1e-4
@@ -285,17 +288,4 @@ def test_fla_and_torch_agree_on_the_gated_delta_rule_in_fp32(T):
 
 @needs_fla
 def test_a_gated_deltanet_model_on_fla_matches_the_torch_kernel():
-    torch.manual_seed(0)
-    cfg = preset_model_config("tiny-gdn", vocab_size=512, kernel="torch")  # 4 GDN layers
-    ref = LaplaceLM(cfg).cuda()
-    fla = LaplaceLM(dataclasses.replace(cfg, kernel="fla")).cuda()
-    fla.load_state_dict(ref.state_dict())
-    tokens = torch.randint(0, 512, (2, 200), device="cuda")
-    outputs = []
-    for m in (ref, fla):
-        logits = m(tokens)
-        logits.float().logsumexp(-1).mean().backward()
-        outputs.append(logits.detach())
-    assert rel_rms(outputs[1], outputs[0]) <= 1e-4
-    for (name, a), (_, b) in zip(fla.named_parameters(), ref.named_parameters()):
-        assert rel_rms(a.grad, b.grad) <= 1e-4, name
+    _fla_model_matches_torch(preset_model_config("tiny-gdn", vocab_size=512, kernel="torch"))  # 4 GDN layers

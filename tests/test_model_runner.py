@@ -182,6 +182,17 @@ def test_the_prefix_cache_stores_kv_up_to_the_junction_only(arch):
 
 
 @pytest.mark.slow  # about 4.5 min on the loaded 2-core machine: 4 graph shapes of a 3-layer hybrid
+def serves_without_compiling(eng, eager) -> None:
+    """A warmed engine replays staggered requests with recompiles failing, compiles nothing, and
+    gives the greedy tokens of `eager` (the same weights) run as a full forward."""
+    reqs = requests(seed=1, n=6)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        done = replay(eng, reqs)
+    assert not any(s.compiled for s in eng.scheduler.steps)
+    for req, c in zip(reqs, done):
+        assert c.output_ids == full_forward_greedy(eager, req.prompt_ids, req.max_new_tokens)[0], req.id
+
+
 def test_a_compiled_hybrid_engine_never_compiles_while_serving():
     """Warmed at the limit the engine sets itself (from Dynamo's default): a hybrid's GLA and
     attention blocks share one forward, so each of its 5 shapes is 2 graphs, 10 > the floor of 8
@@ -193,13 +204,7 @@ def test_a_compiled_hybrid_engine_never_compiles_while_serving():
         configure_compiler(eng.runner.graphs_needed())
         seconds = eng.runner.warmup()
     assert set(seconds["decode"]) == {1, 2, 4} and set(seconds["prefill"]) == {16, 32}
-    reqs = requests(seed=1, n=6)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        done = replay(eng, reqs)
-    assert not any(s.compiled for s in eng.scheduler.steps)
-    eager = hybrid()
-    for req, c in zip(reqs, done):
-        assert c.output_ids == full_forward_greedy(eager, req.prompt_ids, req.max_new_tokens)[0], req.id
+    serves_without_compiling(eng, hybrid())
 
 
 def test_a_gla_gdn_attention_engine_compiles_each_kind_of_block_at_warmup_and_nothing_while_serving():
@@ -216,13 +221,7 @@ def test_a_gla_gdn_attention_engine_compiles_each_kind_of_block_at_warmup_and_no
         configure_compiler(eng.runner.graphs_needed())
         seconds = eng.runner.warmup()
         assert set(seconds["decode"]) == {1, 2, 4} and set(seconds["prefill"]) == {8, 16}
-        reqs = requests(seed=1, n=6)
-        with torch.compiler.set_stance("fail_on_recompile"):
-            done = replay(eng, reqs)
-    assert not any(s.compiled for s in eng.scheduler.steps)
-    eager = hybrid(**spec)
-    for req, c in zip(reqs, done):
-        assert c.output_ids == full_forward_greedy(eager, req.prompt_ids, req.max_new_tokens)[0], req.id
+        serves_without_compiling(eng, hybrid(**spec))
 
 
 @pytest.mark.parametrize("arch", ["gla+attn", "gdn+attn"])
