@@ -11,11 +11,6 @@ import torch
 from laplace.config import config_from_dict
 from laplace.evals.numerics import check_dtype, compare_logits, dtype_gates, gate_table, reference, rel_rms
 
-SMALL = {
-    "engine": {"max_slots": 2, "prefill_buckets": [32], "max_prompt_tokens": 32},
-    "numerics": {"batch_size": 2, "seq_len": 32, "prompt_tokens": 16, "greedy_prompts": 2, "greedy_tokens": 8},
-}
-
 
 def test_compare_logits_figures():
     ref = torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.9, 0.0], [0.0, 0.0, 5.0]], dtype=torch.float64)
@@ -37,36 +32,6 @@ def held_out(data_dir, rows=2, length=40):
 
     val = open_split(data_dir, "val")
     return torch.as_tensor(val[: rows * length].astype("int64")).view(rows, length)
-
-
-@pytest.mark.slow
-def test_a_broken_compiled_path_fails_the_gates_and_the_healthy_one_passes(tiny_artifacts):
-    from laplace.model.export import load_export
-    from laplace.runtime import configure_compiler
-
-    data_dir, export_dir = tiny_artifacts
-    cfg = config_from_dict(SMALL)
-    configure_compiler(40)
-    tokens = held_out(data_dir)
-    ref_model, _, _ = load_export(export_dir, dtype=torch.float64)
-    ref = reference(cfg, ref_model, tokens)
-
-    healthy = check_dtype(cfg, export_dir, torch.float32, tokens, ref)
-    g = dtype_gates(cfg, "fp32", healthy)
-    assert all(ok for ok, _, _ in g.values()), gate_table(g)
-    assert healthy["prefill"]["rel_rms_compiled_vs_fp64"] < 1e-5
-    assert healthy["greedy"]["mean_agreement"] == 1.0
-
-    def perturb(model):  # a weight used only by the compiled model is 1% off
-        with torch.no_grad():
-            model.blocks[0].mlp.up_proj.weight.mul_(1.01)
-
-    broken = check_dtype(cfg, export_dir, torch.float32, tokens, ref, corrupt_compiled=perturb)
-    g = dtype_gates(cfg, "fp32", broken)
-    failed = [k for k, (ok, _, _) in g.items() if not ok]
-    assert "fp32 prefill compiled vs fp64 rel RMS" in failed
-    assert "fp32 train-step gradients compiled vs fp64 rel RMS" in failed
-    assert "FAIL" in gate_table(g)
 
 
 def fingerprint_in_subprocess(export_dir, data_dir) -> dict:
@@ -93,12 +58,16 @@ def test_eager_mode_is_bitwise_reproducible_across_processes(tiny_artifacts):
     assert first == second
 
 
-@pytest.mark.slow  # 120 CPU-s with Inductor's cache cold (5 graphs of ~25 s each on 2 cores), 12 s warm
-def test_a_gated_deltanet_export_passes_the_fp32_gates(tiny_artifacts, tmp_path):
+# Cold: 5 Inductor graphs of the GDN model (~90 CPU-s on 2 cores); the broken pass reuses them (~1 s).
+# The GLA block's compiled path is gated in-process by the hybrid export's run_numerics (GLA + attention,
+# fp32 and bf16: tests/test_probes.py) and by every pipeline's numerics stage.
+@pytest.mark.slow
+def test_a_broken_compiled_path_fails_the_gates_and_the_healthy_one_passes(tiny_artifacts, tmp_path):
     """The gates on a Gated DeltaNet export (docs/model.md: checked by hand before): a 1-layer GDN
     model (GVA, random weights with wide logits) through check_dtype at fp32, eager and compiled
     (Inductor: the engine's decode and prefill graphs, the train step's forward and backward),
-    against its fp64 reference; every gate passes."""
+    against its fp64 reference; every gate passes. Then the same check with one weight of the
+    compiled side 1% off (the same graphs, other weights): the prefill and train-step gates fail."""
     from laplace.model.export import load_export
     from laplace.model.lm import LaplaceLM
     from laplace.runtime import configure_compiler
@@ -114,13 +83,27 @@ def test_a_gated_deltanet_export_passes_the_fp32_gates(tiny_artifacts, tmp_path)
     )
     # one slot (decode width 1), one chunk of 16 tokens per prefill: each graph is an Inductor compile
     engine = {"max_slots": 1, "prefill_buckets": [16], "max_prompt_tokens": 16}
-    cfg = config_from_dict({"engine": engine, "numerics": {**SMALL["numerics"], "seq_len": 16, "prompt_tokens": 8}})
+    numerics = {"batch_size": 2, "seq_len": 16, "prompt_tokens": 8, "greedy_prompts": 2, "greedy_tokens": 8}
+    cfg = config_from_dict({"engine": engine, "numerics": numerics})
     configure_compiler(40)
     tokens = held_out(data_dir)
     ref_model, _, _ = load_export(export_dir, dtype=torch.float64)
     assert ref_model.blocks[0].is_delta
-    report = check_dtype(cfg, export_dir, torch.float32, tokens, reference(cfg, ref_model, tokens))
-    g = dtype_gates(cfg, "fp32", report)
+    ref = reference(cfg, ref_model, tokens)
+
+    healthy = check_dtype(cfg, export_dir, torch.float32, tokens, ref)
+    g = dtype_gates(cfg, "fp32", healthy)
     assert all(ok for ok, _, _ in g.values()), gate_table(g)
-    assert list(report["decode"]) == ["1"] and report["prefill"]["rel_rms_compiled_vs_fp64"] < 1e-5
-    assert report["greedy"]["mean_agreement"] == 1.0
+    assert list(healthy["decode"]) == ["1"] and healthy["prefill"]["rel_rms_compiled_vs_fp64"] < 1e-5
+    assert healthy["greedy"]["mean_agreement"] == 1.0
+
+    def perturb(model):  # a weight used only by the compiled model is 1% off
+        with torch.no_grad():
+            model.blocks[0].mlp.up_proj.weight.mul_(1.01)
+
+    broken = check_dtype(cfg, export_dir, torch.float32, tokens, ref, corrupt_compiled=perturb)
+    g = dtype_gates(cfg, "fp32", broken)
+    failed = [k for k, (ok, _, _) in g.items() if not ok]
+    assert "fp32 prefill compiled vs fp64 rel RMS" in failed
+    assert "fp32 train-step gradients compiled vs fp64 rel RMS" in failed
+    assert "FAIL" in gate_table(g)
