@@ -15,6 +15,9 @@ train PREFIX CONFIG DATA RUN
                 laplace.training.loop.train on a tokenized project; at the first step it runs
                 (after a resume), rank 0 writes the optimizer state the ranks hold, gathered
                 whole, and the spy's report.
+
+Several modes run in one launch with "+" between them (`step P1 + accumulate P2`), one after the
+other in one process group: a launch's process start-ups are most of its cost.
 """
 
 from __future__ import annotations
@@ -305,6 +308,18 @@ def train_mode(prefix: str, config: str, data_dir: str, run_dir: str) -> None:
 
 if __name__ == "__main__":
     faulthandler.enable()  # a crash inside torch prints every thread's Python stack (test_distributed retries once)
-    mode, *rest = sys.argv[1:]
     modes = {"step": step_mode, "train": train_mode, "recompute": recompute_mode, "accumulate": accumulate_mode}
-    modes[mode](*rest)
+    runs, current = [], []
+    for arg in sys.argv[1:]:
+        if arg == "+":
+            runs.append(current)
+            current = []
+        else:
+            current.append(arg)
+    runs.append(current)
+    # several modes share one process group: each mode's join finds it, and only this leave ends it
+    group = distributed.join(torch.device("cpu")) if len(runs) > 1 else None
+    for mode, *rest in runs:
+        modes[mode](*rest)
+    if group is not None:
+        distributed.leave(group)

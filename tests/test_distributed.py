@@ -12,18 +12,18 @@
   the parameters' device, an fp64 tensor or uneven splits; and a process group whose
   backend serves only one device (torch's fake backend registered for `meta`, as NCCL
   serves only cuda) runs the optimizer step with no host tensor.
-- Stop at step 4 on 2 ranks and resume on 4, and 4 -> 2: the optimizer state the ranks
-  hold after the resume equals the state saved at the stop, and the loss curve goes on as
-  the uninterrupted run's.
+- Saved at step 4 on 2 ranks and resumed on 4, and 4 -> 2: the optimizer state the ranks
+  hold after the resume equals the state saved, and the loss curve goes on as the
+  uninterrupted run's.
 - Two torchrun agents as two nodes (one rendezvous): training resumes, both nodes get the
-  result, and a node that cannot see the shared run directory stops both with one line.
+  result, each rank runs at train.threads, and a node that cannot see the shared run
+  directory stops both with one line.
 - The dry run for Laplace 3B at 64 ranks, on torch's fake process group, allocates nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import re
@@ -207,6 +207,27 @@ def reference():
         return single_process()
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """`launches(world)`: the directory of one torchrun launch at `world` ranks (made at the first
+    ask) that ran every dist_worker mode the tests below read at that size, one after the other:
+    step and accumulate, and at 2 ranks recompute. Files: step-*, accum-*, ac-* (the modes' PREFIX).
+    A launch's cost is mostly its processes' start-up: one per size, not one per test."""
+    made: dict[int, Path] = {}
+
+    def at(world: int) -> Path:
+        if world not in made:
+            root = tmp_path_factory.mktemp(f"launch{world}")
+            args = [WORKER, "step", str(root / "step"), "+", "accumulate", str(root / "accum")]
+            if world == 2:
+                args += ["+", "recompute", str(root / "ac")]
+            torchrun(world, args)
+            made[world] = root
+        return made[world]
+
+    return at
+
+
 def replay(world: int, run: dict[str, Tensor], report: dict) -> dict[str, float]:
     """The split-batch run replayed in this process, one step at a time. At each step, from the
     parameters the run's step started from (bit for bit ours: asserted), the loss, the reduced
@@ -240,7 +261,7 @@ def replay(world: int, run: dict[str, Tensor], report: dict) -> dict[str, float]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_distributed_step_matches_single_process_torch_muon_and_adamw(world, reference, tmp_path):
+def test_distributed_step_matches_single_process_torch_muon_and_adamw(world, reference, launches):
     """The trainer's model and optimizer at `world` ranks against torch.optim.Muon + AdamW in one
     process. Nothing is compared after several steps: Muon's bf16 Newton-Schulz turns a last-bit
     difference of a gradient into a bf16-sized one, and later steps amplify that by an amount
@@ -256,8 +277,7 @@ def test_distributed_step_matches_single_process_torch_muon_and_adamw(world, ref
     norm, 171,328 squares summed in an unknown order, is within gamma_{n_max + T + W + 16} (n_max
     the largest tensor, T the tensors; norm_error): 1.15e-3 here. The optimizer step, given the run's
     gradient and norm, is torch's bit for bit, bf16 Newton-Schulz included: no tolerance."""
-    prefix = tmp_path / f"w{world}"
-    torchrun(world, [WORKER, "step", str(prefix)])
+    prefix = launches(world) / "step"
     report = json.loads(Path(f"{prefix}-report.json").read_text())
     shapes = [tuple(p.shape) for _, p in route_parameters(LaplaceLM(model_config()))["muon"]]
     for comm in COMMS:
@@ -330,7 +350,7 @@ def test_a_device_only_process_group_sees_no_host_tensor():
 # --------------------------------------------------------------------------- resume across world sizes
 
 
-def run_cfg(world: int, steps: int = 8, comm: str = "alltoall"):
+def run_cfg(world: int, steps: int = 8, comm: str = "alltoall", checkpoint_every: int = 100):
     return config_from_dict(
         {
             "data": {"max_documents": 300, "num_proc": 1},
@@ -348,7 +368,7 @@ def run_cfg(world: int, steps: int = 8, comm: str = "alltoall"):
                 "log_every": 1,
                 "eval_every": steps,
                 "eval_batches": 1,
-                "checkpoint_every": 100,
+                "checkpoint_every": checkpoint_every,
                 "warmup_steps": 2,
                 "nproc_per_node": world,
             },
@@ -369,21 +389,14 @@ def losses(history: list[dict]) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_artifacts, tmp_path_factory) -> dict[int, float]:
+def uninterrupted(tiny_artifacts, tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """The 8 steps at 2 ranks (alltoall) uninterrupted: their losses, and the checkpoint it saved at
+    step 4 (train.checkpoint_every is bookkeeping, not in the run's fingerprint), the very save a run
+    stopped at step 4 makes (Trainer.save either way): the 2 -> 4 resume starts from it."""
     data_dir, _ = tiny_artifacts
-    _, history, _ = run_training(run_cfg(2), project(tmp_path_factory.mktemp("whole"), data_dir))
-    return losses(history)
-
-
-@pytest.mark.slow
-def test_train_threads_reaches_the_torchrun_ranks(tiny_artifacts, tmp_path):
-    """train.threads is each rank's thread count (OMP_NUM_THREADS from the launcher, then
-    torch.set_num_threads in the loop), not the 1 torchrun sets by default."""
-    data_dir, _ = tiny_artifacts
-    cfg = run_cfg(2, steps=1)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=2))
-    metrics, _, _ = run_training(cfg, project(tmp_path / "run", data_dir))
-    assert metrics["world_size"] == 2 and metrics["threads"] == 2
+    paths = project(tmp_path_factory.mktemp("whole"), data_dir)
+    _, history, _ = run_training(run_cfg(2, checkpoint_every=4), paths)
+    return losses(history), dict(ckpt.list_checkpoints(paths.run_dir / "checkpoints"))[4]
 
 
 @pytest.mark.slow
@@ -398,7 +411,11 @@ def test_resume_at_another_world_size_restores_the_optimizer_state(
     (alltoall) and whole momentum on its owner (owner_reduce) are the same tensors to DCP."""
     data_dir, _ = tiny_artifacts
     paths = project(tmp_path / "run", data_dir)
-    run_training(run_cfg(before, comm=mode_before), paths, stop_at_step=4)
+    uninterrupted, at_4 = uninterrupted
+    if (before, mode_before) == (2, "alltoall"):  # the uninterrupted run's first 4 steps: its save at step 4
+        shutil.copytree(at_4, paths.run_dir / "checkpoints" / at_4.name)
+    else:
+        run_training(run_cfg(before, comm=mode_before), paths, stop_at_step=4)
     (step, stopped), *_ = ckpt.list_checkpoints(paths.run_dir / "checkpoints")
     assert step == 4
     saved = ckpt.stored_tensors(stopped, "optim.")
@@ -449,14 +466,19 @@ def test_resume_at_another_world_size_restores_the_optimizer_state(
 
 
 @pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> Path:
-    root = copy_project(tmp_path_factory.mktemp("nodes"), {**TINY_PARAMS, "train.checkpoint_every": 3})
-    run([str(BIN / "laplace"), "tokenize"], root)
+def tokenized(tiny_artifacts, tmp_path_factory) -> Path:
+    """A project on the tiny corpus, tokenized: the session's tokenized data copied in (what
+    `laplace tokenize` would write at these data and tokenizer params)."""
+    data_dir, _ = tiny_artifacts
+    params = {**TINY_PARAMS, "data.max_documents": 300, "tokenizer.vocab_size": 400, "train.checkpoint_every": 3}
+    root = copy_project(tmp_path_factory.mktemp("nodes"), params)
+    shutil.copytree(data_dir, Paths.at(root).data_dir)
     return root
 
 
-def two_nodes(roots: tuple[Path, Path]) -> list[subprocess.CompletedProcess]:
-    """`laplace train` as node 0 and node 1 of one job (one rank each), rendezvous on loopback."""
+def two_nodes(roots: tuple[Path, Path], **extra) -> list[subprocess.CompletedProcess]:
+    """`laplace train` as node 0 and node 1 of one job (one rank each), rendezvous on loopback;
+    `extra`: more --set overrides ({"train.threads": 2} as train__threads=2)."""
     port = free_port()
     procs = []
     for node, root in enumerate(roots):
@@ -465,6 +487,7 @@ def two_nodes(roots: tuple[Path, Path]) -> list[subprocess.CompletedProcess]:
             "train.node_rank": node,
             "train.nproc_per_node": 1,
             "train.rdzv_endpoint": f"127.0.0.1:{port}",
+            **{k.replace("__", "."): v for k, v in extra.items()},
         }
         cmd = [
             str(BIN / "laplace"),
@@ -483,17 +506,20 @@ def two_nodes(roots: tuple[Path, Path]) -> list[subprocess.CompletedProcess]:
 
 @pytest.mark.slow
 def test_two_nodes_resume_share_the_result_and_stop_together_without_shared_storage(tokenized, tmp_path):
+    """Also: train.threads is each rank's thread count (OMP_NUM_THREADS from the launcher, then
+    torch.set_num_threads in the loop), not the 1 torchrun sets by default (nor the test's 1)."""
     root = tmp_path / "shared"
     shutil.copytree(tokenized, root)
     # a first stretch on one rank, then the same run (launch knobs are not in its fingerprint) on two nodes
     run_training(load_config(root / "params.yaml"), Paths.at(root), stop_at_step=3)
-    nodes = two_nodes((root, root))
+    nodes = two_nodes((root, root), train__threads=2)
     for node, out in enumerate(nodes):
         assert out.returncode == 0, (node, out.stdout[-3000:], out.stderr[-3000:])
         result = json.loads(
             out.stdout[re.search(r"(?m)^\{", out.stdout).start() :]
         )  # every node's parent got the result
         assert result["resumed_from_step"] == 3 and result["world_size"] == 2 and result["steps"] == 6
+        assert result["threads"] == 2  # the node's rank, as it ran
     (step, final), *_ = ckpt.list_checkpoints(root / "runs/train/checkpoints")
     assert step == 6 and json.loads((final / "trainer.json").read_text())["world_size"] == 2
 
@@ -555,7 +581,7 @@ def test_dry_run_of_laplace_3b_on_64_ranks_fits_a_trn2_core_and_allocates_nothin
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_none_full_selective_give_the_same_losses_and_gradients(tmp_path):
+def test_activation_checkpointing_none_full_selective_give_the_same_losses_and_gradients(launches):
     """Two gloo ranks, FSDP2 (embedding, blocks and head units), Muon + AdamW, four steps with
     clipping: recomputing each block in backward (full) or all but its projections (selective)
     reproduces no checkpointing's losses and every step's gradients bit for bit. No tolerance:
@@ -563,8 +589,7 @@ def test_activation_checkpointing_none_full_selective_give_the_same_losses_and_g
     the same backward graph (non-reentrant checkpointing only swaps where the saved tensors come
     from), so the values are the same by construction; after one step a tolerance would also be
     moot (bf16 Newton-Schulz would amplify any last-bit difference far beyond it)."""
-    prefix = tmp_path / "ac"
-    torchrun(2, [WORKER, "recompute", str(prefix)])
+    prefix = launches(2) / "ac"
     report = json.loads(Path(f"{prefix}-report.json").read_text())
     reference = load_file(f"{prefix}-none.safetensors")
     assert len(report["none"]) == STEPS and {k.split("/")[0] for k in reference} == {str(s) for s in range(STEPS)}
@@ -577,7 +602,7 @@ def test_activation_checkpointing_none_full_selective_give_the_same_losses_and_g
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
-def test_accumulating_4_micro_batches_equals_one_batch_4x_the_size(world, tmp_path):
+def test_accumulating_4_micro_batches_equals_one_batch_4x_the_size(world, launches):
     """Each rank's 4 sequences as one batch, or as 4 micro-batches of one (FSDP2 syncs gradients
     on the last only): either way every step's loss and reduced gradient are the global batch's
     mean loss and its gradient, and the optimizer, so the Muon exchange, runs once per step.
@@ -588,8 +613,7 @@ def test_accumulating_4_micro_batches_equals_one_batch_4x_the_size(world, tmp_pa
     rank's pieces (micro - 1 additions, autograd into FSDP2's unsharded gradient, or the loss
     total), then the ranks' sums (W - 1): within gamma_{micro + W - 2} x the pieces' magnitudes,
     whatever the order (reduction_error)."""
-    prefix = tmp_path / f"accum{world}"
-    torchrun(world, [WORKER, "accumulate", str(prefix)])
+    prefix = launches(world) / "accum"
     report = json.loads(Path(f"{prefix}-report.json").read_text())
     # one exchange per optimizer step; one rank exchanges nothing (ShardedMuon orthogonalises in place)
     assert report["1"]["exchanges"] == report["4"]["exchanges"] == (STEPS if world > 1 else 0)
