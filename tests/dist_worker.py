@@ -11,10 +11,11 @@ accumulate PREFIX
                 the same steps as one batch per rank, and as 4 micro-batches of a quarter of it
                 (train.grad_accum_steps through loop.accumulate_gradients); rank 0 writes the
                 losses, every step's parameters and gradients and the number of Muon exchanges.
-train PREFIX CONFIG DATA RUN
-                laplace.training.loop.train on a tokenized project; at the first step it runs
-                (after a resume), rank 0 writes the optimizer state the ranks hold, gathered
-                whole, and the spy's report.
+train PREFIX CONFIG DATA RUN [STOP_AT_STEP]
+                laplace.training.loop.train on a tokenized project (stopped after STOP_AT_STEP
+                and its checkpoint, if given); at the first step it runs after a resume, every
+                rank writes the optimizer state it holds, gathered whole; rank 0 writes the
+                spy's report, the metrics and the history.
 
 Several modes run in one launch with "+" between them (`step P1 + accumulate P2`), one after the
 other in one process group: a launch's process start-ups are most of its cost.
@@ -281,14 +282,14 @@ def accumulate_mode(prefix: str) -> None:
     distributed.leave(group)
 
 
-def train_mode(prefix: str, config: str, data_dir: str, run_dir: str) -> None:
+def train_mode(prefix: str, config: str, data_dir: str, run_dir: str, stop_at_step: str | None = None) -> None:
     torch.set_num_threads(1)
     spy = CollectiveSpy(torch.device("cpu"))
     cfg = config_from_dict(json.loads(Path(config).read_text()))
     dumped = []
 
     def dump_optimizer_state(step, model, optimizer):
-        if dumped:
+        if dumped or step == 0:  # a fresh run holds no state yet
             return
         dumped.append(step)
         # every rank its own: with muon.comm owner_reduce a Muon momentum lives on its owner only
@@ -300,8 +301,11 @@ def train_mode(prefix: str, config: str, data_dir: str, run_dir: str) -> None:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
         save_file(tensors, f"{prefix}-optimizer-rank{dist.get_rank()}.safetensors", metadata={"step": str(step)})
 
-    result = train(cfg, Path(data_dir), Path(run_dir), before_step=dump_optimizer_state, progress=False)
-    if int(os.environ["RANK"]) == 0:  # the process group is gone: train() left it
+    stop = int(stop_at_step) if stop_at_step else None
+    result = train(
+        cfg, Path(data_dir), Path(run_dir), before_step=dump_optimizer_state, stop_at_step=stop, progress=False
+    )
+    if int(os.environ["RANK"]) == 0:  # the process group may be gone: train() left it if it made it
         report = {"spy": spy.report(), "metrics": result.metrics, "history": result.history}
         Path(f"{prefix}-report.json").write_text(json.dumps(report))
 

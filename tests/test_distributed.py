@@ -208,20 +208,32 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+def launches(tiny_artifacts, tmp_path_factory):
     """`launches(world)`: the directory of one torchrun launch at `world` ranks (made at the first
-    ask) that ran every dist_worker mode the tests below read at that size, one after the other:
-    step and accumulate, and at 2 ranks recompute. Files: step-*, accum-*, ac-* (the modes' PREFIX).
-    A launch's cost is mostly its processes' start-up: one per size, not one per test."""
+    ask) that ran every dist_worker mode the tests below read at that size, one after the other in
+    one process group (a launch's cost is mostly its processes' start-up: one per size, not one
+    per test). Files by the modes' PREFIX: step-* (1, 2, 4 ranks), accum-* (1, 2), ac-* (2), and
+    train-* with its run directory train-run/ (2, 4): the runs the resume tests start from, each
+    saved at step 4 on the tokenized corpus: at 2 ranks (alltoall) the uninterrupted 8 steps
+    (train.checkpoint_every is bookkeeping, not in the run's fingerprint: a run stopped at step 4
+    makes the very same save, Trainer.save), at 4 ranks (owner_reduce) stopped there."""
+    data_dir, _ = tiny_artifacts
     made: dict[int, Path] = {}
 
     def at(world: int) -> Path:
         if world not in made:
             root = tmp_path_factory.mktemp(f"launch{world}")
-            args = [WORKER, "step", str(root / "step"), "+", "accumulate", str(root / "accum")]
+            modes = [["step", root / "step"]]
+            if world < 4:
+                modes.append(["accumulate", root / "accum"])
             if world == 2:
-                args += ["+", "recompute", str(root / "ac")]
-            torchrun(world, args)
+                modes.append(["recompute", root / "ac"])
+            if world > 1:
+                cfg = run_cfg(2, checkpoint_every=4) if world == 2 else run_cfg(4, comm="owner_reduce")
+                (root / "train-config.json").write_text(json.dumps(cfg.to_dict()))
+                stop = [] if world == 2 else [4]
+                modes.append(["train", root / "train", root / "train-config.json", data_dir, root / "train-run", *stop])
+            torchrun(world, [WORKER, *[str(arg) for mode in modes for arg in ("+", *mode)][1:]])
             made[world] = root
         return made[world]
 
@@ -388,34 +400,23 @@ def losses(history: list[dict]) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_artifacts, tmp_path_factory) -> tuple[dict[int, float], Path]:
-    """The 8 steps at 2 ranks (alltoall) uninterrupted: their losses, and the checkpoint it saved at
-    step 4 (train.checkpoint_every is bookkeeping, not in the run's fingerprint), the very save a run
-    stopped at step 4 makes (Trainer.save either way): the 2 -> 4 resume starts from it."""
-    data_dir, _ = tiny_artifacts
-    paths = project(tmp_path_factory.mktemp("whole"), data_dir)
-    _, history, _ = run_training(run_cfg(2, checkpoint_every=4), paths)
-    return losses(history), dict(ckpt.list_checkpoints(paths.run_dir / "checkpoints"))[4]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "before, mode_before, after, mode_after",
     [(2, "alltoall", 4, "owner_reduce"), (4, "owner_reduce", 2, "alltoall")],
 )
 def test_resume_at_another_world_size_restores_the_optimizer_state(
-    before, mode_before, after, mode_after, tiny_artifacts, uninterrupted, tmp_path
+    before, mode_before, after, mode_after, tiny_artifacts, launches, tmp_path
 ):
     """Saved at N ranks in one muon.comm, resumed at M != N in either: row-sharded momentum
     (alltoall) and whole momentum on its owner (owner_reduce) are the same tensors to DCP."""
     data_dir, _ = tiny_artifacts
     paths = project(tmp_path / "run", data_dir)
-    uninterrupted, at_4 = uninterrupted
-    if (before, mode_before) == (2, "alltoall"):  # the uninterrupted run's first 4 steps: its save at step 4
-        shutil.copytree(at_4, paths.run_dir / "checkpoints" / at_4.name)
-    else:
-        run_training(run_cfg(before, comm=mode_before), paths, stop_at_step=4)
+    saved_by = launches(before)  # its training run, saved at step 4 in mode_before
+    assert json.loads((saved_by / "train-config.json").read_text())["muon"]["comm"] == mode_before
+    at_4 = dict(ckpt.list_checkpoints(saved_by / "train-run" / "checkpoints"))[4]
+    shutil.copytree(at_4, paths.run_dir / "checkpoints" / at_4.name)
+    uninterrupted = losses(json.loads((launches(2) / "train-report.json").read_text())["history"])
     (step, stopped), *_ = ckpt.list_checkpoints(paths.run_dir / "checkpoints")
     assert step == 4
     saved = ckpt.stored_tensors(stopped, "optim.")
