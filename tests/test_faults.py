@@ -19,12 +19,14 @@ from laplace.training import checkpoint as ckpt
 
 from project import BIN, PIPELINE_TIMEOUT_S, TINY_PARAMS, copy_project, descendants, env, run
 
-# the module fixtures tokenize and train two reference runs before the first fault
+# the module fixtures train two reference runs before the first fault
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(PIPELINE_TIMEOUT_S)]
 
 STEPS = 24
 FAULT_PARAMS = {
     **TINY_PARAMS,
+    "data.max_documents": 300,  # the session's tokenized corpus (tiny_artifacts)
+    "tokenizer.vocab_size": 400,
     "model.d_model": 64,
     "model.n_layers": 2,
     "train.steps": STEPS,
@@ -39,9 +41,13 @@ LAPLACE = [str(BIN / "laplace")]
 
 
 @pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> Path:
+def tokenized(tiny_artifacts, tmp_path_factory) -> Path:
+    """The project, tokenized: the session's tokenized corpus copied in (what `laplace tokenize`
+    writes at these data and tokenizer params)."""
+    from laplace.pipeline.layout import Paths
+
     root = copy_project(tmp_path_factory.mktemp("faults"), FAULT_PARAMS)
-    run(LAPLACE + ["tokenize"], root)
+    shutil.copytree(tiny_artifacts[0], Paths.at(root).data_dir)
     return root
 
 
@@ -279,17 +285,11 @@ def gone_within(pids: list[int], seconds: float) -> list[int]:
 LONG = {"train.nproc_per_node": 2, "train.steps": 400, "train.checkpoint_every": 1000, "train.eval_every": 1000}
 
 
-def test_sigkill_of_laplace_train_leaves_no_process_of_the_job(tokenized, tmp_path):
-    root = fresh(tokenized, tmp_path, "sigkill", **LONG)
-    proc = start_training(root)
-    pids = wait_for_ranks(proc, 2, 3)
-    os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: the agent and the ranks must follow
-    proc.wait()
-    # the ranks run in their own sessions; nothing but their death signals reaches them
-    assert gone_within(pids, 10) == [], "processes of the job still alive 10 s after SIGKILL"
-
-
-def test_sigterm_checkpoints_and_stops_every_process_and_a_second_train_is_refused(tokenized, tmp_path):
+def test_sigterm_checkpoints_and_stops_every_process_a_second_train_is_refused_and_sigkill_of_the_next_leaves_none(
+    tokenized, tmp_path
+):
+    """SIGTERM to `laplace train` on two ranks; then the next train resumes from its checkpoint, and a
+    SIGKILL of that `laplace train` alone leaves no process of its job (one job serves both checks)."""
     root = fresh(tokenized, tmp_path, "sigterm", **LONG)
     proc = start_training(root)
     pids = wait_for_ranks(proc, 2, 3)
@@ -310,17 +310,16 @@ def test_sigterm_checkpoints_and_stops_every_process_and_a_second_train_is_refus
     assert ckpt.verify_manifest(saved[0][1])[0]
     assert log.strip().splitlines()[-1].startswith("laplace train: error: stopped by SIGTERM"), log[-3000:]
     # and the lock went with the job: the next train starts (and resumes from that step)
-    again = subprocess.Popen(
-        LAPLACE + ["train"], cwd=root, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    again = start_training(root)
     try:
         resumed = next(line for line in again.stdout if "resumed from" in line or "error" in line)
         assert f"(step {saved[0][0]}," in resumed, resumed
+        pids = wait_for_ranks(again, 2, saved[0][0] + 1)
     finally:
-        pids = job_processes(again.pid)
-        os.kill(again.pid, signal.SIGKILL)
+        os.kill(again.pid, signal.SIGKILL)  # the launcher alone: the agent and the ranks must follow
         again.wait()
-        assert gone_within(pids, 10) == []
+    # the ranks run in their own sessions; nothing but their death signals reaches them
+    assert gone_within(pids, 10) == [], "processes of the job still alive 10 s after SIGKILL"
 
 
 def test_sigkill_of_the_parent_of_laplace_train_stops_the_job_too(tokenized, tmp_path):
