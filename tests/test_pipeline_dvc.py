@@ -14,7 +14,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from project import BIN, PIPELINE_TIMEOUT_S, TINY_PARAMS, commit_all, env, run
+from project import BIN, PIPELINE_TIMEOUT_S, TINY_PARAMS, env, run
 
 # the first test sets up the session's pipeline run; the summary's next steps run a Prefect deployment
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(PIPELINE_TIMEOUT_S)]
@@ -27,8 +27,9 @@ def ran_stages(output: str) -> set[str]:
 
 
 # The session's one run of the main job (`laplace run`: dvc repro, then the summary; tests/conftest.py).
-# This module reads it first, then changes it (baseline commit, experiment, run-cache restore,
-# push/pull, the summary's next steps): its tests run in file order, in the "tiny_pipeline" group.
+# This module reads it first, then changes it (the summary's next steps: a baseline commit and the
+# experiment they print, compared after; a run-cache restore; push/pull): its tests run in file
+# order, in the "tiny_pipeline" group.
 
 
 @pytest.fixture(scope="module")
@@ -263,82 +264,6 @@ def test_the_live_servers_and_prefects_knobs_rerun_no_stage(repo, first_run):
     assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
 
 
-def test_params_change_reruns_only_downstream_and_experiments_compare(repo, first_run):
-    commit_all(repo, "baseline pipeline run")
-    # the experiment `laplace summary` prints (README): its stages go to DVC's run cache, so the
-    # summary test's shell, last in this module, restores serve-check, numerics and probes (~200 s).
-    # Training at 2 ranks and its Muon traffic figures: tests/test_faults.py, tests/test_distributed.py
-    out = run(DVC + ["exp", "run", "--set-param", "train.lr=1e-3", "--name", "lower-lr"], repo)
-    assert ran_stages(out.stdout) == {
-        "train",
-        "export",
-        "serve-check",
-        "numerics",
-        "probes",
-        "track",
-    }  # not tokenize/warmup
-    shown = json.loads(run(DVC + ["exp", "show", "--json"], repo).stdout)
-    assert "lower-lr" in json.dumps(shown)
-    diff = json.loads(run(DVC + ["metrics", "diff", "--json"], repo).stdout)
-    assert "eval_loss" in diff["metrics.json"] and "metrics/train.json" not in diff  # the headline only
-    # the README's comparisons print readably at an 80-column terminal
-    narrow = env(COLUMNS="80")
-    exp_show = ["exp", "show", "--only-changed", "--drop", "Created|laplace|.*/.*", "--no-pager"]
-    for command in (["metrics", "show"], ["metrics", "diff"], exp_show):
-        out = run(DVC + command, repo, env=narrow).stdout
-        assert max(map(len, out.splitlines())) <= 80 and "…" not in out, out
-        assert "eval_loss" in out
-    plots = json.loads(run(DVC + ["plots", "diff", "--json"], repo).stdout)["data"]
-    mqar = plots["plots/probes_mqar.json"][0]["content"]
-    assert mqar["encoding"]["x"]["field"] == "context" and mqar["encoding"]["color"]["field"] == "series"
-    assert len({row["rev"] for row in mqar["data"]["values"]}) == 2  # the baseline commit and the experiment
-    c = client(repo)
-    runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
-    assert [r.data.params["train.lr"] for r in runs] == ["0.003", "0.001"]
-    assert runs[1].data.tags.get("dvc_experiment") == "lower-lr"
-    assert int(c.get_model_version_by_alias("laplace-gla", "candidate").version) == 2
-    # champion only when no worse than v1 on the same validation windows (tolerance 0)
-    better = runs[1].data.metrics["eval_loss"] <= runs[0].data.metrics["eval_loss"]
-    assert int(c.get_model_version_by_alias("laplace-gla", "champion").version) == (2 if better else 1)
-    assert runs[1].data.tags["registered_as"] == ("champion" if better else "candidate")
-    assert "champion v1's" in runs[1].data.tags["registered_reason"]
-    # tokenize and warmup did not run again: their figures say which run measured them
-    cached = f"cached from run {runs[0].info.run_name} ({runs[0].info.run_id[:8]}), measured "
-    assert runs[1].data.tags["source.tokenize"].startswith(cached)
-    assert runs[1].data.tags["source.warmup"].startswith(cached)
-    assert "source.train" not in runs[1].data.tags  # measured in this run
-    train = json.loads((repo / "metrics/train.json").read_text())["measured"]
-    assert abs(runs[1].info.start_time / 1000 - epoch(train["started"])) < 2  # this run began with train
-    assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
-
-
-def test_a_stage_restored_from_the_run_cache_says_which_run_measured_it(repo, first_run):
-    """Back to the first run's params (as a Prefect override may do): train runs again and its
-    export is byte-identical, so `dvc repro` restores serve-check, numerics and probes from its
-    run-cache. MLflow and the summary say their figures, timings included, are the first run's."""
-    out = run([str(BIN / "laplace"), "run", "--set", "train.lr=3e-3", "--set", "train.nproc_per_node=1"], repo)
-    restored = {line.split("'")[1] for line in out.stdout.splitlines() if "is cached - skipping run" in line}
-    assert {"serve-check", "numerics", "probes"} <= restored, out.stdout[-3000:]
-    c = client(repo)
-    runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
-    first, last = runs[0], runs[-1]
-    cached = f"cached from run {first.info.run_name} ({first.info.run_id[:8]}), measured "
-    assert all(last.data.tags[f"source.{stage}"].startswith(cached) for stage in ("serve-check", "numerics", "probes"))
-    assert "source.train" not in last.data.tags
-    serving = out.stdout[out.stdout.index("\nserving") : out.stdout.index("\nnumerics")]
-    assert cached in serving  # the summary says so under the serving figures
-
-
-def test_plots_render_offline(repo, first_run):
-    run(DVC + ["plots", "show"], repo)
-    html = (repo / "dvc_plots" / "index.html").read_text()
-    import re
-
-    assert not re.search(r"""<(script|link)[^>]+(src|href)=["']?https?://""", html)  # nothing fetched
-    assert "cdn.jsdelivr" not in html
-    assert "vegaEmbed" in html and "training loss" in html and "train_curve.png" in html
-
-
 def next_commands(summary_text: str) -> list[str]:
     """The command lines of the summary's `next` block (its # lines are notes)."""
     lines = summary_text.splitlines()
@@ -364,13 +289,14 @@ def in_session(sid: int) -> list[int]:
 
 
 def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run, tmp_path):
-    """Last but push/pull (its baseline commit and experiment come after the others'): every
-    command of `laplace summary`'s `next` block, in order, in one fresh bash with nothing of the
-    venv on PATH, the project's .venv as `make setup` makes it (here a link to this checkout's).
-    The servers go to the background as printed; `make stop` stops them and the flow run, and
-    nothing of the shell's session or below it may be left (the test kills it, then fails). The
-    one change: free ports instead of 4200 and 5000 (a shared machine), given to make as
-    PREFECT_PORT / MLFLOW_PORT and put in the printed API URL."""
+    """The first test to leave the run changed: every command of `laplace summary`'s `next` block,
+    in order, in one fresh bash with nothing of the venv on PATH, the project's .venv as `make
+    setup` makes it (here a link to this checkout's). Its baseline commit and experiment are the
+    module's one (the next test compares them; the one after restores the first run's stages from
+    the run cache). The servers go to the background as printed; `make stop` stops them and the
+    flow run, and nothing of the shell's session or below it may be left (the test kills it, then
+    fails). The one change: free ports instead of 4200 and 5000 (a shared machine), given to make
+    as PREFECT_PORT / MLFLOW_PORT and put in the printed API URL."""
     import os
     import signal
     import subprocess
@@ -446,10 +372,9 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     output = log.read_text()
     assert shell.returncode == 0, output[-5000:]
     assert "eval_loss" in output and "Completed" in output, output[-5000:]  # metrics diff; the flow run
-    # the printed experiment is the one test_params_change ran: train (persist, not cached) runs
-    # again to the same bytes, and DVC's run cache restores the stages after it
-    restored = {line.split("'")[1] for line in output.splitlines() if "is cached - skipping run" in line}
-    assert {"serve-check", "numerics", "probes"} <= restored, output[-5000:]
+    # the experiment reran the stages downstream of train.lr, not tokenize or warmup (the flow run
+    # after it found every stage up to date)
+    assert ran_stages(output) == {"train", "export", "serve-check", "numerics", "probes", "track"}, output[-5000:]
     assert ui_answered.is_set(), "make mlflow-ui never answered"
     assert "make stop: stopped prefect-worker" in output, output[-5000:]
     assert not survivors, f"make stop left processes running: {survivors}"
@@ -457,9 +382,76 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     assert "baseline run" in run(["git", "log", "--oneline"], repo).stdout
 
 
+def test_params_change_reruns_only_downstream_and_experiments_compare(repo, first_run):
+    """The summary's experiment (`dvc exp run --set-param train.lr=1e-3`, which the test above ran
+    in its shell after the baseline commit: train and what follows it ran, tokenize and warmup did
+    not) against that baseline: exp show, metrics diff, plots diff, MLflow's second run, the registry
+    rule, and the provenance of the figures it did not measure again."""
+    shown = json.loads(run(DVC + ["exp", "show", "--json"], repo).stdout)
+    (name,) = [e["name"] for rev in shown for e in rev.get("experiments") or []]  # DVC named it
+    diff = json.loads(run(DVC + ["metrics", "diff", "--json"], repo).stdout)
+    assert "eval_loss" in diff["metrics.json"] and "metrics/train.json" not in diff  # the headline only
+    # the README's comparisons print readably at an 80-column terminal
+    narrow = env(COLUMNS="80")
+    exp_show = ["exp", "show", "--only-changed", "--drop", "Created|laplace|.*/.*", "--no-pager"]
+    for command in (["metrics", "show"], ["metrics", "diff"], exp_show):
+        out = run(DVC + command, repo, env=narrow).stdout
+        assert max(map(len, out.splitlines())) <= 80 and "…" not in out, out
+        assert "eval_loss" in out
+    plots = json.loads(run(DVC + ["plots", "diff", "--json"], repo).stdout)["data"]
+    mqar = plots["plots/probes_mqar.json"][0]["content"]
+    assert mqar["encoding"]["x"]["field"] == "context" and mqar["encoding"]["color"]["field"] == "series"
+    assert len({row["rev"] for row in mqar["data"]["values"]}) == 2  # the baseline commit and the experiment
+    c = client(repo)
+    runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
+    assert [r.data.params["train.lr"] for r in runs] == ["0.003", "0.001"]
+    assert runs[1].data.tags.get("dvc_experiment") == name
+    assert int(c.get_model_version_by_alias("laplace-gla", "candidate").version) == 2
+    # champion only when no worse than v1 on the same validation windows (tolerance 0)
+    better = runs[1].data.metrics["eval_loss"] <= runs[0].data.metrics["eval_loss"]
+    assert int(c.get_model_version_by_alias("laplace-gla", "champion").version) == (2 if better else 1)
+    assert runs[1].data.tags["registered_as"] == ("champion" if better else "candidate")
+    assert "champion v1's" in runs[1].data.tags["registered_reason"]
+    # tokenize and warmup did not run again: their figures say which run measured them
+    cached = f"cached from run {runs[0].info.run_name} ({runs[0].info.run_id[:8]}), measured "
+    assert runs[1].data.tags["source.tokenize"].startswith(cached)
+    assert runs[1].data.tags["source.warmup"].startswith(cached)
+    assert "source.train" not in runs[1].data.tags  # measured in this run
+    train = json.loads((repo / "metrics/train.json").read_text())["measured"]
+    assert abs(runs[1].info.start_time / 1000 - epoch(train["started"])) < 2  # this run began with train
+    assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
+
+
+def test_a_stage_restored_from_the_run_cache_says_which_run_measured_it(repo, first_run):
+    """Back to the first run's params (as a Prefect override may do): train runs again and its
+    export is byte-identical, so `dvc repro` restores serve-check, numerics and probes from its
+    run-cache. MLflow and the summary say their figures, timings included, are the first run's."""
+    out = run([str(BIN / "laplace"), "run", "--set", "train.lr=3e-3", "--set", "train.nproc_per_node=1"], repo)
+    restored = {line.split("'")[1] for line in out.stdout.splitlines() if "is cached - skipping run" in line}
+    assert {"serve-check", "numerics", "probes"} <= restored, out.stdout[-3000:]
+    c = client(repo)
+    runs = c.search_runs([c.get_experiment_by_name("laplace").experiment_id], order_by=["start_time ASC"])
+    first, last = runs[0], runs[-1]
+    cached = f"cached from run {first.info.run_name} ({first.info.run_id[:8]}), measured "
+    assert all(last.data.tags[f"source.{stage}"].startswith(cached) for stage in ("serve-check", "numerics", "probes"))
+    assert "source.train" not in last.data.tags
+    serving = out.stdout[out.stdout.index("\nserving") : out.stdout.index("\nnumerics")]
+    assert cached in serving  # the summary says so under the serving figures
+
+
+def test_plots_render_offline(repo, first_run):
+    run(DVC + ["plots", "show"], repo)
+    html = (repo / "dvc_plots" / "index.html").read_text()
+    import re
+
+    assert not re.search(r"""<(script|link)[^>]+(src|href)=["']?https?://""", html)  # nothing fetched
+    assert "cdn.jsdelivr" not in html
+    assert "vegaEmbed" in html and "training loss" in html and "train_curve.png" in html
+
+
 def test_push_and_pull_through_the_default_remote(repo, first_run):
-    """Last: emptying .dvc/cache drops DVC's run cache (`dvc push` does not send it), which the
-    summary test's experiment restores stages from."""
+    """Last: emptying .dvc/cache drops DVC's run cache (`dvc push` does not send it), which
+    test_a_stage_restored restores stages from."""
     run(DVC + ["push"], repo)
     shutil.rmtree(repo / "data" / "tokenized")
     shutil.rmtree(repo / ".dvc" / "cache")
