@@ -58,12 +58,19 @@ def mlflow_runs(repo):
     return c.search_runs([c.get_experiment_by_name("laplace").experiment_id])
 
 
+@pytest.fixture(scope="module")
+def prefect_home(tmp_path_factory):
+    """One Prefect home (its SQLite database) for the module's servers: the deployment's and the
+    temporary ones the direct flow runs start. A fresh home's migrations cost ~5 CPU-s per start."""
+    return tmp_path_factory.mktemp("prefect")
+
+
 # An override of a late stage's knob: the flow runs every stage's task, DVC reruns probes and track only
 OVERRIDE = ("probes.passkey_samples", TINY_PARAMS["probes.passkey_samples"] + 1)
 
 
 @pytest.mark.timeout(PIPELINE_TIMEOUT_S)
-def test_deployment_runs_through_server_and_worker(tiny_pipeline_copy, tmp_path):
+def test_deployment_runs_through_server_and_worker(tiny_pipeline_copy, prefect_home):
     """`prefect deployment run` through a real server and process worker, with an override as a
     flow parameter, on a copy of the session's finished tiny pipeline (every stage's task runs;
     DVC reruns the stages the override reaches). Two transient faults, at the two levels a stage
@@ -76,7 +83,7 @@ def test_deployment_runs_through_server_and_worker(tiny_pipeline_copy, tmp_path)
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     e = env(
-        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_HOME=str(prefect_home / "prefect-home"),  # direct_flow_env's
         PREFECT_API_URL=api,
         PWD=str(repo),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
@@ -149,12 +156,12 @@ def test_deployment_runs_through_server_and_worker(tiny_pipeline_copy, tmp_path)
     assert "# Laplace pipeline parameters" in (repo / "params.yaml").read_text()  # comments kept
 
 
-def test_bad_params_fail_the_flow_before_any_stage(tmp_path):
+def test_bad_params_fail_the_flow_before_any_stage(tmp_path, prefect_home):
     repo = copy_project(tmp_path / "laplace", TINY_PARAMS)
     out = run(
         ["python", "flows/pipeline.py", "--set", "train.lrr=0.002"],
         repo,
-        env=direct_flow_env(tmp_path),
+        env=direct_flow_env(prefect_home),
         check=False,
         timeout=300,
     )
@@ -202,7 +209,7 @@ def kill_in_turn(parent: int, kills: list, near, done: threading.Event) -> None:
                 time.sleep(0.02 if close else 0.25)
 
 
-def test_a_rejected_stage_is_not_retried(tmp_path):
+def test_a_rejected_stage_is_not_retried(tmp_path, prefect_home):
     """Bad data (a corpus with no usable text) makes tokenize exit 2: the flow fails at once, no retry."""
     (tmp_path / "empty.txt").write_text("too short\n")
     repo = copy_project(
@@ -215,7 +222,7 @@ def test_a_rejected_stage_is_not_retried(tmp_path):
             "data.path": str(tmp_path / "empty.txt"),
         },
     )
-    out = run(["python", "flows/pipeline.py"], repo, env=direct_flow_env(tmp_path), check=False, timeout=300)
+    out = run(["python", "flows/pipeline.py"], repo, env=direct_flow_env(prefect_home), check=False, timeout=300)
     log = out.stdout + out.stderr
     assert out.returncode != 0
     assert "stage tokenize rejected its input" in log
