@@ -216,7 +216,9 @@ def launches(tiny_artifacts, tmp_path_factory):
     train-* with its run directory train-run/ (2, 4): the runs the resume tests start from, each
     saved at step 4 on the tokenized corpus: at 2 ranks (alltoall) the uninterrupted 8 steps
     (train.checkpoint_every is bookkeeping, not in the run's fingerprint: a run stopped at step 4
-    makes the very same save, Trainer.save), at 4 ranks (owner_reduce) stopped there."""
+    makes the very same save, Trainer.save), at 4 ranks (owner_reduce) stopped there. The 4-rank
+    launch then resumes the 2-rank run's step-4 save (resume-*, resume-run/), as the 2 -> 4 resume
+    test reads it; the 4 -> 2 one launches its own."""
     data_dir, _ = tiny_artifacts
     made: dict[int, Path] = {}
 
@@ -233,6 +235,10 @@ def launches(tiny_artifacts, tmp_path_factory):
                 (root / "train-config.json").write_text(json.dumps(cfg.to_dict()))
                 stop = [] if world == 2 else [4]
                 modes.append(["train", root / "train", root / "train-config.json", data_dir, root / "train-run", *stop])
+            if world == 4:
+                at_4 = dict(ckpt.list_checkpoints(at(2) / "train-run" / "checkpoints"))[4]
+                shutil.copytree(at_4, root / "resume-run" / "checkpoints" / at_4.name)
+                modes.append(["train", root / "resume", root / "train-config.json", data_dir, root / "resume-run"])
             torchrun(world, [WORKER, *[str(arg) for mode in modes for arg in ("+", *mode)][1:]])
             made[world] = root
         return made[world]
@@ -410,21 +416,23 @@ def test_resume_at_another_world_size_restores_the_optimizer_state(
 ):
     """Saved at N ranks in one muon.comm, resumed at M != N in either: row-sharded momentum
     (alltoall) and whole momentum on its owner (owner_reduce) are the same tensors to DCP."""
-    data_dir, _ = tiny_artifacts
-    paths = project(tmp_path / "run", data_dir)
     saved_by = launches(before)  # its training run, saved at step 4 in mode_before
     assert json.loads((saved_by / "train-config.json").read_text())["muon"]["comm"] == mode_before
-    at_4 = dict(ckpt.list_checkpoints(saved_by / "train-run" / "checkpoints"))[4]
-    shutil.copytree(at_4, paths.run_dir / "checkpoints" / at_4.name)
-    uninterrupted = losses(json.loads((launches(2) / "train-report.json").read_text())["history"])
-    (step, stopped), *_ = ckpt.list_checkpoints(paths.run_dir / "checkpoints")
-    assert step == 4
+    stopped = dict(ckpt.list_checkpoints(saved_by / "train-run" / "checkpoints"))[4]
     saved = ckpt.stored_tensors(stopped, "optim.")
+    uninterrupted = losses(json.loads((launches(2) / "train-report.json").read_text())["history"])
 
-    cfg_file = tmp_path / "config.json"
-    cfg_file.write_text(json.dumps(run_cfg(after, comm=mode_after).to_dict()))
-    prefix = tmp_path / "resumed"
-    torchrun(after, [WORKER, "train", str(prefix), str(cfg_file), str(paths.data_dir), str(paths.run_dir)])
+    if after == 4:  # the 4-rank launch resumed that save (launches)
+        assert json.loads((launches(4) / "train-config.json").read_text())["muon"]["comm"] == mode_after
+        prefix = launches(4) / "resume"
+    else:
+        data_dir, _ = tiny_artifacts
+        paths = project(tmp_path / "run", data_dir)
+        shutil.copytree(stopped, paths.run_dir / "checkpoints" / stopped.name)
+        cfg_file = tmp_path / "config.json"
+        cfg_file.write_text(json.dumps(run_cfg(after, comm=mode_after).to_dict()))
+        prefix = tmp_path / "resumed"
+        torchrun(after, [WORKER, "train", str(prefix), str(cfg_file), str(paths.data_dir), str(paths.run_dir)])
     report = json.loads(Path(f"{prefix}-report.json").read_text())
     assert report["metrics"]["resumed_from_step"] == 4 and report["metrics"]["world_size"] == after
     assert report["spy"]["violations"] == []  # the whole run: DCP load and save, FSDP2, Muon, the loop
