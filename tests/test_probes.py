@@ -50,8 +50,10 @@ def small_model(vocab=32, seed=0, **over):
     return LaplaceLM(cfg).eval()  # init_std 0.3: wide logits, no near-ties for argmax
 
 
-def engine(model, *, max_slots=4, buckets=(16, 32), compile_scope=None):
-    shapes = dict(max_slots=max_slots, prefill_buckets=list(buckets), max_prompt_tokens=max(buckets))
+def engine(model, *, max_slots=4, buckets=(16, 32), compile_scope=None, widths=()):
+    shapes = dict(
+        max_slots=max_slots, widths=list(widths), prefill_buckets=list(buckets), max_prompt_tokens=max(buckets)
+    )
     params = dataclasses.replace(
         EngineSection(), **shapes, compile_scope=compile_scope or "block", prefix_cache_bytes=0
     )
@@ -181,17 +183,30 @@ def test_serving_path_matches_the_eager_path_with_nan_pad_rows(attn):
     assert torch.equal(served[:, 69:71], mqar_predictions_eager(m, long_tokens)[:, 69:71])
 
 
+# The GLA block as TWO_LAYER_RUN's (d_model 64): the 2 graphs compiled here (width 4, bucket 32; a block's
+# graph depends on its shapes, not on the vocabulary or the weights) are the ones the end-to-end probes test
+# below and the hybrid's GLA layer serve with (this process's Dynamo cache, then Inductor's). One width, 4:
+# every step with fewer live rows pads; choosing among ladder widths is the eager test's subject above.
 @pytest.mark.slow
 def test_compiled_padded_serving_path_matches_eager():
-    m = small_model(vocab=16)
-    eng = engine(m, max_slots=4, buckets=(32,), compile_scope="block")
+    m = small_model(vocab=16, d_model=64)
+    eng = engine(m, max_slots=4, widths=[4], buckets=(32,), compile_scope="block")
     configure_compiler(eng.runner.graphs_needed() + 8)
     eng.runner.warmup()
     poison_dummy(eng)
+    pads = []
+    decode = eng.runner.decode_step
+
+    def spy(batch):  # the pad rows each step runs
+        pads.append(int((batch.ints[1] == eng.cache.pool.dummy).sum()))
+        return decode(batch)
+
+    eng.runner.decode_step = spy
     tokens, targets, mask = mqar_batch(12, 32, 3, 16, rng=2)
     with torch.compiler.set_stance("fail_on_recompile"):
         served = mqar_predictions_serving(eng, tokens, mask)
     eager = mqar_predictions_eager(m, tokens)  # force_eager inside: no new graphs
+    assert sum(pads) > 0  # rows on the NaN dummy slot ran beside real ones
     assert torch.isfinite(eng.cache.state.recurrent[:, :4]).all()
     assert argmax_agreement(served, eager) >= 0.99
     assert score(served, targets, mask) == score(eager, targets, mask)
@@ -386,7 +401,8 @@ def tiny_probe_config(**sections) -> dict:
             "checkpoint_every": 2,
             "warmup_steps": 1,
         },
-        "engine": {"max_slots": 4, "prefill_buckets": [32, 64], "max_prompt_tokens": 64},
+        # the compiled serving test's shapes (its graphs); longer prompts are prefilled in pieces
+        "engine": {"max_slots": 4, "widths": [4], "prefill_buckets": [32], "max_prompt_tokens": 64},
         "probes": {
             "mqar_contexts": [32, 128],
             "mqar_pairs": [2, 4],
@@ -408,11 +424,19 @@ def tiny_probe_config(**sections) -> dict:
     } | sections
 
 
-@pytest.mark.slow
-def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
+@pytest.fixture(scope="module")
+def probe_data(tmp_path_factory):
+    """tiny_probe_config's tokenized corpus, built once for the GLA and hybrid exports (read only)."""
     cfg = config_from_dict(tiny_probe_config())
-    data = tmp_path / "data"
+    data = tmp_path_factory.mktemp("probe-data") / "data"
     tokenize_corpus(cfg.data, cfg.tokenizer, data, cfg.seed)
+    return data
+
+
+@pytest.mark.slow
+def test_run_probes_end_to_end_on_a_tiny_export(tmp_path, probe_data):
+    cfg = config_from_dict(tiny_probe_config())
+    data = probe_data
     trained = train(cfg, data, tmp_path / "run", progress=False)
     export_model(ckpt.load_checkpoint(trained.checkpoint), data / "tokenizer.json", tmp_path / "export")
 
@@ -449,7 +473,7 @@ def test_run_probes_end_to_end_on_a_tiny_export(tmp_path):
 
 
 @pytest.mark.slow
-def test_numerics_and_probes_run_unchanged_on_a_hybrid_export(tmp_path):
+def test_numerics_and_probes_run_unchanged_on_a_hybrid_export(tmp_path, probe_data):
     """A GLA layer then an attention layer, trained, exported, then the numerics stage's checks
     (compiled vs eager vs fp64, every gate) and the probes, as the pipeline runs them on GLA."""
     from laplace.evals.numerics import run_numerics
@@ -460,14 +484,12 @@ def test_numerics_and_probes_run_unchanged_on_a_hybrid_export(tmp_path):
     hybrid = tiny_probe_config()
     hybrid["model"] |= {"attn": {"layers": [1], "num_heads": 2}}
     hybrid["engine"] |= {"max_context": 2048}  # every probed length and its answer fit
-    # one slot and one bucket: the probes' engine compiles 2 graphs of this new model, not 5 (each ~10-20
-    # CPU-s cold); the ladder's widths and buckets are the other tests' subject, on the GLA model
-    hybrid["engine"] |= {"max_slots": 1, "prefill_buckets": [64]}
+    # one width and one bucket: the engine's graphs are 2 per kind of block (each ~15 CPU-s cold), the GLA
+    # layer's from Inductor's cache (the compiled serving test's); the ladder is the GLA tests' subject
     hybrid["numerics"] = {"batch_size": 2, "seq_len": 32, "prompt_tokens": 16, "greedy_prompts": 2}
     hybrid["numerics"] |= {"greedy_tokens": 8}
     cfg = config_from_dict(hybrid)
-    data = tmp_path / "data"
-    tokenize_corpus(cfg.data, cfg.tokenizer, data, cfg.seed)
+    data = probe_data  # the model and engine sections differ, the data and tokenizer sections do not
     trained = train(cfg, data, tmp_path / "run", progress=False)
     export_model(ckpt.load_checkpoint(trained.checkpoint), data / "tokenizer.json", tmp_path / "export")
 
