@@ -46,6 +46,9 @@ PARAMS["engine.max_slots"] = 1
 # an empty cache by design, 3 compile events in 1025 s). Past project.run's 900 s under CI's load (the
 # likely error of the 76-minute run): it gets PIPELINE_RUN_S, one OpenMP thread per xdist worker (conftest).
 INIT = "models/fla-tiny"
+# one layer: warmup's whole-step packages compile every layer's kernels (a 2-layer import's 2 packages
+# took 55 CPU-s); the import of deeper checkpoints is tests/test_hf.py's subject
+FLA = {"num_hidden_layers": 1}
 
 
 def laplace(repo, *args, **kw):
@@ -55,7 +58,7 @@ def laplace(repo, *args, **kw):
 @pytest.fixture(scope="module")
 def piloted(tmp_path_factory):
     repo = copy_project(tmp_path_factory.mktemp("pilot"), PARAMS)
-    fla_checkpoint(repo / "checkpoints" / "fla-tiny")
+    fla_checkpoint(repo / "checkpoints" / "fla-tiny", **FLA)
     imported = laplace(repo, "import", "checkpoints/fla-tiny").stdout
     assert f"--set model.init={INIT}" in imported  # the next command it names
     out = laplace(repo, "run", "--set", f"model.init={INIT}", "--set", f"tokenizer.from={INIT}", timeout=PIPELINE_RUN_S)
@@ -86,7 +89,7 @@ def test_the_whole_pipeline_fine_tunes_the_import_and_registers_it(piloted):
 
 def test_an_import_replaced_in_place_reruns_every_stage_that_reads_it(piloted):
     repo, _ = piloted
-    fla_checkpoint(repo / "checkpoints" / "fla-other", seed=1)
+    fla_checkpoint(repo / "checkpoints" / "fla-other", seed=1, **FLA)
     laplace(repo, "import", "checkpoints/fla-other", "--out", INIT)  # the same path, other weights
     status = run(["python", "-m", "dvc", "status"], repo).stdout
     changed = {line.rstrip(":") for line in status.splitlines() if line and not line.startswith(("\t", " "))}
