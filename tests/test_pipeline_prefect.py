@@ -83,7 +83,7 @@ def test_deployment_runs_through_server_and_worker(tiny_pipeline_copy, prefect_h
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     e = env(
-        PREFECT_HOME=str(prefect_home / "prefect-home"),  # direct_flow_env's
+        PREFECT_HOME=direct_flow_env(prefect_home)["PREFECT_HOME"],  # the direct flow runs' home
         PREFECT_API_URL=api,
         PWD=str(repo),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
