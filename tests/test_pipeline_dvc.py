@@ -310,6 +310,7 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     assert commands[0].startswith(f"cd {repo} && source ") and commands[0].endswith("/bin/activate")
     assert any(c.startswith("git add -A && git commit") for c in commands[:2])  # the baseline, before the diff
     assert commands.index(next(c for c in commands if "dvc metrics diff" in c)) > 1
+    assert any(c.startswith("dvc exp run --set-param train.lr=1e-3 && ") for c in commands)  # README's experiment
     assert any(c.endswith("prefect deployment run 'laplace-pipeline/tiny' --watch") for c in commands)
     installed = BIN.parent / ".installed"  # make's setup target: were it stale, make would reinstall
     assert installed.exists() and installed.stat().st_mtime >= (repo / "pyproject.toml").stat().st_mtime, (
