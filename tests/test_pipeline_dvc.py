@@ -93,9 +93,12 @@ def test_repro_runs_every_stage_in_dependency_order(repo, first_run):
     assert warmup["graphs"] == 2 + 1  # decode widths 1, 2 and the prefill bucket 64
     assert warmup["warm_speedup"] >= 3, warmup  # starting from the cache artifact is several times faster
     # the ahead-of-time packages, every graph's, loaded by the warm worker; its process tree in
-    # CPU-seconds (a 1-layer model's cold compile is short: the tiny preset's 10% bound is test_warmup's)
+    # CPU-seconds. The tiny preset's 10% bound on a cold compile is test_warmup's: here the suite's
+    # compiler may hand back kernels it kept (tests/compiler/g++), so "cold" is Dynamo and Inductor
+    # without g++: measured 0.10 of it with every kernel compiled, 0.21 with every kernel kept
+    # (5.6 of 26.7 CPU-s: the warm worker's torch import and package load); 0.5 leaves 2.4x of that
     assert warmup["packages"] == warmup["warm_loaded_from_cache"] == 3, warmup
-    assert 0 < warmup["warm_cpu_s"] < 0.25 * warmup["cold_cpu_s"], warmup
+    assert 0 < warmup["warm_cpu_s"] < 0.5 * warmup["cold_cpu_s"], warmup
     serve = json.loads((repo / "metrics/serve-check.json").read_text())
     assert serve["passed"] and serve["padded"]["compile_events"] == 0 and serve["exact"]["compile_events"] > 0
     live = serve["live"]  # laplace serve, started from the warmup cache, served the headline workload
@@ -295,8 +298,8 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     module's one (the next test compares them; the one after restores the first run's stages from
     the run cache). The servers go to the background as printed; `make stop` stops them and the
     flow run, and nothing of the shell's session or below it may be left (the test kills it, then
-    fails). The one change: free ports instead of 4200 and 5000 (a shared machine), given to make
-    as PREFECT_PORT / MLFLOW_PORT and put in the printed API URL."""
+    fails). The changes: free ports instead of 4200 and 5000 (a shared machine), given to make
+    as PREFECT_PORT / MLFLOW_PORT and put in the printed API URL; the suite's C++ compiler (CXX)."""
     import os
     import signal
     import subprocess
@@ -331,6 +334,8 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
         "PREFECT_PORT": str(prefect_port),
         "MLFLOW_PORT": str(mlflow_port),
         "OMP_NUM_THREADS": "1",
+        # the suite's C++ compiler (tests/compiler/g++), as every process the tests start has it
+        **{name: os.environ[name] for name in ("CXX", "LAPLACE_CXX_CACHE") if name in os.environ},
     }
     # output to a file, not a pipe: a server that outlived `make stop` would hold a pipe open and
     # stall the read
