@@ -544,6 +544,7 @@ WHOLE_HOUSE_SUITES = {
     "pipeline_prefect",
     "pipeline_real_model",  # an fla checkpoint through import, the pipeline, serve and lm-eval
     "suite_timing",  # the test suite's own durations record (tests/suite_timing.py)
+    "compiler_cache",  # the test suite's own C++ compiler (tests/compiler/g++)
 }
 
 
