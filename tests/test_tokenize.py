@@ -253,7 +253,11 @@ def test_sigterm_handler_is_not_left_installed():
 def staged_bytes(staging: Path) -> tuple[int, int]:
     """(bytes of the tokenizer sample, bytes of everything else but shards and the staged tokenizer)."""
     sample = other = 0
-    for path in list(staging.rglob("*")) if staging.is_dir() else []:
+    try:
+        paths = list(staging.rglob("*"))
+    except FileNotFoundError:  # not made yet, or moved into place (or a subfolder removed) as we walked
+        paths = []
+    for path in paths:
         try:
             size = path.stat().st_size if path.is_file() else 0
         except OSError:  # removed while we looked
