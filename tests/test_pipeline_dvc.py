@@ -383,6 +383,7 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     assert ran_stages(output) == {"train", "export", "serve-check", "numerics", "probes", "track"}, output[-5000:]
     assert ui_answered.is_set(), "make mlflow-ui never answered"
     assert "make stop: stopped prefect-worker" in output, output[-5000:]
+    assert "killed with SIGKILL" not in output, output[-5000:]  # the worker ended on its second SIGTERM
     assert not survivors, f"make stop left processes running: {survivors}"
     assert "Data and pipelines are up to date" in run(DVC + ["status"], repo).stdout
     assert "baseline run" in run(["git", "log", "--oneline"], repo).stdout

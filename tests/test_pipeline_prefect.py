@@ -45,12 +45,16 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+    """As `make stop` does (laplace/pipeline/servers.py): SIGTERM, and a second one after 2 s, on which
+    Prefect's worker ends (it does not on the first), then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, 2), (signal.SIGTERM, 18), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            pass
 
 
 def mlflow_runs(repo):

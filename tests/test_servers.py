@@ -1,6 +1,8 @@
 """`make stop`, as the run summary prints it: the servers the Makefile started, and everything
 they started (sessions of their own included), are gone when it returns."""
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -61,6 +63,49 @@ def test_stop_ends_the_tree_of_a_recorded_server_sessions_of_their_own_and_sigte
         for pid in alive([server.pid, *descendants(server.pid)]):
             os.kill(pid, 9)
         server.wait(timeout=10)
+
+
+# Prefect's worker protocol (prefect.utilities.processutils.setup_signal_handlers_worker): the first
+# SIGTERM starts a graceful shutdown that need not end, a second one ends the process
+SECOND_TERM_EXITS = """import signal, sys, time
+def term(*_):  # each SIGTERM is noted in the file the last argument names; the second one ends it
+    with open(sys.argv[-1], "a") as f:
+        f.write("TERM ")
+    signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[-1], "a").write("TERM"), sys.exit(3)))
+signal.signal(signal.SIGTERM, term)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_prefect_worker_gets_the_second_sigterm_it_stops_on_and_nothing_else_does(tmp_path):
+    """`prefect worker start` (a script named prefect, run by the interpreter as the venv's entry point
+    is) ends on make stop's second SIGTERM; `prefect server start`, the same script, gets one SIGTERM
+    and the grace, then SIGKILL."""
+    script = tmp_path / "prefect"
+    script.write_text(SECOND_TERM_EXITS)
+    servers = tmp_path / "servers"
+    servers.mkdir()
+    procs = {}
+    for target, command in (("prefect-worker", ["worker", "start"]), ("prefect-server", ["server", "start"])):
+        noted = tmp_path / f"{target}.signals"
+        proc = subprocess.Popen([sys.executable, str(script), *command, str(noted)], stdout=subprocess.PIPE, text=True)
+        procs[target] = proc
+        assert proc.stdout.readline().strip() == "up"
+        (servers / f"{target}.pid").write_text(f"{proc.pid}\n")
+    try:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert stop(servers, grace_s=3.0) == 0
+        assert (tmp_path / "prefect-worker.signals").read_text() == "TERM TERM"  # ended on the second
+        assert (tmp_path / "prefect-server.signals").read_text() == "TERM "  # one, then SIGKILL
+        assert "1 process(es) ignored SIGTERM for 3 s: killed with SIGKILL" in out.getvalue()
+        assert alive([proc.pid for proc in procs.values()]) == []
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
 
 
 def wait_for(url: str, proc: subprocess.Popen, seconds: float) -> bool:

@@ -5,8 +5,11 @@ Each server target records its `make` process in runs/servers/<target>.pid befor
 anything. A Prefect flow run, and the dvc repro, stage workers and torchrun ranks under it, run
 in sessions of their own, so neither the shell's job list nor a process group reaches them: the
 process tree does (parent links, read before any signal, since an orphan is re-parented away).
-Everything in it gets SIGTERM at once, STOP_GRACE_S to exit (the worker ignored SIGTERM for 15 s,
-a training rank checkpoints at its next step), then SIGKILL. Bounded: it never waits longer."""
+Everything in it gets SIGTERM at once, STOP_GRACE_S to exit (a training rank checkpoints at its
+next step), then SIGKILL. Bounded: it never waits longer. Prefect's worker turns a first SIGTERM
+into its graceful shutdown, which did not end with no flow run left (still running after 20 s), and
+a second SIGTERM into SIGKILL (prefect.utilities.processutils.setup_signal_handlers_worker): it gets
+that second one after WORKER_SECOND_SIGTERM_S, while its flow runs keep the whole grace."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import psutil
 
 STOP_GRACE_S = 20.0
 KILL_WAIT_S = 5.0
+WORKER_SECOND_SIGTERM_S = 2.0
 
 
 def recorded(pid_file: Path) -> psutil.Process | None:
@@ -47,6 +51,18 @@ def tree(procs: list[psutil.Process]) -> list[psutil.Process]:
     return list(seen.values())
 
 
+def is_prefect_worker(proc: psutil.Process) -> bool:
+    """`prefect worker start ...`, as the Makefile's prefect-worker target runs it."""
+    try:
+        command = proc.cmdline()
+    except psutil.Error:
+        return False
+    for i, arg in enumerate(command[:2]):  # the prefect script, or the interpreter running it
+        if os.path.basename(arg) == "prefect":
+            return command[i + 1 : i + 3] == ["worker", "start"]
+    return False
+
+
 def signal_all(procs: list[psutil.Process], sig: int) -> None:
     for p in procs:
         try:
@@ -66,7 +82,9 @@ def stop(pid_dir: Path, grace_s: float = STOP_GRACE_S) -> int:
     procs = tree(list(running.values()))
     counts = {name: len(tree([proc])) for name, proc in running.items()}
     signal_all(procs, signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    _, alive = psutil.wait_procs(procs, timeout=min(grace_s, WORKER_SECOND_SIGTERM_S))
+    signal_all([p for p in alive if is_prefect_worker(p)], signal.SIGTERM)
+    _, alive = psutil.wait_procs(alive, timeout=max(0.0, grace_s - WORKER_SECOND_SIGTERM_S))
     killed = tree(alive)  # and whatever they started meanwhile
     signal_all(killed, signal.SIGKILL)
     _, left = psutil.wait_procs(killed, timeout=KILL_WAIT_S)
