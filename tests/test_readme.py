@@ -391,13 +391,13 @@ def test_make_run_installs_the_runtime_set_and_make_test_upgrades_it_to_dev(tmp_
         return subprocess.run(["make", "VENV=v", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
 
     fresh = make("-n", "run").stdout
-    assert "pip install --quiet -e . " in fresh and "[dev]" not in fresh and "laplace run" in fresh
+    assert "pip install --quiet --no-compile -e . " in fresh and "[dev]" not in fresh and "laplace run" in fresh
     venv = tmp_path / "v"
     venv.mkdir()
     (venv / ".runtime").touch()  # what make run leaves
     assert "[dev]" not in make("-n", "run").stdout
     upgrade = make("-n", "test").stdout
-    assert "pip install --quiet -e '.[dev]'" in upgrade and "touch v/.installed v/.runtime" in upgrade
+    assert "pip install --quiet --no-compile -e '.[dev]'" in upgrade and "touch v/.installed v/.runtime" in upgrade
     (venv / ".runtime").unlink()
     (venv / ".installed").touch()  # what make setup / make test leaves, in a venv without .runtime
     done = make("PYTHON=false", "v/.runtime")
