@@ -1,11 +1,13 @@
 import os
 import shutil
+import sys
 from pathlib import Path
 
-# The suite's C++ compiler keeps its outputs by content (why: tests/compiler/g++): set before
+# The suite's C++ compiler keeps its outputs by content (why: tests/compiler/cxx_cache.py): set before
 # Inductor's config is imported, and inherited by every process the tests start. The store outlives
 # the run, like ccache's; a fresh clone starts empty. LAPLACE_CXX_CACHE= (empty) turns it off.
 os.environ.setdefault("CXX", str(Path(__file__).parent / "compiler" / "g++"))
+os.environ.setdefault("LAPLACE_CXX_PYTHON", sys.executable)  # runs tests/compiler/cxx_cache.py
 os.environ.setdefault("LAPLACE_CXX_CACHE", str(Path(__file__).parents[1] / ".pytest_cache" / "cxx-outputs"))
 
 import pytest  # noqa: E402

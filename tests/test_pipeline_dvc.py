@@ -335,7 +335,7 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
         "MLFLOW_PORT": str(mlflow_port),
         "OMP_NUM_THREADS": "1",
         # the suite's C++ compiler (tests/compiler/g++), as every process the tests start has it
-        **{name: os.environ[name] for name in ("CXX", "LAPLACE_CXX_CACHE") if name in os.environ},
+        **{n: os.environ[n] for n in ("CXX", "LAPLACE_CXX_CACHE", "LAPLACE_CXX_PYTHON") if n in os.environ},
     }
     # output to a file, not a pipe: a server that outlived `make stop` would hold a pipe open and
     # stall the read
