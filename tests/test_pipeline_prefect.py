@@ -47,7 +47,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
 def stop(proc: subprocess.Popen) -> None:
     """As `make stop` does (laplace/pipeline/servers.py): SIGTERM, and a second one after 2 s, on which
     Prefect's worker ends (it does not on the first), then SIGKILL."""
-    for sig, wait_s in ((signal.SIGTERM, 2), (signal.SIGTERM, 18), (signal.SIGKILL, 10)):
+    from laplace.pipeline.servers import KILL_WAIT_S, STOP_GRACE_S, WORKER_SECOND_SIGTERM_S
+
+    steps = (
+        (signal.SIGTERM, WORKER_SECOND_SIGTERM_S),
+        (signal.SIGTERM, STOP_GRACE_S - WORKER_SECOND_SIGTERM_S),
+        (signal.SIGKILL, KILL_WAIT_S),
+    )
+    for sig, wait_s in steps:
         if proc.poll() is not None:
             return
         os.killpg(proc.pid, sig)
