@@ -1,8 +1,8 @@
 """The suite's C++ compiler: g++ with its outputs kept by content (what ccache does), so a kernel
 Inductor compiles in one process is not compiled again in the next. Every pipeline stage, server
 and worker the suite starts compiles into a compile cache of its own, on purpose (a fresh
-deployment); the same kernels then cost a g++ run each (about 1 s: mostly loading the 155 MB
-precompiled header), and the CPU-feature probes Inductor compiles into each new cache about 7 s.
+deployment); the same kernels then cost a g++ run each (about 0.65 s, 0.46 s of it loading the
+155 MB precompiled header), and the CPU-feature probes Inductor compiles into each new cache about 7 s.
 The conftest points CXX at g++ beside this file (a launcher: the name tells Inductor it is GCC)
 for the suite only; the product compiles with plain g++.
 
