@@ -92,20 +92,22 @@ prefect-server: $(RUNTIME)
 	$(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 PREFECT_API := http://127.0.0.1:$(PREFECT_PORT)/api
-# how long prefect-worker waits for the server and prefect-ready for the deployments (seconds)
+# how long prefect-worker waits for the server and prefect-ready for the deployments (seconds), and
+# the bound of each of their checks (one hangs while the server starts)
 PREFECT_READY_S ?= 300
+PREFECT_CHECK_S ?= 20
 # Waits (up to 5 minutes) for the server, so it may be started right after prefect-server.
 prefect-worker: $(RUNTIME)
 	$(RECORD_SERVER)
-	@end=$$(($$(date +%s) + $(PREFECT_READY_S))); while [ $$(date +%s) -lt $$end ]; do timeout 20 $(BIN)/python -c "import urllib.request as u; u.urlopen('$(PREFECT_API)/health', timeout=5)" 2>/dev/null && exit 0; sleep 2; done; echo "no Prefect server at $(PREFECT_API): run make prefect-server first" >&2; exit 1
+	@end=$$(($$(date +%s) + $(PREFECT_READY_S))); while [ $$(date +%s) -lt $$end ]; do timeout $(PREFECT_CHECK_S) $(BIN)/python -c "import urllib.request as u; u.urlopen('$(PREFECT_API)/health', timeout=5)" 2>/dev/null && exit 0; sleep 2; done; echo "no Prefect server at $(PREFECT_API): run make prefect-server first" >&2; exit 1
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect work-pool create laplace --type process --overwrite
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect --no-prompt deploy --all
 	PREFECT_API_URL=$(PREFECT_API) $(BIN)/prefect worker start --pool laplace
 
-# Waits (up to 5 minutes, each check bounded at 20 s: one hangs while the server starts) until
-# prefect-worker has created the deployments.
+# Waits (up to PREFECT_READY_S, each check bounded by PREFECT_CHECK_S) until prefect-worker has
+# created the deployments.
 prefect-ready: $(RUNTIME)
-	@end=$$(($$(date +%s) + $(PREFECT_READY_S))); while [ $$(date +%s) -lt $$end ]; do PREFECT_API_URL=$(PREFECT_API) timeout 20 $(BIN)/prefect deployment inspect 'laplace-pipeline/tiny' >/dev/null 2>&1 && exit 0; sleep 3; done; echo "no deployment laplace-pipeline/tiny at $(PREFECT_API) after 5 minutes: is make prefect-worker running?" >&2; exit 1
+	@end=$$(($$(date +%s) + $(PREFECT_READY_S))); while [ $$(date +%s) -lt $$end ]; do PREFECT_API_URL=$(PREFECT_API) timeout $(PREFECT_CHECK_S) $(BIN)/prefect deployment inspect 'laplace-pipeline/tiny' >/dev/null 2>&1 && exit 0; sleep 3; done; echo "no deployment laplace-pipeline/tiny at $(PREFECT_API) after $(PREFECT_READY_S) s: is make prefect-worker running?" >&2; exit 1
 
 # MLflow UI on the project's store (artifacts are served from mlartifacts/): one uvicorn worker and
 # no job runner (mlflow's defaults, 4 workers + a job runner + huey consumers, are 16 processes and

@@ -323,7 +323,8 @@ def test_make_mlflow_ui_is_one_server_process_without_job_consumers(tmp_path):
 
 def test_make_prefect_ready_gives_up_in_its_bound_when_the_server_never_answers(tmp_path):
     """Every check of `make prefect-ready` is bounded: against a port that accepts connections and
-    never answers (a server still starting), it stops after PREFECT_READY_S plus one check's bound,
+    never answers (a server still starting), it stops after PREFECT_READY_S plus one check's bound
+    (PREFECT_CHECK_S: 3 s here, 20 by default; the check cannot answer, so any bound proves it),
     with one line saying what to start."""
     import socket
     import time
@@ -345,7 +346,7 @@ def test_make_prefect_ready_gives_up_in_its_bound_when_the_server_never_answers(
                 "-o",
                 f"{venv}/.runtime",
             ]
-            + [f"PREFECT_PORT={mute.getsockname()[1]}", "PREFECT_READY_S=5", "prefect-ready"],
+            + [f"PREFECT_PORT={mute.getsockname()[1]}", "PREFECT_READY_S=5", "PREFECT_CHECK_S=3", "prefect-ready"],
             cwd=tmp_path,
             env=env(),
             capture_output=True,
@@ -354,7 +355,7 @@ def test_make_prefect_ready_gives_up_in_its_bound_when_the_server_never_answers(
         )
         took = time.monotonic() - started
     assert done.returncode != 0 and "is make prefect-worker running?" in done.stderr, done.stderr
-    assert took < 5 + 20 + 15, took  # the deadline, one bounded check, and slack for a loaded machine
+    assert took < 5 + 3 + 3 + 15, took  # the deadline, one bounded check, the pause, slack for a loaded machine
 
 
 def test_the_shared_prefix_line_says_when_the_cache_comparison_is_within_noise():
