@@ -148,8 +148,8 @@ def test_an_unreachable_scheduler_is_one_line_and_a_crash(tmp_path):
 @pytest.mark.slow
 def test_a_killed_dask_worker_costs_only_the_slice_it_held(tmp_path, monkeypatch):
     """`laplace tokenize` with data.executor: dask on an external scheduler whose allowed-failures is
-    0, so the worker's death is a KilledWorker at once: the stage resubmits that slice, completes,
-    and no slice finished before the kill runs again (the ledger counts every run)."""
+    0, so the death of a worker running a slice is a KilledWorker at once: the stage resubmits that
+    slice, completes, and no slice finished before the kill runs again (the ledger counts every run)."""
     corpus = tmp_path / "corpus"
     write_corpus(corpus, files=16, docs_per_file=60, copies=3)
     tok = tmp_path / "tokenizer.json"
@@ -188,8 +188,11 @@ def test_a_killed_dask_worker_costs_only_the_slice_it_held(tmp_path, monkeypatch
     assert metrics["slices_rerun"] == len(rerun) <= 1, err[-3000:]  # at most the slice the dead worker held
     assert not rerun & finished_before, (rerun, finished_before)
     print(f"the killed worker held a slice: {busy_before_kill}; slices run again: {sorted(rerun)}")
-    if busy_before_kill:  # the dead worker held a slice: a KilledWorker at once, that slice resubmitted
-        assert len(rerun) == 1 and "submitted again" in err, err[-3000:]
+    if busy_before_kill:  # the dead worker held a slice: that one slice ran again, by one of two paths
+        # - still running: a KilledWorker at once, which the stage resubmits ("submitted again");
+        # - just finished, its result not yet fetched: distributed recomputes the lost result itself
+        #   ("Couldn't gather ... rescheduling"), a race a loaded machine hits (3 test workers on 2 cores)
+        assert len(rerun) == 1 and ("submitted again" in err or "rescheduling" in err), err[-3000:]
     local = tmp_path / "local"
     monkeypatch.chdir(tmp_path)  # data.path as the stage read it (the manifest names it)
     tokenize_corpus(DataSection(**data), TokenizerSection(from_=str(tok)), local, 0)
