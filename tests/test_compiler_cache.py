@@ -45,6 +45,23 @@ def test_the_same_source_and_flags_are_compiled_once_and_anything_else_again(tmp
     assert runs(tmp_path) == 3 and len(list(store.iterdir())) == 3  # another content
 
 
+def test_sources_that_differ_only_in_comment_lines_share_one_output(tmp_path):
+    """AOTInductor writes its compile command, with the compile cache's path, as comments into each
+    source: the same graph compiled in two caches is one compile; a line moved still counts."""
+    store = tmp_path / "store"
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        command = f"// Compile cmd\n// g++ {tmp_path / name}/k.cpp -shared -o {tmp_path / name}/k.so\n"
+        (tmp_path / name / "k.cpp").write_text(SOURCE % 7 + command)
+        assert compile_with(tmp_path, tmp_path / name / "k.cpp", tmp_path / name / "k.so", store).returncode == 0
+    assert runs(tmp_path) == 1
+    (tmp_path / "c").mkdir()
+    # the same code a line lower: its line numbers (__LINE__, debug lines) differ, so another compile
+    (tmp_path / "c" / "k.cpp").write_text("// Compile cmd\n" + SOURCE % 7)
+    compile_with(tmp_path, tmp_path / "c" / "k.cpp", tmp_path / "c" / "k.so", store)
+    assert runs(tmp_path) == 2
+
+
 def test_a_failed_compile_keeps_nothing_and_no_store_means_plain_gxx(tmp_path):
     store = tmp_path / "store"
     broken = tmp_path / "broken.cpp"

@@ -2,7 +2,7 @@
 Inductor compiles in one process is not compiled again in the next. Every pipeline stage, server
 and worker the suite starts compiles into a compile cache of its own, on purpose (a fresh
 deployment); the same kernels then cost a g++ run each (about 0.65 s, 0.46 s of it loading the
-155 MB precompiled header), and the CPU-feature probes Inductor compiles into each new cache about 7 s.
+155 MB precompiled header; an AOTInductor package's wrapper about 4 s).
 The conftest points CXX at g++ beside this file (a launcher: the name tells Inductor it is GCC)
 for the suite only; the product compiles with plain g++.
 
@@ -12,8 +12,11 @@ sccache runs a server daemon that outlives the process trees the tests check for
 The key is what decides the output: the compiler's version, the arguments, and the content of
 every argument that names a file (the kernel's source, the objects linked, the header `-include`
 names: its path is itself Inductor's hash of that header's content), with the output path left
-out. Anything else (a precompiled header, preprocessing, `--version`) goes to g++ untouched.
-The outputs live in $LAPLACE_CXX_CACHE; without it this is plain g++."""
+out. A C++ source's comment lines are blanked for the key (not in the file g++ reads): AOTInductor
+writes its compile command, with the compile cache's path, as comments into each source, so the
+same graph compiled in another directory would never hit; blank lines keep every line number, so
+`__LINE__` cannot differ. Anything else (a precompiled header, preprocessing, `--version`) goes to
+g++ untouched. The outputs live in $LAPLACE_CXX_CACHE; without it this is plain g++."""
 
 import hashlib
 import os
@@ -27,11 +30,18 @@ REAL = os.environ.get("LAPLACE_REAL_CXX", "g++")
 KEPT = (".so", ".o")  # kernels, ISA probes, AOTInductor objects; not .gch (one per machine) nor .i
 
 
+SOURCES = (".cpp", ".cc", ".c")
+
+
 def content_hash(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+        if path.endswith(SOURCES):  # comment lines blanked, every line kept (the docstring says why)
+            for line in f:
+                digest.update(b"\n" if line.lstrip().startswith(b"//") else line)
+        else:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
 
 
