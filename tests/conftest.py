@@ -9,6 +9,11 @@ from pathlib import Path
 os.environ.setdefault("CXX", str(Path(__file__).parent / "compiler" / "g++"))
 os.environ.setdefault("LAPLACE_CXX_PYTHON", sys.executable)  # runs tests/compiler/cxx_cache.py
 os.environ.setdefault("LAPLACE_CXX_CACHE", str(Path(__file__).parents[1] / ".pytest_cache" / "cxx-outputs"))
+# Inductor probes the CPU's vector ISAs in every new compile cache: it compiles a small library per ISA
+# and loads each in a child Python (about 1 s a process with the kept outputs, 7.8 s without). The suite
+# starts a fresh cache in every stage, server and worker, so it trusts the CPU's flags instead (the ISA
+# Inductor picks is the same here); test_warmup's cold compile keeps the probe, and the product always does.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -299,7 +299,8 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     the run cache). The servers go to the background as printed; `make stop` stops them and the
     flow run, and nothing of the shell's session or below it may be left (the test kills it, then
     fails). The changes: free ports instead of 4200 and 5000 (a shared machine), given to make
-    as PREFECT_PORT / MLFLOW_PORT and put in the printed API URL; the suite's C++ compiler (CXX)."""
+    as PREFECT_PORT / MLFLOW_PORT and put in the printed API URL; the suite's C++ compiler (CXX) and
+    its trust of the CPU's flags (TORCHINDUCTOR_VEC_ISA_OK, tests/conftest.py)."""
     import os
     import signal
     import subprocess
@@ -334,8 +335,13 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
         "PREFECT_PORT": str(prefect_port),
         "MLFLOW_PORT": str(mlflow_port),
         "OMP_NUM_THREADS": "1",
-        # the suite's C++ compiler (tests/compiler/g++), as every process the tests start has it
-        **{n: os.environ[n] for n in ("CXX", "LAPLACE_CXX_CACHE", "LAPLACE_CXX_PYTHON") if n in os.environ},
+        # the suite's C++ compiler (tests/compiler/g++) and its trust of the CPU's flags, as every
+        # process the tests start has them (conftest)
+        **{
+            n: os.environ[n]
+            for n in ("CXX", "LAPLACE_CXX_CACHE", "LAPLACE_CXX_PYTHON", "TORCHINDUCTOR_VEC_ISA_OK")
+            if n in os.environ
+        },
     }
     # output to a file, not a pipe: a server that outlived `make stop` would hold a pipe open and
     # stall the read
