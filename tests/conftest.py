@@ -1,25 +1,16 @@
 import os
 import shutil
-import sys
 from pathlib import Path
 
-# The suite's C++ compiler keeps its outputs by content (why: tests/compiler/cxx_cache.py): set before
-# Inductor's config is imported, and inherited by every process the tests start. The store outlives
-# the run, like ccache's; a fresh clone starts empty. LAPLACE_CXX_CACHE= (empty) turns it off.
-os.environ.setdefault("CXX", str(Path(__file__).parent / "compiler" / "g++"))
-os.environ.setdefault("LAPLACE_CXX_PYTHON", sys.executable)  # runs tests/compiler/cxx_cache.py
-os.environ.setdefault("LAPLACE_CXX_CACHE", str(Path(__file__).parents[1] / ".pytest_cache" / "cxx-outputs"))
-# Inductor probes the CPU's vector ISAs in every new compile cache: it compiles a small library per ISA
-# and loads each in a child Python (about 1 s a process with the kept outputs, 7.8 s without). The suite
-# starts a fresh cache in every stage, server and worker, so it trusts the CPU's flags instead (the ISA
-# Inductor picks is the same here); test_warmup's cold compile keeps the probe, and the product always does.
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+import suite_timing
+from project import SUITE_COMPILE_ENV, TINY_MODEL  # both stdlib only, so imported before torch
+
+# set before Inductor's config is imported, and inherited by every process the tests start
+for _name, _value in SUITE_COMPILE_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-import suite_timing
-from project import TINY_MODEL
 
 # Tests run on 2 cores, in PYTEST_XDIST_WORKER_COUNT worker processes under `make test` (-n 2): each
 # worker gets its share of the cores, and so do the processes it starts (pipeline stages, servers,

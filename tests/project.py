@@ -13,6 +13,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+# What the suite sets for every process it starts (conftest, before Inductor's config is imported):
+# - its C++ compiler, which keeps outputs by content (why: tests/compiler/cxx_cache.py). The store
+#   outlives the run, like ccache's; a fresh clone starts empty. LAPLACE_CXX_CACHE= (empty) turns it off.
+# - trust of the CPU's flags: Inductor otherwise probes the vector ISAs in every new compile cache,
+#   compiling a small library per ISA and loading each in a child Python (about 1 s a process with the
+#   kept outputs, 7.8 s without). The suite starts a fresh cache in every stage, server and worker; the
+#   ISA Inductor picks is the same here. test_warmup's cold compile keeps the probe; the product always does.
+SUITE_COMPILE_ENV = {
+    "CXX": str(Path(__file__).parent / "compiler" / "g++"),
+    "LAPLACE_CXX_PYTHON": sys.executable,  # runs tests/compiler/cxx_cache.py
+    "LAPLACE_CXX_CACHE": str(ROOT / ".pytest_cache" / "cxx-outputs"),
+    "TORCHINDUCTOR_VEC_ISA_OK": "1",
+}
+
 # pytest-timeout's limit (fixtures included) for a test that may set up a whole pipeline run (a
 # `laplace run`, a Prefect deployment run): the fla import's passed 900 s in CI (load 1-8); the rest get 600 s
 PIPELINE_TIMEOUT_S = 1800

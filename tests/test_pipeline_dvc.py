@@ -14,7 +14,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from project import BIN, PIPELINE_TIMEOUT_S, TINY_PARAMS, env, run
+from project import BIN, PIPELINE_TIMEOUT_S, SUITE_COMPILE_ENV, TINY_PARAMS, env, run
 
 # the first test sets up the session's pipeline run; the summary's next steps run a Prefect deployment
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(PIPELINE_TIMEOUT_S)]
@@ -300,7 +300,7 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
     flow run, and nothing of the shell's session or below it may be left (the test kills it, then
     fails). The changes: free ports instead of 4200 and 5000 (a shared machine), given to make
     as PREFECT_PORT / MLFLOW_PORT and put in the printed API URL; the suite's C++ compiler (CXX) and
-    its trust of the CPU's flags (TORCHINDUCTOR_VEC_ISA_OK, tests/conftest.py)."""
+    its trust of the CPU's flags (SUITE_COMPILE_ENV, tests/project.py)."""
     import os
     import signal
     import subprocess
@@ -335,13 +335,9 @@ def test_the_summary_next_steps_run_as_printed_in_a_fresh_shell(repo, first_run,
         "PREFECT_PORT": str(prefect_port),
         "MLFLOW_PORT": str(mlflow_port),
         "OMP_NUM_THREADS": "1",
-        # the suite's C++ compiler (tests/compiler/g++) and its trust of the CPU's flags, as every
-        # process the tests start has them (conftest)
-        **{
-            n: os.environ[n]
-            for n in ("CXX", "LAPLACE_CXX_CACHE", "LAPLACE_CXX_PYTHON", "TORCHINDUCTOR_VEC_ISA_OK")
-            if n in os.environ
-        },
+        # the suite's C++ compiler and its trust of the CPU's flags, as every process the tests start
+        # has them (conftest)
+        **{n: os.environ[n] for n in SUITE_COMPILE_ENV if n in os.environ},
     }
     # output to a file, not a pipe: a server that outlived `make stop` would hold a pipe open and
     # stall the read
