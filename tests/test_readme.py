@@ -379,6 +379,16 @@ def test_the_shared_prefix_line_says_when_the_cache_comparison_is_within_noise()
     assert "faster with the cache by 0.2000s at p50" in line(0.10, 0.40, 0.30, 0.32)
 
 
+def test_the_venv_was_byte_compiled_at_setup():
+    """`make setup` byte-compiles the venv and the package: where PYTHONDONTWRITEBYTECODE is set,
+    Python never writes a .pyc, and every process would compile every module it imports."""
+    import importlib.util
+
+    for module in ("torch", "torch._inductor.compile_fx", "mlflow", "laplace.pipeline.cli"):
+        cached = Path(importlib.util.cache_from_source(importlib.util.find_spec(module).origin))
+        assert cached.exists(), f"{cached} missing: make setup byte-compiles the venv (rm .venv/.installed; make setup)"
+
+
 def test_make_run_installs_the_runtime_set_and_make_test_upgrades_it_to_dev(tmp_path):
     """`make run` installs `.` (no test oracles), `make test` `.[dev]`, also over a venv `make run`
     made; a dev venv needs no runtime install. The Makefile's own decisions (`make -n`, and with
@@ -393,12 +403,14 @@ def test_make_run_installs_the_runtime_set_and_make_test_upgrades_it_to_dev(tmp_
 
     fresh = make("-n", "run").stdout
     assert "pip install --quiet --no-compile -e . " in fresh and "[dev]" not in fresh and "laplace run" in fresh
+    assert "compileall -qq -j 0" in fresh  # the venv byte-compiled once, at setup (the Makefile says why)
     venv = tmp_path / "v"
     venv.mkdir()
     (venv / ".runtime").touch()  # what make run leaves
     assert "[dev]" not in make("-n", "run").stdout
     upgrade = make("-n", "test").stdout
     assert "pip install --quiet --no-compile -e '.[dev]'" in upgrade and "touch v/.installed v/.runtime" in upgrade
+    assert "compileall -qq -j 0" in upgrade
     (venv / ".runtime").unlink()
     (venv / ".installed").touch()  # what make setup / make test leaves, in a venv without .runtime
     done = make("PYTHON=false", "v/.runtime")
