@@ -47,7 +47,8 @@ from laplace.training import distributed
 from laplace.training.loop import accumulate_gradients, build_model, cross_entropy, train
 
 STEPS, VOCAB, GLOBAL_BATCH, SEED = 4, 300, 4, 11
-ADAMW_LR, MUON = 3e-3, MuonSection(lr=0.02)
+# bf16 Newton-Schulz on every CPU: the runs are compared with torch.optim.Muon bit for bit
+ADAMW_LR, MUON = 3e-3, MuonSection(lr=0.02, ns_dtype="bfloat16")
 CLIP = 0.5  # low enough to clip at least once in the first steps
 COMMS = ("owner_reduce", "alltoall", "allgather")
 
@@ -197,7 +198,7 @@ def step_mode(prefix: str) -> None:
     # same: every rank trains on the whole batch, no clipping (the optimizer alone: bitwise)
     for mode, comm in [(mode, comm) for mode in ("split", "same") for comm in COMMS]:
         model = build_model(model_config(), mesh, group.device, TrainSection(precision="fp32"), SEED, muon_comm=comm)
-        opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(lr=MUON.lr, comm=comm))
+        opt = MuonAdamW(model, ADAMW_LR, AdamWSection(), MuonSection(lr=MUON.lr, comm=comm, ns_dtype=MUON.ns_dtype))
         opt.set_lr_scale(1.0)
         records: list[dict] = []
         if mode == "split":  # the test replays each step from what it started with

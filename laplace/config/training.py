@@ -81,6 +81,11 @@ class MuonSection:
     nesterov: bool = knob(True, doc="Nesterov momentum")
     ns_steps: int = knob(5, lambda v: None if 0 < v < 100 else "must be in [1, 99]", doc="Newton-Schulz iterations")
     ns_coefficients: list[float] = knob([3.4445, -4.775, 2.0315], doc="Newton-Schulz quintic coefficients (a, b, c)")
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = knob(
+        "auto",
+        doc="Newton-Schulz arithmetic: bfloat16 (torch.optim.Muon's) | float32 | auto (bfloat16, "
+        "except float32 on a CPU without native bf16 matmuls); the update is bf16 either way",
+    )
     eps: float = knob(1e-7, positive, doc="added to the norm before Newton-Schulz")
     weight_decay: float = knob(0.0, non_negative, doc="decoupled weight decay of the Muon matrices")
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = knob(

@@ -45,6 +45,7 @@ class MuonAdamW:
             **muon_hyperparameters(muon),
             comm=comm,
             compile_backend=compile_backend,
+            ns_dtype=muon.ns_dtype,
         )
         groups = [
             {"params": [p for _, p in self.routes[route]], "weight_decay": wd}

@@ -56,6 +56,7 @@ from laplace.optim.muon import (
     adjusted_lr,
     apply_update_,
     momentum_direction,
+    newton_schulz_dtype,
     zeropower_via_newtonschulz,
 )
 from laplace.sharding import local_rows
@@ -140,9 +141,12 @@ class ShardedMuon(torch.optim.Optimizer):
         comm: str = "alltoall",
         meter: TrafficMeter | None = None,
         compile_backend: str | None = None,
+        ns_dtype: str = "bfloat16",
     ):
         """compile_backend: None runs the eager pieces (torch.optim.Muon's result bit for bit);
-        a torch.compile backend runs them as CompiledMuonUpdate's graphs, the LR a tensor."""
+        a torch.compile backend runs them as CompiledMuonUpdate's graphs, the LR a tensor.
+        ns_dtype: Newton-Schulz's arithmetic, `muon.ns_dtype` (laplace.optim.muon.newton_schulz_dtype);
+        bfloat16 is torch.optim.Muon's."""
         if comm not in COMMS:
             raise ConfigError(f"muon.comm: unknown strategy {comm!r} (choose from {', '.join(COMMS)})")
         defaults = dict(
@@ -163,6 +167,7 @@ class ShardedMuon(torch.optim.Optimizer):
             if p.ndim != 2:
                 raise ValueError(f"Muon only takes 2-D parameters, got shape {tuple(p.shape)}")
         self.group, self.world, self.rank = _mesh_group(everything)
+        self.ns_dtype = newton_schulz_dtype(ns_dtype, everything[0].device if everything else "cpu")
         self.owners: list[int] = []  # owner_reduce: the rank that owns each matrix (in `everything`'s order)
         if comm == "owner_reduce":
             if any(isinstance(p, DTensor) for p in everything):
@@ -295,7 +300,8 @@ class ShardedMuon(torch.optim.Optimizer):
             by_setting[(tuple(coefficients), steps, eps)].append(k)
         for (coefficients, steps, eps), members in by_setting.items():
             for k, o in zip(
-                members, self.compiled.orthogonalise([fulls[k] for k in members], coefficients, steps, eps)
+                members,
+                self.compiled.orthogonalise([fulls[k] for k in members], coefficients, steps, eps, self.ns_dtype),
             ):
                 out[k] = o
         return out
@@ -316,7 +322,7 @@ class ShardedMuon(torch.optim.Optimizer):
 
     def _newton_schulz(self, full: Tensor, settings) -> Tensor:
         coefficients, steps, eps = settings
-        return zeropower_via_newtonschulz(full, tuple(coefficients), steps, eps)
+        return zeropower_via_newtonschulz(full, tuple(coefficients), steps, eps, self.ns_dtype)
 
     def _exchange(self, name: str, send: Tensor) -> Tensor:
         """all_to_all_single of [W, segment] with equal splits, metered."""

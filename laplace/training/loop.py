@@ -524,6 +524,7 @@ class Trainer:
             "world_size": self.group.world,
             "threads": torch.get_num_threads(),  # train.threads as this rank ran
             "muon_comm": self.optimizer.muon.comm,  # owner_reduce falls back to alltoall under bf16
+            "muon_ns_dtype": str(self.optimizer.muon.ns_dtype).removeprefix("torch."),  # muon.ns_dtype as resolved
             "val_loss_initial": evals[0]["val_loss"] if evals else None,
             "val_loss": evals[-1]["val_loss"] if evals else None,
             "val_ppl": math.exp(min(evals[-1]["val_loss"], 50)) if evals else None,
