@@ -202,18 +202,11 @@ def muon_fp64(params, grads, lrs, weight_decay, momentum, adjust, coefficients=(
     """Nesterov Muon with Newton-Schulz in fp64: what the bf16 forms approximate."""
     params = [p.double() for p in params]
     bufs = [torch.zeros_like(p) for p in params]
-    a, b, c = coefficients
     for lr, step_grads in zip(lrs, grads):
         for p, buf, g in zip(params, bufs, step_grads):
             buf.lerp_(g.double(), 1 - momentum)
-            x = g.double().lerp(buf, momentum)
-            tall = x.shape[0] > x.shape[1]
-            x = x.T if tall else x
-            x = x / x.norm().clamp(min=1e-7)
-            for _ in range(steps):
-                gram = x @ x.T
-                x = a * x + (b * gram + c * gram @ gram) @ x
-            p.mul_(1 - lr * weight_decay).sub_((x.T if tall else x) * adjusted_lr(lr, adjust, tuple(p.shape)))
+            ortho = newton_schulz_fp64(g.double().lerp(buf, momentum), coefficients, steps)
+            p.mul_(1 - lr * weight_decay).sub_(ortho * adjusted_lr(lr, adjust, tuple(p.shape)))
     return params
 
 
