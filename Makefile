@@ -6,7 +6,15 @@
 #   make lint   ruff check and ruff format --check
 #   make params rewrite params.yaml's comments from the knobs' docs in laplace/config/ (values kept)
 #   make stop   stop the servers started by make mlflow-ui / prefect-server / prefect-worker, and their flow runs
-PYTHON ?= python3
+# The venv's interpreter: PYTHON when given, else the distribution's /usr/bin/python3 where it is
+# 3.11+ with venv, else python3 on PATH. The distribution's first: version managers (pyenv, asdf)
+# build CPython from source as a shared library without PGO or LTO by default, and most of the
+# suite's time (and of warmup and serve-check) is torch.compile's compile step, which is pure
+# Python: the same compile took 1.3-1.4x the time under pyenv's 3.11.7 as under Debian's 3.11.2 on
+# one machine (docs/testing.md). `make setup PYTHON=python3.12` picks another.
+SYSTEM_PYTHON := /usr/bin/python3
+PYTHON ?= $(shell $(SYSTEM_PYTHON) -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' \
+	>/dev/null 2>&1 && echo $(SYSTEM_PYTHON) || echo python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)

@@ -389,6 +389,30 @@ def test_the_venv_was_byte_compiled_at_setup():
         assert cached.exists(), f"{cached} missing: make setup byte-compiles the venv (rm .venv/.installed; make setup)"
 
 
+def test_make_setup_takes_the_distributions_python_where_it_qualifies(tmp_path):
+    """The venv's interpreter (Makefile): PYTHON when given, else SYSTEM_PYTHON (/usr/bin/python3)
+    where it answers as a 3.11+ with venv, else python3 on PATH. Stand-ins for the interpreter
+    (`make -n` runs only the check), so the rule is tested whatever this machine has."""
+    import shutil
+
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    qualifies, too_old = tmp_path / "distro-python", tmp_path / "old-python"
+    qualifies.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # this 3.11+, with venv
+    too_old.write_text("#!/bin/sh\nexit 1\n")  # what the check sees of a 3.10 (sys.exit(True))
+    for stand_in in (qualifies, too_old):
+        stand_in.chmod(0o755)
+
+    def venv_line(*args: str) -> str:
+        out = subprocess.run(["make", "-n", "VENV=v", *args, "run"], cwd=tmp_path, capture_output=True, text=True)
+        return next(part.strip() for part in out.stdout.split("&&") if " -m venv v" in part).split("else ")[-1]
+
+    assert venv_line(f"SYSTEM_PYTHON={qualifies}") == f"{qualifies} -m venv v"
+    assert venv_line(f"SYSTEM_PYTHON={too_old}") == "python3 -m venv v"
+    assert venv_line(f"SYSTEM_PYTHON={tmp_path / 'absent'}") == "python3 -m venv v"
+    assert venv_line(f"SYSTEM_PYTHON={qualifies}", "PYTHON=python3.12") == "python3.12 -m venv v"  # the user's pick
+
+
 def test_make_run_installs_the_runtime_set_and_make_test_upgrades_it_to_dev(tmp_path):
     """`make run` installs `.` (no test oracles), `make test` `.[dev]`, also over a venv `make run`
     made; a dev venv needs no runtime install. The Makefile's own decisions (`make -n`, and with
