@@ -161,6 +161,9 @@ def test_mlflow_run_holds_params_metrics_dataset_and_a_registered_pyfunc(repo, f
     assert detail[("warmup", "compile_seconds_total")] > 0
     assert r.data.metrics["ttft_p99"] == round(detail[("serve-check", "padded/ttft_p99_s")], 3)
     assert detail[("numerics", "max_abs_logit_diff_fp32")] < 1e-3
+    numerics = json.loads((repo / "metrics/numerics.json").read_text())  # numerics.train_step: false (TINY_PARAMS)
+    assert "fp32 prefill compiled vs fp64 rel RMS" in numerics["gates"] and "train_step" not in numerics["fp32"]
+    assert not any("train-step" in gate for gate in numerics["gates"])
     assert r.data.metrics["gate_numerics"] == 1.0
     assert "metrics/serve-check.json" in {a.path for a in c.list_artifacts(r.info.run_id, "metrics")}
     champion = c.get_model_version_by_alias("laplace-gla", "champion")  # gates passed, the first

@@ -25,6 +25,11 @@ class NumericsSection:
         doc="checked precisions: fp32 (compiled within fp32_rel_rms_max of fp64) and bf16 (compiled no worse than "
         "eager); each compiles its own prefill, decode and training-step graphs",
     )
+    train_step: bool = knob(
+        True,
+        doc="also check one training step's gradients (compiled vs eager vs fp64); false skips compiling the "
+        "training graphs (their forward and backward), for a pilot that only serves the export",
+    )
     batch_size: int = knob(4, positive, "held-out sequences per check")
     seq_len: int = knob(128, positive, "prefill / training-step length")
     greedy_prompts: int = knob(4, positive, doc="prompts decoded greedily, compiled vs eager")

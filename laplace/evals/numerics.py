@@ -2,7 +2,7 @@
 
 On the exported model and held-out text, for fp32 and bf16 (`numerics.precisions`), on the three graphs that
 matter: prefill (the chunked form, every position), the decode step at every warmed
-width (with pad rows on the dummy slot), and one training step (loss and gradients).
+width (with pad rows on the dummy slot), and one training step (loss and gradients; `numerics.train_step`).
 The compiled path is the serving one: `engine.compile_scope` decides whether one GLA
 block or the whole step is a graph (on CPU the decode steps are warmup's whole-step AOTInductor
 packages where this process's compile cache holds them). Gates follow PyTorch's own practice for low
@@ -174,9 +174,10 @@ def reference(cfg: Config, ref_model, held_out: Tensor) -> dict:
     ref = {"prefill": prefill_logits(ref_model, held_out[: n.batch_size, : n.seq_len]), "decode": {}}
     for width in engine.scheduler.ladder:
         ref["decode"][width] = decode_logits(engine, prompts, cont, width, max(1, width // 2))
-    ref_model.train()
-    ref["train"] = train_step(ref_model, held_out[: n.batch_size, : n.seq_len + 1], False)
-    ref_model.eval()
+    if n.train_step:
+        ref_model.train()
+        ref["train"] = train_step(ref_model, held_out[: n.batch_size, : n.seq_len + 1], False)
+        ref_model.eval()
     return ref
 
 
@@ -224,8 +225,30 @@ def check_dtype(
         out["decode"][str(width)] = report
     seconds["decode"] = time.perf_counter() - started
 
-    # one training step on fp32 master weights (bf16 means autocast, as train.precision: bf16)
+    if n.train_step:
+        out["train_step"] = check_train_step(cfg, export_dir, dtype, held_out, ref, corrupt_compiled)
+        seconds["train_step"] = out["train_step"].pop("seconds")
+
     started = time.perf_counter()
+    texts = [held_out[i, : n.prompt_tokens].tolist() for i in range(min(n.greedy_prompts, held_out.shape[0]))]
+    out["greedy"] = greedy_report(eager_engine, comp_engine, texts, n.greedy_tokens)
+    seconds["greedy"] = time.perf_counter() - started
+    out["seconds"] = seconds
+    print("  " + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()), flush=True)
+    return out
+
+
+def check_train_step(
+    cfg: Config, export_dir: Path, dtype: torch.dtype, held_out: Tensor, ref: dict, corrupt_compiled=None
+) -> dict:
+    """One training step on fp32 master weights (bf16 means autocast, as train.precision: bf16):
+    loss and gradients, compiled vs eager vs the fp64 `ref`."""
+    from laplace.model.export import load_export
+    from laplace.runtime import compile_backend
+
+    n = cfg.numerics
+    started = time.perf_counter()
+    backend = compile_backend(torch.device("cpu"))
     bf16 = dtype == torch.bfloat16
     train_eager, _, _ = load_export(export_dir, dtype=torch.float32)
     train_comp_base, _, _ = load_export(export_dir, dtype=torch.float32)
@@ -238,7 +261,7 @@ def check_dtype(
     loss_e, g_e = train_step(train_eager, batch, bf16)
     loss_c, g_c = train_step(train_comp, batch, bf16)
     loss_r, g_r = ref["train"]
-    out["train_step"] = {
+    return {
         "loss_eager": loss_e,
         "loss_compiled": loss_c,
         "loss_fp64": loss_r,
@@ -247,16 +270,8 @@ def check_dtype(
         "grad_rel_rms_eager_vs_fp64": rel_rms(g_e, g_r),
         "grad_rel_rms_compiled_vs_fp64": rel_rms(g_c, g_r),
         "grad_max_abs_diff_compiled_vs_eager": (g_c - g_e).abs().max().item(),
+        "seconds": time.perf_counter() - started,
     }
-    seconds["train_step"] = time.perf_counter() - started
-
-    started = time.perf_counter()
-    texts = [held_out[i, : n.prompt_tokens].tolist() for i in range(min(n.greedy_prompts, held_out.shape[0]))]
-    out["greedy"] = greedy_report(eager_engine, comp_engine, texts, n.greedy_tokens)
-    seconds["greedy"] = time.perf_counter() - started
-    out["seconds"] = seconds
-    print("  " + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()), flush=True)
-    return out
 
 
 # --------------------------------------------------------------------------- gates
@@ -277,12 +292,13 @@ def dtype_gates(cfg: Config, name: str, report: dict) -> dict[str, tuple[bool, f
                 v,
                 f">= {n.fp32_top1_min:g}",
             )
-        v = report["train_step"]["grad_rel_rms_compiled_vs_fp64"]
-        g["fp32 train-step gradients compiled vs fp64 rel RMS"] = (
-            v <= n.grad_rel_rms_fp32_max,
-            v,
-            f"<= {n.grad_rel_rms_fp32_max:g}",
-        )
+        if "train_step" in report:  # numerics.train_step
+            v = report["train_step"]["grad_rel_rms_compiled_vs_fp64"]
+            g["fp32 train-step gradients compiled vs fp64 rel RMS"] = (
+                v <= n.grad_rel_rms_fp32_max,
+                v,
+                f"<= {n.grad_rel_rms_fp32_max:g}",
+            )
         return g
     for graph, r in graphs:  # bf16: judged against eager's own error, PyTorch-style
         ratio = r["rel_rms_compiled_vs_fp64"] / max(r["rel_rms_eager_vs_fp64"], 1e-12)
@@ -293,13 +309,14 @@ def dtype_gates(cfg: Config, name: str, report: dict) -> dict[str, tuple[bool, f
         )
         v = r["top1_compiled_vs_fp64_clear"]
         g[f"bf16 {graph} top-1 compiled vs fp64 (clear margin)"] = (v >= n.bf16_top1_min, v, f">= {n.bf16_top1_min:g}")
-    ts = report["train_step"]
-    ratio = ts["grad_rel_rms_compiled_vs_fp64"] / max(ts["grad_rel_rms_eager_vs_fp64"], 1e-12)
-    g["bf16 train-step gradient error compiled / eager"] = (
-        ratio <= n.bf16_error_ratio_max,
-        ratio,
-        f"<= {n.bf16_error_ratio_max:g}",
-    )
+    if "train_step" in report:
+        ts = report["train_step"]
+        ratio = ts["grad_rel_rms_compiled_vs_fp64"] / max(ts["grad_rel_rms_eager_vs_fp64"], 1e-12)
+        g["bf16 train-step gradient error compiled / eager"] = (
+            ratio <= n.bf16_error_ratio_max,
+            ratio,
+            f"<= {n.bf16_error_ratio_max:g}",
+        )
     return g
 
 
