@@ -389,14 +389,19 @@ def test_the_venv_was_byte_compiled_at_setup():
         assert cached.exists(), f"{cached} missing: make setup byte-compiles the venv (rm .venv/.installed; make setup)"
 
 
+def copy_makefile(into: Path) -> None:
+    """The Makefile and the pyproject.toml it depends on, for `make -n` of the install targets."""
+    import shutil
+
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, into / name)
+
+
 def test_make_setup_takes_the_distributions_python_where_it_qualifies(tmp_path):
     """The venv's interpreter (Makefile): PYTHON when given, else SYSTEM_PYTHON (/usr/bin/python3)
     where it answers as a 3.11+ with venv, else python3 on PATH. Stand-ins for the interpreter
     (`make -n` runs only the check), so the rule is tested whatever this machine has."""
-    import shutil
-
-    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    copy_makefile(tmp_path)
     qualifies, too_old = tmp_path / "distro-python", tmp_path / "old-python"
     qualifies.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # this 3.11+, with venv
     too_old.write_text("#!/bin/sh\nexit 1\n")  # what the check sees of a 3.10 (sys.exit(True))
@@ -417,10 +422,7 @@ def test_make_run_installs_the_runtime_set_and_make_test_upgrades_it_to_dev(tmp_
     """`make run` installs `.` (no test oracles), `make test` `.[dev]`, also over a venv `make run`
     made; a dev venv needs no runtime install. The Makefile's own decisions (`make -n`, and with
     PYTHON=false, so that any install attempt fails): a real install takes minutes."""
-    import shutil
-
-    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    copy_makefile(tmp_path)
 
     def make(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["make", "VENV=v", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)

@@ -226,8 +226,9 @@ def check_dtype(
     seconds["decode"] = time.perf_counter() - started
 
     if n.train_step:
+        started = time.perf_counter()
         out["train_step"] = check_train_step(cfg, export_dir, dtype, held_out, ref, corrupt_compiled)
-        seconds["train_step"] = out["train_step"].pop("seconds")
+        seconds["train_step"] = time.perf_counter() - started
 
     started = time.perf_counter()
     texts = [held_out[i, : n.prompt_tokens].tolist() for i in range(min(n.greedy_prompts, held_out.shape[0]))]
@@ -247,7 +248,6 @@ def check_train_step(
     from laplace.runtime import compile_backend
 
     n = cfg.numerics
-    started = time.perf_counter()
     backend = compile_backend(torch.device("cpu"))
     bf16 = dtype == torch.bfloat16
     train_eager, _, _ = load_export(export_dir, dtype=torch.float32)
@@ -270,7 +270,6 @@ def check_train_step(
         "grad_rel_rms_eager_vs_fp64": rel_rms(g_e, g_r),
         "grad_rel_rms_compiled_vs_fp64": rel_rms(g_c, g_r),
         "grad_max_abs_diff_compiled_vs_eager": (g_c - g_e).abs().max().item(),
-        "seconds": time.perf_counter() - started,
     }
 
 
