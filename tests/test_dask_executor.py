@@ -185,14 +185,19 @@ def test_a_killed_dask_worker_costs_only_the_slice_it_held(tmp_path, monkeypatch
     assert stage.returncode == 0, err[-3000:]
     metrics = json.loads((tmp_path / "metrics" / "tokenize.json").read_text())
     rerun = set(re.findall(r"slice (\d{5}) \(encode\) ran \d+ more time", err))
+    resubmitted = set(re.findall(r"slice (\d{5}) \(encode\) lost with its Dask worker .*: submitted again", err))
     assert metrics["slices_rerun"] == len(rerun) <= 1, err[-3000:]  # at most the slice the dead worker held
-    assert not rerun & finished_before, (rerun, finished_before)
-    print(f"the killed worker held a slice: {busy_before_kill}; slices run again: {sorted(rerun)}")
-    if busy_before_kill:  # the dead worker held a slice: that one slice ran again, by one of two paths
-        # - still running: a KilledWorker at once, which the stage resubmits ("submitted again");
+    assert len(resubmitted) <= 1 and not (rerun | resubmitted) & finished_before, (rerun, resubmitted, finished_before)
+    print(f"held a slice: {busy_before_kill}; resubmitted: {sorted(resubmitted)}; run again: {sorted(rerun)}")
+    if busy_before_kill:  # the dead worker held a slice: that one slice was lost, by one of three paths
+        # - running: a KilledWorker at once, which the stage resubmits ("submitted again"); it ran again;
+        # - assigned but not yet started (the ledger is written as the run begins): resubmitted, and the
+        #   resubmission is its first run, so nothing ran twice (CI's loaded machine hit this);
         # - just finished, its result not yet fetched: distributed recomputes the lost result itself
         #   ("Couldn't gather ... rescheduling"), a race a loaded machine hits (3 test workers on 2 cores)
-        assert len(rerun) == 1 and ("submitted again" in err or "rescheduling" in err), err[-3000:]
+        resubmitted_by_the_stage = len(resubmitted) == 1 and rerun <= resubmitted
+        recomputed_by_dask = len(rerun) == 1 and not resubmitted and "rescheduling" in err
+        assert resubmitted_by_the_stage or recomputed_by_dask, err[-3000:]
     local = tmp_path / "local"
     monkeypatch.chdir(tmp_path)  # data.path as the stage read it (the manifest names it)
     tokenize_corpus(DataSection(**data), TokenizerSection(from_=str(tok)), local, 0)
